@@ -1,0 +1,29 @@
+"""batchjac: per-instance Jacobians of neural networks over large batches.
+
+``import batchjac`` needs only numpy; TensorFlow, PyTorch and JAX are imported when a model of
+that kind is first used.
+"""
+
+from ._errors import (
+    BackendNotAvailableError as BackendNotAvailableError,
+    BatchJacError as BatchJacError,
+    InputError as InputError,
+    InputTypeError as InputTypeError,
+    ModelError as ModelError,
+    NotConnectedError as NotConnectedError,
+    RowInteractionError as RowInteractionError,
+)
+from ._jacobian import jacobian as jacobian
+from ._version import __version__ as __version__
+
+__all__ = [
+    "jacobian",
+    "BatchJacError",
+    "InputError",
+    "InputTypeError",
+    "ModelError",
+    "NotConnectedError",
+    "RowInteractionError",
+    "BackendNotAvailableError",
+    "__version__",
+]

@@ -1,0 +1,155 @@
+"""Backend registry: framework name → module path, and the hint shown when it is missing.
+
+Backends are imported only when a model needs them (einops' rule: "backends are not imported
+unless those are actually needed"), so ``import batchjac`` works with no framework installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+import weakref
+from typing import Any
+
+from .._errors import BackendNotAvailableError, InputError
+from ._base import Backend, BoundModel, Kernel, Mode, Signature
+
+__all__ = ["Backend", "BoundModel", "Kernel", "Mode", "Signature", "detect", "get_backend", "bind"]
+
+# name -> (module implementing it, framework module it needs, install hint)
+REGISTRY: dict[str, tuple[str, str, str]] = {
+    "tensorflow": ("batchjac._backends.tensorflow", "tensorflow",
+                   "TensorFlow/Keras models need `pip install batchjac[tensorflow]`."),
+    "torch": ("batchjac._backends.torch", "torch",
+              "PyTorch models need `pip install batchjac[torch]`."),
+    "jax": ("batchjac._backends.jax", "jax", "JAX functions need `pip install batchjac[jax]`."),
+}
+
+# Module prefixes that identify a framework from a model's class hierarchy or globals.
+_PREFIXES: dict[str, tuple[str, ...]] = {
+    "tensorflow": ("tensorflow", "keras", "tf_keras"),
+    "torch": ("torch",),
+    "jax": ("jax", "jaxlib", "equinox", "flax", "haiku"),
+}
+
+_instances: dict[str, Backend] = {}
+
+
+def get_backend(name: str) -> Backend:
+    if name not in REGISTRY:
+        raise InputError(f"`backend` must be one of {sorted(REGISTRY)}; got {name!r}.")
+    if name not in _instances:
+        module, framework, hint = REGISTRY[name]
+        try:
+            importlib.import_module(framework)
+        except ImportError as e:
+            raise BackendNotAvailableError(f"{hint} (import {framework!r} failed: {e})") from None
+        _instances[name] = importlib.import_module(module).BACKEND
+    return _instances[name]
+
+
+def _framework_of_module(modname: str) -> str | None:
+    top = modname.split(".", 1)[0]
+    for name, prefixes in _PREFIXES.items():
+        if top in prefixes:
+            return name
+    return None
+
+
+def detect(model: Any) -> str:
+    """Name the backend for ``model`` from its type; for plain Python functions, from the
+    framework modules and objects its code refers to. Imports nothing."""
+    for cls in type(model).__mro__:
+        found = _framework_of_module(cls.__module__ or "")
+        if found:
+            return found
+    found_set = _frameworks_referenced(model)
+    if len(found_set) == 1:
+        return found_set.pop()
+    what = f"refers to {sorted(found_set)}" if found_set else "refers to no known framework"
+    raise InputError(
+        f"Cannot tell which framework {_describe(model)} uses (it {what}). Pass "
+        f"backend='tensorflow', 'torch' or 'jax'."
+    )
+
+
+def _frameworks_referenced(fn: Any, depth: int = 0) -> set[str]:
+    found: set[str] = set()
+    target = getattr(fn, "__wrapped__", fn)
+    if isinstance(target, types.MethodType):
+        found |= _frameworks_referenced(target.__self__, depth + 1) if depth < 2 else set()
+        target = target.__func__
+    if hasattr(target, "func") and callable(target.func):  # functools.partial
+        found |= _frameworks_referenced(target.func, depth + 1) if depth < 2 else set()
+        for arg in (*getattr(target, "args", ()), *getattr(target, "keywords", {}).values()):
+            found |= _frameworks_of_value(arg)
+    code = getattr(target, "__code__", None)
+    if code is None:
+        return found | _frameworks_of_value(target)
+    glb = getattr(target, "__globals__", {})
+    for name in code.co_names:
+        if name in glb:
+            found |= _frameworks_of_value(glb[name])
+    for cell in getattr(target, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        found |= _frameworks_of_value(value)
+        if callable(value) and depth < 2 and not isinstance(value, type):
+            found |= _frameworks_referenced(value, depth + 1)
+    return found
+
+
+def _frameworks_of_value(value: Any) -> set[str]:
+    if isinstance(value, types.ModuleType):
+        mod = value.__name__
+    elif isinstance(value, (list, tuple, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        out: set[str] = set()
+        for v in list(items)[:16]:
+            out |= _frameworks_of_value(v)
+        return out
+    else:
+        mod = getattr(type(value), "__module__", "") or ""
+        if mod == "builtins" or mod.startswith("numpy"):
+            return set()
+        if isinstance(value, types.FunctionType):
+            mod = value.__module__ or ""
+    found = _framework_of_module(mod)
+    return {found} if found else set()
+
+
+def _describe(model: Any) -> str:
+    name = getattr(model, "__qualname__", None) or type(model).__qualname__
+    return f"the model {name!r}"
+
+
+# Bound models are cached per model object and signature, so probes and compilation happen
+# once. Weak keys: the cache never keeps a model alive.
+_bound: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], BoundModel]] = (
+    weakref.WeakKeyDictionary()
+)
+_bound_strong: dict[int, tuple[Any, dict[tuple[Any, ...], BoundModel]]] = {}
+
+
+def bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> BoundModel:
+    key = (backend.name, signature, tuple(sorted(options.items())))
+    try:
+        per_model = _bound.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: keep a bounded strong cache
+        if id(model) not in _bound_strong:
+            if len(_bound_strong) > 32:
+                _bound_strong.pop(next(iter(_bound_strong)))
+            _bound_strong[id(model)] = (model, {})
+        per_model = _bound_strong[id(model)][1]
+    if key not in per_model:
+        per_model[key] = backend.bind(model, signature, **options)
+    return per_model[key]
+
+
+def loaded_frameworks() -> list[str]:
+    return [n for n, (_, fw, _) in REGISTRY.items() if fw in sys.modules]
+
+

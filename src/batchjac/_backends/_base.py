@@ -1,0 +1,92 @@
+"""The small interface every framework backend implements.
+
+A backend *binds* a model to a batch signature (layout, compute dtype, per-row shapes of the
+unknowns and of the other inputs) and returns a :class:`BoundModel`. A bound model offers
+numpy-in/numpy-out primitives: ``forward`` and ``connected`` for the one-off probes, and
+compiled :class:`Kernel` objects that map one fixed-size chunk to ``(y, J)``.
+Nothing outside ``batchjac._backends`` imports a framework.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from .._spec import Layout
+
+Mode = Literal["forward", "reverse"]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a compiled function depends on, besides the chunk size and the mode."""
+
+    layout: Layout
+    dtype: np.dtype
+    unknown_shape: tuple[int, ...]
+    ctx: tuple[tuple[tuple[int, ...], np.dtype], ...]  # per-row shape and dtype of ctx arrays
+
+
+class Kernel(ABC):
+    """One compiled, pure function over chunks of exactly ``chunk_size`` rows."""
+
+    mode: Mode
+    chunk_size: int
+    with_outputs: bool
+
+    @abstractmethod
+    def __call__(
+        self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+    ) -> tuple[np.ndarray | None, np.ndarray]:
+        """``u`` is ``(chunk_size, *unknown_shape)``; returns ``(y or None, J)`` with ``J`` of
+        shape ``(chunk_size, *output_shape, *unknown_shape)``, as numpy arrays."""
+
+
+class BoundModel(ABC):
+    """A model tied to one :class:`Signature`; caches its kernels and probe results."""
+
+    #: how many times a function was traced/compiled (tests count this)
+    trace_count: int = 0
+
+    def __init__(self, signature: Signature) -> None:
+        self.signature = signature
+        self.probed: bool = False
+        self.output_shape: tuple[int, ...] | None = None
+        self._kernels: dict[tuple[str, int, bool], Kernel] = {}
+
+    @abstractmethod
+    def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
+        """The model's output for a small batch, as numpy (inference mode)."""
+
+    @abstractmethod
+    def connected(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
+        """False when the framework's autodiff finds no path from ``u`` to the output."""
+
+    @abstractmethod
+    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
+        """Compile the chunk kernel (called once per mode, chunk size and outputs flag)."""
+
+    def kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
+        key = (mode, chunk_size, with_outputs)
+        if key not in self._kernels:
+            self._kernels[key] = self.build_kernel(mode, chunk_size, with_outputs)
+        return self._kernels[key]
+
+    def refresh(self) -> None:  # noqa: B027 - optional hook
+        """Called before each use; e.g. re-sync weights of a float64 copy of the model."""
+
+
+class Backend(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def bind(self, model: Any, signature: Signature, **options: Any) -> BoundModel:
+        """Wrap ``model`` for ``signature``. Framework-specific checks of the model go here."""
+
+    @staticmethod
+    def owns(model: Any) -> bool:
+        """Whether ``model`` is recognisably of this backend's framework (no import needed)."""
+        return False

@@ -1,0 +1,146 @@
+"""The public entry point: per-instance Jacobians."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import numpy as np
+
+from . import _backends
+from ._config import default_max_memory, parse_bytes, probes_enabled
+from ._errors import BatchJacError, InputError, add_context
+from ._plan import ModeArg, Plan, make_plan
+from ._probes import run_probes
+from ._runner import run_chunks, run_single
+from ._spec import BatchSpec
+from ._validate import DTypeLike, NanPolicy, normalize
+
+log = logging.getLogger("batchjac")
+
+BackendName = Literal["tensorflow", "torch", "jax"]
+
+
+def jacobian(
+    model: Any,
+    *inputs: Any,
+    wrt: Any = None,
+    mode: ModeArg = "auto",
+    chunk_size: int | None = None,
+    max_memory: int | str | None = None,
+    dtype: DTypeLike = None,
+    return_outputs: bool = False,
+    nan_policy: NanPolicy = "raise",
+    out: Any = None,
+    backend: BackendName | None = None,
+    backend_options: dict[str, Any] | None = None,
+) -> Any:
+    """Per-instance Jacobians ``J[i] = d model(inputs_i) / d unknown_i``.
+
+    Call forms:
+
+    - ``jacobian(model, x)``: every feature of ``x`` is unknown;
+    - ``jacobian(model, unknown, known)``: the model takes ``concat([unknown, known], -1)``;
+    - ``jacobian(model, x, wrt=[0, 1, 4])`` or ``wrt=slice(0, 5)``: unknown columns of ``x``;
+    - ``jacobian(model, {"x": X, "h": H}, wrt="x")`` or ``jacobian(model, (X, H), wrt=0)``
+      for multi-input models; ``wrt=("x", [0, 2])`` for some columns of one input.
+
+    Returns a numpy array of shape ``(N, *output_shape, *unknown_shape)`` (the per-instance
+    convention of ``torch.func.jacrev``/``jax.jacrev``), or ``(outputs, jacobians)`` with
+    ``return_outputs=True`` (the outputs come from the same pass).
+
+    Options: ``mode`` ("auto" picks forward mode when the unknowns are fewer than the
+    outputs), ``chunk_size`` or ``max_memory`` (bytes or "1GB"; default from
+    ``BATCHJAC_MAX_MEMORY``), ``dtype`` (float32 unless asked or the inputs are float64),
+    ``nan_policy`` ("raise" or "propagate"), ``out`` (a writable array of the result's shape,
+    e.g. an ``np.memmap``, filled in place chunk by chunk), ``backend`` (detected from the
+    model's type unless given).
+
+    >>> import numpy as np, batchjac
+    >>> from batchjac.examples import seed_model
+    >>> model = seed_model("tensorflow")          # 5 unknown + 3 known inputs -> 4 outputs
+    >>> rng = np.random.default_rng(0)
+    >>> unknown, known = rng.normal(size=(1000, 5)), rng.normal(size=(1000, 3))
+    >>> J = batchjac.jacobian(model, unknown.astype("f4"), known.astype("f4"))
+    >>> J.shape
+    (1000, 4, 5)
+    """
+    spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
+    name = backend or _backends.detect(model)
+    try:
+        return _compute(model, spec, name, mode=mode, chunk_size=chunk_size,
+                        max_memory=max_memory, return_outputs=return_outputs, out=out,
+                        options=backend_options or {})
+    except BatchJacError as e:
+        shapes = ", ".join(f"{n} {a.shape} {a.dtype}" for n, a in zip(spec.names, spec.arrays))
+        raise add_context(e, f"backend={name}; inputs: {shapes}; compute dtype {spec.dtype}") from e
+
+
+def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any]
+            ) -> _backends.BoundModel:
+    """Bind the model to the batch signature (cached) and run the one-off probes."""
+    be = _backends.get_backend(backend)
+    sig = _backends.Signature(layout=spec.layout, dtype=spec.dtype,
+                              unknown_shape=spec.unknown_shape, ctx=spec.ctx_specs())
+    bound = _backends.bind(be, model, sig, **options)
+    bound.refresh()
+    if not bound.probed:
+        unknown_name = spec.names[0 if spec.layout.kind == "concat" else spec.layout.wrt_index]
+        if probes_enabled():
+            run_probes(bound, spec, unknown_name)
+        else:  # still need the output shape
+            u, ctx = spec.chunk(0, min(spec.n, 2))
+            bound.output_shape = tuple(bound.forward(u, ctx).shape[1:])
+            bound.probed = True
+    return bound
+
+
+def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
+             chunk_size: int | None, max_memory: int | str | None) -> Plan:
+    assert bound.output_shape is not None
+    m = int(np.prod(bound.output_shape, dtype=np.int64))
+    in_elems = sum(int(np.prod(a.shape[1:], dtype=np.int64)) for a in spec.arrays)
+    budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
+    plan = make_plan(n=spec.n, k=spec.k, m=m, in_elems=in_elems, dtype=spec.dtype, mode=mode,
+                     chunk_size=chunk_size, max_memory=budget)
+    log.debug("batchjac plan: %s", plan.reason)
+    return plan
+
+
+def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
+             chunk_size: int | None, max_memory: int | str | None, return_outputs: bool,
+             out: Any, options: dict[str, Any]) -> Any:
+    bound = prepare(model, spec, backend, options)
+    plan = plan_for(spec, bound, mode=mode, chunk_size=chunk_size, max_memory=max_memory)
+    assert bound.output_shape is not None
+    y_shape = (spec.n, *bound.output_shape)
+    j_shape = (*y_shape, *spec.unknown_shape)
+    if out is not None:
+        _check_out(out, j_shape)
+    if spec.n == 0:
+        jac = out if out is not None else np.empty(j_shape, spec.dtype)
+        return (np.empty(y_shape, spec.dtype), jac) if return_outputs else jac
+
+    kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
+    if out is None and plan.n_chunks == 1:
+        y, jac = run_single(kernel, spec)
+        return (y, jac) if return_outputs else jac
+    out_j = out if out is not None else np.empty(j_shape, spec.dtype)
+    out_y = np.empty(y_shape, spec.dtype) if return_outputs else None
+    run_chunks(kernel, spec, out_j, out_y)
+    return (out_y, out_j) if return_outputs else out_j
+
+
+def _check_out(out: Any, shape: tuple[int, ...]) -> None:
+    got = getattr(out, "shape", None)
+    if got is None or not hasattr(out, "__setitem__"):
+        raise InputError(
+            f"`out` must be a writable array of shape {shape} (e.g. np.empty or np.memmap); "
+            f"got {type(out).__name__}."
+        )
+    if tuple(got) != shape:
+        raise InputError(f"`out` has shape {tuple(got)} but the Jacobians have shape {shape}; "
+                         f"allocate it as np.empty({shape}, dtype=np.float32) or a memmap of "
+                         f"that shape.")
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise InputError("`out` is read-only; open the memmap with mode='r+' or 'w+'.")

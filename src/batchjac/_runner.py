@@ -1,0 +1,65 @@
+"""The runner: feeds fixed-size chunks through a kernel, in order, into a sink."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._backends import Kernel
+from ._errors import BatchJacError, ModelError, add_context
+from ._spec import BatchSpec
+
+
+def _pad(a: np.ndarray, rows: int) -> np.ndarray:
+    """Pad to ``rows`` by repeating the last row: real values keep every op finite (zeros
+    might not, e.g. log or division), and padded results are dropped anyway."""
+    if a.shape[0] == rows:
+        return a
+    return np.concatenate([a, np.repeat(a[-1:], rows - a.shape[0], axis=0)], axis=0)
+
+
+def run_chunks(
+    kernel: Kernel,
+    spec: BatchSpec,
+    out_j: Any,
+    out_y: Any | None,
+    *,
+    on_chunk: Callable[[int], None] | None = None,
+) -> None:
+    """Compute rows ``0..n`` chunk by chunk into ``out_j`` (and ``out_y``), which only need
+    slice assignment (numpy arrays, memmaps, stores)."""
+    cs = kernel.chunk_size
+    for index, lo in enumerate(range(0, spec.n, cs)):
+        hi = min(lo + cs, spec.n)
+        u, ctx = spec.chunk(lo, hi)
+        try:
+            y, jac = kernel(_pad(u, cs), tuple(_pad(c, cs) for c in ctx))
+        except BatchJacError as e:
+            raise add_context(e, f"chunk {index}, rows {lo}:{hi}") from e
+        except Exception as e:  # framework errors at run time
+            raise ModelError(
+                f"The model failed on chunk {index} (rows {lo}:{hi}): {type(e).__name__}: {e}"
+            ) from e
+        out_j[lo:hi] = jac[: hi - lo]
+        if out_y is not None and y is not None:
+            out_y[lo:hi] = y[: hi - lo]
+        if on_chunk is not None:
+            on_chunk(hi - lo)
+
+
+def run_single(kernel: Kernel, spec: BatchSpec) -> tuple[np.ndarray | None, np.ndarray]:
+    """All rows in one chunk: return the kernel's arrays without another copy."""
+    u, ctx = spec.chunk(0, spec.n)
+    cs = kernel.chunk_size
+    try:
+        y, jac = kernel(_pad(u, cs), tuple(_pad(c, cs) for c in ctx))
+    except BatchJacError as e:
+        raise add_context(e, f"rows 0:{spec.n}") from e
+    except Exception as e:
+        raise ModelError(f"The model failed on rows 0:{spec.n}: {type(e).__name__}: {e}") from e
+    if cs != spec.n:
+        jac = jac[: spec.n]
+        y = y[: spec.n] if y is not None else None
+    return y, jac

@@ -1,0 +1,280 @@
+"""Validation and normalisation of the public call forms into a :class:`BatchSpec`.
+
+All checks that need no model run here, first, before any framework is touched. Messages name
+the argument, say what was received, and how to fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from ._errors import InputError, InputTypeError
+from ._spec import BatchSpec, Layout
+
+NanPolicy = Literal["raise", "propagate"]
+DTypeLike = Any
+
+_VALID_DTYPES = ("float32", "float64")
+
+
+def to_numpy(obj: Any, name: str) -> np.ndarray:
+    """Convert numpy arrays, nested lists and framework tensors to numpy, without importing
+    any framework (tensors are recognised by their methods)."""
+    if isinstance(obj, np.ndarray):
+        arr = obj
+    elif hasattr(obj, "detach") and hasattr(obj, "cpu"):  # torch.Tensor, on any device
+        arr = obj.detach().cpu().numpy()
+    elif hasattr(obj, "numpy") and callable(obj.numpy) and not isinstance(obj, (list, tuple)):
+        arr = np.asarray(obj.numpy())  # tf.Tensor
+    else:
+        try:
+            arr = np.asarray(obj)
+        except ValueError as e:  # ragged nested lists
+            raise InputError(
+                f"`{name}` could not be read as an array ({e}). Give a numpy array, a framework "
+                f"tensor or nested lists with one equal-length row per instance."
+            ) from None
+    if arr.dtype.kind not in "fiub":
+        hint = " (ragged rows?)" if arr.dtype == object else ""
+        raise InputTypeError(
+            f"`{name}` must hold real numbers; got dtype {arr.dtype}{hint}. Convert it with "
+            f"np.asarray({name}, dtype=np.float32) after removing non-numeric columns."
+        )
+    if arr.ndim == 0:
+        raise InputError(
+            f"`{name}` is a scalar; it needs a leading axis with one row per instance, "
+            f"shape (N, ...). For one instance use x[None]."
+        )
+    return arr
+
+
+def resolve_dtype(dtype: DTypeLike, arrays: Sequence[np.ndarray]) -> np.dtype:
+    if dtype is None:
+        wide = any(a.dtype == np.float64 for a in arrays)
+        return np.dtype(np.float64 if wide else np.float32)
+    try:
+        dt = np.dtype(getattr(dtype, "name", dtype) if not isinstance(dtype, (type, np.dtype)) else dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in _VALID_DTYPES:
+        raise InputError(
+            f"`dtype` must be one of {_VALID_DTYPES} (or None: float32, or float64 when the "
+            f"inputs are float64); got {dtype!r}."
+        )
+    return dt
+
+
+def _columns(wrt: Any, width: int, name: str) -> tuple[int, ...] | None:
+    """Normalise a column selection (ints, slice, bool mask) over ``width`` columns."""
+    if isinstance(wrt, slice):
+        cols = list(range(width))[wrt]
+        if not cols:
+            raise InputError(
+                f"`wrt={wrt!r}` selects no column of `{name}`, which has {width} feature "
+                f"columns. Give a non-empty slice such as slice(0, {min(width, 5)})."
+            )
+        return _whole_or(tuple(cols), width)
+    if isinstance(wrt, (bool, np.bool_)) or isinstance(wrt, (str, bytes)):
+        raise InputTypeError(
+            f"`wrt` must be column indices, a slice or a boolean mask for `{name}`; got {wrt!r}."
+        )
+    arr = np.asarray(wrt)
+    if arr.dtype == bool:
+        if arr.shape != (width,):
+            raise InputError(
+                f"`wrt` as a boolean mask must have one entry per column of `{name}` "
+                f"({width}); got shape {arr.shape}."
+            )
+        arr = np.flatnonzero(arr)
+    if arr.ndim == 0:
+        arr = arr[None]
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InputTypeError(
+            f"`wrt` must be integer column indices of `{name}` (e.g. [0, 1, 4]), a slice or "
+            f"a boolean mask; got {wrt!r}."
+        )
+    if arr.size == 0:
+        raise InputError(f"`wrt` is empty: name at least one unknown column of `{name}`.")
+    bad = arr[(arr < -width) | (arr >= width)]
+    if bad.size:
+        raise InputError(
+            f"`wrt` column {int(bad[0])} is out of range: `{name}` has {width} feature columns "
+            f"(valid indices 0..{width - 1}, or negative from the end)."
+        )
+    cols = tuple(int(c) % width for c in arr)
+    if len(set(cols)) != len(cols):
+        dup = sorted({c for c in cols if cols.count(c) > 1})
+        raise InputError(f"`wrt` names column(s) {dup} more than once; list each unknown once.")
+    return _whole_or(cols, width)
+
+
+def _whole_or(cols: tuple[int, ...], width: int) -> tuple[int, ...] | None:
+    return None if cols == tuple(range(width)) else cols
+
+
+def _perm(cols: tuple[int, ...], width: int) -> tuple[int, ...] | None:
+    if cols == tuple(range(len(cols))):
+        return None
+    known = [c for c in range(width) if c not in set(cols)]
+    pos = {c: i for i, c in enumerate(cols)}
+    pos.update({c: len(cols) + i for i, c in enumerate(known)})
+    return tuple(pos[c] for c in range(width))
+
+
+def _split_inputs(inputs: tuple[Any, ...]) -> tuple[str, list[Any], tuple[str, ...] | None]:
+    if not inputs:
+        raise InputError(
+            "jacobian() needs the model's inputs: jacobian(model, x), jacobian(model, unknown, "
+            "known), or jacobian(model, {'x': X, 'h': H}, wrt='x')."
+        )
+    if len(inputs) == 2:
+        return "concat", list(inputs), None
+    if len(inputs) > 2:
+        raise InputError(
+            f"jacobian() got {len(inputs)} input arrays; it takes one (x), two (unknown, known) "
+            f"or one tuple/dict for a multi-input model, e.g. jacobian(model, (X, H), wrt=0)."
+        )
+    x = inputs[0]
+    if isinstance(x, Mapping):
+        if not x:
+            raise InputError("`inputs` is an empty dict; give one array per model input.")
+        keys = tuple(x.keys())
+        for key in keys:
+            if not isinstance(key, str):
+                raise InputTypeError(f"dict inputs need string keys; got key {key!r}.")
+        return "dict", [x[k] for k in keys], keys
+    if isinstance(x, tuple) or (
+        isinstance(x, list) and x and all(hasattr(e, "shape") and np.ndim(e) >= 1 for e in x)
+    ):
+        if len(x) == 0:
+            raise InputError("`inputs` is an empty tuple; give one array per model input.")
+        return "tuple", list(x), None
+    return "single", [x], None
+
+
+def normalize(
+    inputs: tuple[Any, ...],
+    *,
+    wrt: Any,
+    dtype: DTypeLike,
+    nan_policy: NanPolicy,
+) -> BatchSpec:
+    """Validate the call and return the batch spec. Raises :class:`InputError` subclasses."""
+    if nan_policy not in ("raise", "propagate"):
+        raise InputError(f"`nan_policy` must be 'raise' or 'propagate'; got {nan_policy!r}.")
+    kind, raw, keys = _split_inputs(inputs)
+    if kind == "concat":
+        names: tuple[str, ...] = ("unknown", "known")
+    elif kind == "single":
+        names = ("x",)
+    elif kind == "dict":
+        assert keys is not None
+        names = tuple(f"inputs[{k!r}]" for k in keys)
+    else:
+        names = tuple(f"inputs[{i}]" for i in range(len(raw)))
+    arrays = [to_numpy(a, n) for a, n in zip(raw, names)]
+
+    n = arrays[0].shape[0]
+    for a, name in zip(arrays[1:], names[1:]):
+        if a.shape[0] != n:
+            raise InputError(
+                f"`{name}` has {a.shape[0]} rows but `{names[0]}` has {n}; they must have one "
+                f"row per instance."
+            )
+
+    if kind == "concat":
+        if wrt is not None:
+            raise InputError(
+                "`wrt` cannot be combined with the (unknown, known) call form: there every column "
+                "of `unknown` is unknown. Either drop `wrt`, or pass one array with "
+                "jacobian(model, x, wrt=[...])."
+            )
+        u, h = arrays
+        if u.ndim < 2 or h.ndim < 2 or u.shape[1:-1] != h.shape[1:-1]:
+            raise InputError(
+                f"`unknown` {u.shape} and `known` {h.shape} must both be (N, ..., features) with "
+                f"equal middle axes, since the model takes concat([unknown, known], axis=-1)."
+            )
+        layout = Layout(kind="concat", n_inputs=1)
+        unknown_shape = u.shape[1:]
+    else:
+        wrt_index, cols_sel = _resolve_wrt(kind, wrt, arrays, names, keys)
+        target = arrays[wrt_index]
+        cols = None
+        if cols_sel is not None:
+            if target.ndim < 2:
+                raise InputError(
+                    f"`wrt` selects columns, but `{names[wrt_index]}` has shape {target.shape}, "
+                    f"with no feature axis. Give it shape (N, features)."
+                )
+            cols = _columns(cols_sel, target.shape[-1], names[wrt_index])
+        if cols is None:
+            layout = Layout(kind=kind, n_inputs=len(arrays), wrt_index=wrt_index, keys=keys)
+            unknown_shape = target.shape[1:]
+        else:
+            layout = Layout(
+                kind=kind, n_inputs=len(arrays), wrt_index=wrt_index, keys=keys,
+                columns=cols, perm=_perm(cols, target.shape[-1]),
+            )
+            unknown_shape = (*target.shape[1:-1], len(cols))
+    if arrays[0 if kind == "concat" else layout.wrt_index].dtype.kind == "b":
+        raise InputTypeError("The unknown input is boolean; unknowns must be real numbers.")
+
+    dt = resolve_dtype(dtype, arrays)
+    if nan_policy == "raise":
+        _check_finite(arrays, names)
+    return BatchSpec(arrays=arrays, layout=layout, dtype=dt, n=n,
+                     unknown_shape=tuple(unknown_shape), names=names)
+
+
+def _resolve_wrt(kind: str, wrt: Any, arrays: list[np.ndarray], names: tuple[str, ...],
+                 keys: tuple[str, ...] | None) -> tuple[int, Any]:
+    """Return (index of the input holding the unknowns, column selection or None)."""
+    if kind == "single":
+        return 0, wrt
+    if wrt is None:
+        which = f"one of {list(keys)}" if keys else f"an index 0..{len(arrays) - 1}"
+        raise InputError(
+            f"The model has {len(arrays)} inputs; say which is unknown with `wrt` ({which}), "
+            f"or (input, columns) for some of its columns, e.g. wrt=({(keys or (0,))[0]!r}, [0, 1])."
+        )
+    sel = None
+    if isinstance(wrt, tuple) and len(wrt) == 2 and not isinstance(wrt[0], (tuple, list)):
+        wrt, sel = wrt
+    if kind == "dict":
+        assert keys is not None
+        if wrt not in keys:
+            raise InputError(f"`wrt={wrt!r}` names no input; the inputs are {list(keys)}.")
+        return keys.index(wrt), sel
+    if isinstance(wrt, (bool, np.bool_)) or not isinstance(wrt, (int, np.integer)):
+        raise InputTypeError(
+            f"With a tuple of inputs, `wrt` is the index of the unknown input (or (index, "
+            f"columns)); got {wrt!r}."
+        )
+    if not -len(arrays) <= int(wrt) < len(arrays):
+        raise InputError(
+            f"`wrt={wrt}` is out of range: there are {len(arrays)} inputs (0..{len(arrays) - 1})."
+        )
+    return int(wrt) % len(arrays), sel
+
+
+def _check_finite(arrays: list[np.ndarray], names: tuple[str, ...]) -> None:
+    for a, name in zip(arrays, names):
+        if a.dtype.kind != "f" or a.size == 0:
+            continue
+        finite = np.isfinite(a)
+        if finite.all():
+            continue
+        bad_rows = ~finite.reshape(a.shape[0], -1).all(axis=1)
+        row = int(np.argmax(bad_rows))
+        where = np.argwhere(~finite[row])
+        pos = tuple(int(i) for i in where[0]) if where.size else ()
+        val = a[row][pos] if pos else a[row]
+        raise InputError(
+            f"`{name}` has a non-finite value ({val}) in row {row}"
+            f"{f' at {pos}' if pos else ''}; {int(bad_rows.sum())} row(s) in all have NaN/Inf. "
+            f"Clean or drop them, or pass nan_policy='propagate' to get NaN Jacobians for them."
+        )
