@@ -6,11 +6,23 @@ that kind is first used.
 
 from ._errors import (
     BackendNotAvailableError as BackendNotAvailableError,
+)
+from ._errors import (
     BatchJacError as BatchJacError,
+)
+from ._errors import (
     InputError as InputError,
+)
+from ._errors import (
     InputTypeError as InputTypeError,
+)
+from ._errors import (
     ModelError as ModelError,
+)
+from ._errors import (
     NotConnectedError as NotConnectedError,
+)
+from ._errors import (
     RowInteractionError as RowInteractionError,
 )
 from ._jacobian import jacobian as jacobian

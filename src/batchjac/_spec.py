@@ -100,7 +100,7 @@ class BatchSpec:
 
     def ctx_specs(self) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
         """Per-row shape and dtype of each ctx array, as :meth:`chunk` produces them."""
-        u, ctx = self.chunk(0, 0)
+        _, ctx = self.chunk(0, 0)
         return tuple((c.shape[1:], c.dtype) for c in ctx)
 
 

@@ -77,7 +77,7 @@ def _columns(wrt: Any, width: int, name: str) -> tuple[int, ...] | None:
                 f"columns. Give a non-empty slice such as slice(0, {min(width, 5)})."
             )
         return _whole_or(tuple(cols), width)
-    if isinstance(wrt, (bool, np.bool_)) or isinstance(wrt, (str, bytes)):
+    if isinstance(wrt, (bool, np.bool_, str, bytes)):
         raise InputTypeError(
             f"`wrt` must be column indices, a slice or a boolean mask for `{name}`; got {wrt!r}."
         )
@@ -223,7 +223,9 @@ def normalize(
     if arrays[0 if kind == "concat" else layout.wrt_index].dtype.kind == "b":
         raise InputTypeError("The unknown input is boolean; unknowns must be real numbers.")
 
-    dt = resolve_dtype(dtype, arrays)
+    # nested Python lists carry no dtype intent (their floats are doubles): only arrays and
+    # tensors that are float64 make float64 the default
+    dt = resolve_dtype(dtype, [a for a, r in zip(arrays, raw) if not isinstance(r, (list, tuple))])
     if nan_policy == "raise":
         _check_finite(arrays, names)
     return BatchSpec(arrays=arrays, layout=layout, dtype=dt, n=n,

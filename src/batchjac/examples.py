@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from ._errors import InputError
 from ._examples.reference import mlp_forward, mlp_jacobian
 from ._examples.weights import WORKLOADS, Workload, cnn_weights, mlp_weights, workload_inputs
-from ._errors import InputError
 
 Framework = Literal["tensorflow", "torch", "jax"]
 

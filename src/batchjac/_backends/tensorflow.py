@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's C++ start-up chatter off stderr
@@ -40,37 +41,40 @@ def _is_keras(model: Any) -> bool:
                for c in type(model).__mro__)
 
 
-def _float64_copy(model: Any) -> Any:
-    """A float64 clone of a Keras model with the same weights, or raise InputError."""
+def _widen(cfg: Any) -> Any:
+    """A Keras config with every dtype (layers' policies, Input layers, tensors) set to float64."""
+    if isinstance(cfg, dict):
+        out = {k: _widen(v) for k, v in cfg.items()}
+        if isinstance(out.get("dtype"), (str, dict)):
+            out["dtype"] = "float64"
+        return out
+    if isinstance(cfg, list):
+        return [_widen(v) for v in cfg]
+    return cfg
+
+
+def _float64_copy(model: Any, build: Callable[[Any], None]) -> Any:
+    """A float64 clone of a Keras model with the same weights, or raise InputError.
+
+    Rebuilt from its config with every dtype widened, so Input layers are float64 too (a
+    float32 Input would round the inputs before the first layer). ``build`` calls the clone
+    once on a float64 sample, which builds subclassed models.
+    """
     keras = _keras_module()
     assert keras is not None
     if all(w.dtype == "float64" for w in model.weights):
         return model
-
-    def widen(cfg: Any) -> Any:
-        if isinstance(cfg, dict):
-            out = {k: widen(v) for k, v in cfg.items()}
-            if "dtype" in out and isinstance(out["dtype"], (str, dict)):
-                out["dtype"] = "float64"
-            if out.get("class_name") == "DTypePolicy":
-                out = {**out, "config": {**out.get("config", {}), "name": "float64"}}
-            return out
-        if isinstance(cfg, list):
-            return [widen(v) for v in cfg]
-        return cfg
-
     old_policy = keras.config.dtype_policy()
-    keras.config.set_dtype_policy("float64")
+    keras.config.set_dtype_policy("float64")  # sublayers made in a subclass's __init__
     try:
-        clone = keras.models.clone_model(
-            model, clone_function=lambda layer: layer.__class__.from_config(widen(layer.get_config()))
-        ) if isinstance(model, (keras.Sequential,)) or _is_functional(model) else \
-            model.__class__.from_config(widen(model.get_config()))
-        if not clone.built:
-            clone.build(_input_shape(model))
-        weights = model.get_weights()
-        clone.set_weights([np.asarray(w, dtype=np.float64) if np.asarray(w).dtype.kind == "f"
-                           else w for w in weights])
+        try:
+            clone = keras.saving.deserialize_keras_object(
+                _widen(keras.saving.serialize_keras_object(model)))
+        except Exception:
+            clone = type(model).from_config(_widen(model.get_config()))
+        build(clone)
+        clone.set_weights([np.asarray(w, np.float64) if np.asarray(w).dtype.kind == "f" else w
+                           for w in model.get_weights()])
     except Exception as e:
         raise InputError(
             f"float64 was asked for (dtype='float64' or float64 inputs), but this Keras model "
@@ -80,25 +84,13 @@ def _float64_copy(model: Any) -> Any:
         ) from e
     finally:
         keras.config.set_dtype_policy(old_policy)
-    if any(w.dtype != "float64" for w in clone.weights if w.dtype.startswith("float")):
+    if any(str(w.dtype).startswith("float") and w.dtype != "float64" for w in clone.weights):
         raise InputError(
             f"float64 was asked for, but the float64 clone of {type(model).__name__} still has "
             f"float32 weights (its layers pin their dtype). Build it with dtype='float64' or "
             f"use dtype='float32'."
         )
     return clone
-
-
-def _is_functional(model: Any) -> bool:
-    return type(model).__name__ in ("Functional", "Model") and hasattr(model, "_nodes_by_depth") \
-        or type(model).__module__.startswith("keras.src.models.functional")
-
-
-def _input_shape(model: Any) -> Any:
-    shape = getattr(model, "_build_shapes_dict", None)
-    if shape:
-        return next(iter(shape.values())) if len(shape) == 1 else shape
-    return getattr(model, "input_shape", None)
 
 
 class TFBound(BoundModel):
@@ -114,14 +106,35 @@ class TFBound(BoundModel):
                     f"the TensorFlow backend needs KERAS_BACKEND=tensorflow. For JAX, pass "
                     f"the model's stateless function to batchjac with backend='jax'."
                 )
-        wide = signature.dtype == np.float64
-        self.model = _float64_copy(model) if wide and self.is_keras else model
         self.tf_dtype = tf.as_dtype(signature.dtype)
+        self.synced = False  # whether self.model is a float64 copy to keep in step
+        if self.is_keras:
+            self.model = model
+            if signature.dtype == np.float64:
+                self.model = _float64_copy(model, self._build_sample)
+                self.synced = self.model is not model
+        elif isinstance(model, tf.types.experimental.PolymorphicFunction):
+            self.model = model
+        else:
+            # A plain Python callable: let AutoGraph convert its control flow, as tf.function
+            # would; batchjac's own wrappers are built with autograph=False.
+            self.model = tf.function(model)
         self._graph_forward: Any = None
         self._xla_warned = False
 
+    def _build_sample(self, clone: Any) -> None:
+        """Call a fresh clone once on a 2-row float64 sample (builds subclassed models)."""
+        sig = self.signature
+        u = tf.ones((2, *sig.unknown_shape), tf.float64) * 0.5
+        ctx = tuple(tf.ones((2, *shape), tf.as_dtype(dt)) for shape, dt in sig.ctx)
+        model, self.model = self.model, clone
+        try:
+            self.apply(u, ctx)
+        finally:
+            self.model = model
+
     def refresh(self) -> None:
-        if self.model is not self.original:  # keep a float64 copy in step with trained weights
+        if self.synced:  # keep the float64 copy in step with the user's (trained) weights
             for dst, src in zip(self.model.weights, self.original.weights):
                 dst.assign(tf.cast(src, dst.dtype))
 
@@ -169,7 +182,7 @@ class TFBound(BoundModel):
     # -- probes ------------------------------------------------------------------------------
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
         if self._graph_forward is None:
-            self._graph_forward = tf.function(lambda u, *ctx: self.apply(u, ctx))
+            self._graph_forward = tf.function(lambda u, *ctx: self.apply(u, ctx), autograph=False)
         return self._graph_forward(u, *ctx).numpy()
 
     def connected(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
@@ -182,7 +195,7 @@ class TFBound(BoundModel):
             found["connected"] = tape.gradient(y, u) is not None
             return y
 
-        tf.function(probe).get_concrete_function(*self._specs(u.shape[0]))
+        tf.function(probe, autograph=False).get_concrete_function(*self._specs(u.shape[0]))
         return found["connected"]
 
     # -- kernels -----------------------------------------------------------------------------
@@ -228,13 +241,24 @@ class TFKernel(Kernel):
 
         self._traced = traced
         self._specs = bound._specs(chunk_size)
-        self._fn = tf.function(traced, jit_compile=True).get_concrete_function(*self._specs)
+        self._use(tf.function(traced, jit_compile=True, autograph=False).get_concrete_function(*self._specs))
         self._checked = False
+
+    def _use(self, fn: Any) -> None:
+        self._fn = fn
+        # ConcreteFunction._call_flat skips re-binding the arguments to the signature (~0.15 ms
+        # per call, a quarter of a small chunk); fall back to the public call if it goes away.
+        flat = getattr(fn, "_call_flat", None)
+        captured = fn.captured_inputs
+        if flat is None:
+            self._call = lambda *args: fn(*args)
+        else:
+            self._call = lambda *args: flat([tf.constant(a) for a in args], captured)
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[np.ndarray | None, np.ndarray]:
         if not self._checked:
             self._first_call(u, ctx)
-        out = self._fn(u, *ctx)
+        out = self._call(u, *ctx)
         if self.with_outputs:
             return out[0].numpy(), out[1].numpy()
         return None, out.numpy()
@@ -244,7 +268,7 @@ class TFKernel(Kernel):
             self._fn(u, *ctx)
         except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
                 tf.errors.InternalError) as xla_error:
-            graph_fn = tf.function(self._traced, jit_compile=False).get_concrete_function(*self._specs)
+            graph_fn = tf.function(self._traced, jit_compile=False, autograph=False).get_concrete_function(*self._specs)
             try:
                 graph_fn(u, *ctx)
             except tf.errors.OpError as e:
@@ -257,14 +281,14 @@ class TFKernel(Kernel):
                     f"TensorFlow graph instead, which is correct but can be slower.",
                     XLAFallbackWarning, stacklevel=4,
                 )
-            self._fn = graph_fn
+            self._use(graph_fn)
         self._checked = True
 
 
 def _explain_model_failure(e: Exception, sig: Signature) -> ModelError:
     text = f"{type(e).__name__}: {e}"
     if "numpy()" in text or "EagerTensor" in text or "eager execution" in text or \
-            "predict" in text and "tf.function" in text:
+            ("predict" in text and "tf.function" in text):
         return ModelError(
             f"The model could not run inside a TensorFlow graph ({text.splitlines()[0][:300]}). "
             f"It leaves TensorFlow (.numpy(), numpy functions or model.predict), so gradients "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from .weights import CNN_FILTERS, CNN_KERNEL, CNN_OUTPUTS, CNN_STRIDE, cnn_weights, mlp_weights
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,7 @@ def mlp_weights(sizes: tuple[int, ...], seed: int = 0) -> list[tuple[np.ndarray,
     curved range (Jacobians then vary from instance to instance)."""
     rng = np.random.default_rng(seed)
     layers = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+    for fan_in, fan_out in itertools.pairwise(sizes):
         scale = np.sqrt(2.0 / (fan_in + fan_out)) * 1.5
         layers.append((rng.normal(0, scale, (fan_in, fan_out)), rng.normal(0, 0.1, fan_out)))
     return layers

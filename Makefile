@@ -1,0 +1,36 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Both install first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# constraints.txt pins every dependency to versions known to work together here; it pins
+# torch to the CPU build (a bare `torch` would pull a multi-GB CUDA build).
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint bench bench-quick clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[all,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/batchjac demo
+
+lint: install
+	$(PY) -m ruff check src tests
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest
+
+bench: install
+	$(VENV)/bin/batchjac bench --output BENCHMARKS.md
+
+bench-quick: install
+	$(VENV)/bin/batchjac bench --quick --output bench-out/BENCHMARKS-quick.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

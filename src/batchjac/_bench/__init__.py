@@ -1,0 +1,1 @@
+"""Benchmark and demo support: the hand-written baselines batchjac is measured against."""

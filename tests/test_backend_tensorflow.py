@@ -1,0 +1,272 @@
+"""TensorFlow/Keras backend: the conformance suite plus Keras-specific model kinds."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import batchjac  # noqa: E402
+from batchjac._backends.tensorflow import XLAFallbackWarning  # noqa: E402
+from batchjac._examples import keras as keras_examples  # noqa: E402
+from batchjac.examples import mlp_jacobian, mlp_weights, seed_model, workload_inputs  # noqa: E402
+
+from .conformance import SEED_SIZES, BackendConformance  # noqa: E402
+from .helpers import assert_jac_close, central_differences  # noqa: E402
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+class ScaleModel(keras.Model):
+    """A subclassed Keras model: y = tanh(x @ w) * s, with a float64-clonable config."""
+
+    def __init__(self, units: int = 3, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.units = units
+        self.dense = keras.layers.Dense(units, activation="tanh")
+        self.scale = self.add_weight(shape=(units,), initializer="ones", name="scale")
+
+    def call(self, x: Any) -> Any:
+        return self.dense(x) * self.scale
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "units": self.units}
+
+
+class ConstantModel(keras.Model):
+    """Output ignores the input: the original question's `None` pitfall."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.w = self.add_weight(shape=(3,), initializer="ones", name="w")
+
+    def call(self, x: Any) -> Any:
+        return tf.ones((tf.shape(x)[0], 3), dtype=self.w.dtype) * self.w
+
+
+class TestTensorFlowConformance(BackendConformance):
+    backend: ClassVar[str] = "tensorflow"
+
+    def mlp(self, sizes: tuple[int, ...], dtype: str) -> Any:
+        return keras_examples.mlp(sizes, dtype=dtype)
+
+    def linear(self, w: np.ndarray, b: np.ndarray, dtype: str) -> Any:
+        model = keras.Sequential([keras.Input((w.shape[0],)), keras.layers.Dense(w.shape[1])])
+        model.set_weights([w.astype(dtype), b.astype(dtype)])
+        return model
+
+    def linear_3d(self, w: np.ndarray, dtype: str, out_shape: tuple[int, int]) -> Any:
+        inp = keras.Input((w.shape[0],))
+        dense = keras.layers.Dense(w.shape[1], use_bias=False)
+        model = keras.Model(inp, keras.layers.Reshape(out_shape)(dense(inp)))
+        dense.set_weights([w.astype(dtype)])
+        return model
+
+    def elementwise(self, dtype: str) -> Any:
+        @tf.function
+        def f(x: Any) -> Any:
+            return tf.sin(x) + 0.5 * x**2
+
+        return f
+
+    def two_input(self, wx: np.ndarray, wh: np.ndarray, dtype: str, as_dict: bool) -> Any:
+        x_in, h_in = keras.Input((wx.shape[0],), name="x"), keras.Input((wh.shape[0],), name="h")
+        dx = keras.layers.Dense(wx.shape[1], use_bias=False)
+        dh = keras.layers.Dense(wh.shape[1], use_bias=False)
+        out = keras.layers.Activation("tanh")(keras.layers.Add()([dx(x_in), dh(h_in)]))
+        inputs: Any = {"x": x_in, "h": h_in} if as_dict else [x_in, h_in]
+        model = keras.Model(inputs, out)
+        dx.set_weights([wx.astype(dtype)])
+        dh.set_weights([wh.astype(dtype)])
+        return model
+
+    def disconnected(self, dtype: str) -> Any:
+        model = ConstantModel()
+        model(np.zeros((1, 4), dtype))
+        return model
+
+    def batch_coupled(self, dtype: str) -> Any:
+        return lambda x: x - tf.reduce_mean(x, axis=0, keepdims=True)
+
+
+# ---- Keras model kinds --------------------------------------------------------------------
+
+
+def _float64_twin(model: Any, width: int) -> Any:
+    """A float64 forward of a Keras model (same config, float64 weights), for FD references."""
+    twin = batchjac._backends.tensorflow._float64_copy(model, lambda c: c(np.ones((1, width))))
+    return lambda x: twin(tf.constant(x), training=False).numpy()
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_subclassed_model_against_fd(mode: str) -> None:
+    model = ScaleModel(units=3)
+    x = np.random.default_rng(1).normal(size=(40, 6)).astype("float32")
+    model(x[:1])
+    jac = batchjac.jacobian(model, x, wrt=[0, 2, 5], mode=mode)
+    f64 = _float64_twin(model, 6)
+    x64 = x.astype(np.float64)
+
+    def sub(u: np.ndarray) -> np.ndarray:
+        full = x64.copy()
+        full[:, [0, 2, 5]] = u
+        return f64(full)
+
+    assert_jac_close(jac, central_differences(sub, x64[:, [0, 2, 5]]))
+    jac64 = batchjac.jacobian(model, x.astype(np.float64), wrt=[0, 2, 5], mode=mode)
+    assert jac64.dtype == np.float64
+    assert_jac_close(jac64, central_differences(sub, x64[:, [0, 2, 5]]), dtype=np.float64, factor=100)
+
+
+def test_batchnorm_and_dropout_run_in_inference_mode() -> None:
+    rng = np.random.default_rng(2)
+    model = keras.Sequential([
+        keras.Input((5,)),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.5),
+        keras.layers.Dense(2),
+    ])
+    bn = model.layers[1]
+    bn.set_weights([rng.uniform(0.5, 2, 8), rng.normal(size=8), rng.normal(size=8), rng.uniform(0.5, 2, 8)])
+    x = rng.normal(size=(64, 5)).astype("float32")
+    jac = batchjac.jacobian(model, x)
+    ref = central_differences(_float64_twin(model, 5), x.astype(np.float64))
+    assert_jac_close(jac, ref)
+    # deterministic: dropout off, moving statistics used
+    np.testing.assert_array_equal(jac, batchjac.jacobian(model, x))
+
+
+def test_plain_tf_function_with_variables() -> None:
+    w = tf.Variable(np.random.default_rng(3).normal(size=(4, 2)).astype("float32"))
+
+    @tf.function
+    def f(x: Any) -> Any:
+        return tf.tanh(x @ w) ** 2
+
+    x = np.random.default_rng(4).normal(size=(30, 4)).astype("float32")
+    w64 = w.numpy().astype(np.float64)
+    ref = central_differences(lambda u: np.tanh(u @ w64) ** 2, x.astype(np.float64))
+    assert_jac_close(batchjac.jacobian(f, x), ref)
+    # the variable is read at run time: a new value gives a new Jacobian, no stale cache
+    w.assign(w * 2)
+    ref2 = central_differences(lambda u: np.tanh(u @ (2 * w64)) ** 2, x.astype(np.float64))
+    assert_jac_close(batchjac.jacobian(f, x), ref2)
+
+
+def test_float64_copy_follows_weight_updates() -> None:
+    model = keras_examples.mlp(SEED_SIZES)
+    x = np.random.default_rng(5).normal(size=(10, 8))  # float64 inputs -> float64 compute
+    batchjac.jacobian(model, x)
+    new = [w * 1.5 for w in model.get_weights()]
+    model.set_weights(new)
+    layers = [(new[i].astype(np.float64), new[i + 1].astype(np.float64)) for i in range(0, len(new), 2)]
+    assert_jac_close(batchjac.jacobian(model, x), mlp_jacobian(layers, x), dtype=np.float64)
+
+
+def test_unused_unknowns_get_zero_columns() -> None:
+    model = keras_examples.mlp((3, 16, 2))
+
+    def f(x: Any) -> Any:
+        return model(x[:, :3], training=False)  # columns 3 and 4 are never read
+
+    x = np.random.default_rng(6).normal(size=(20, 5)).astype("float32")
+    jac = batchjac.jacobian(f, x, backend="tensorflow")
+    assert jac.shape == (20, 2, 5)
+    np.testing.assert_array_equal(jac[:, :, 3:], 0.0)
+    assert_jac_close(jac[:, :, :3], mlp_jacobian(mlp_weights((3, 16, 2)), x[:, :3]))
+
+
+def test_output_computed_outside_tensorflow_is_explained() -> None:
+    model = keras_examples.mlp((3, 16, 2))
+
+    def leaky(x: Any) -> Any:
+        return tf.constant(np.tanh(x.numpy()))  # leaves TensorFlow: no gradient path
+
+    x = np.random.default_rng(7).normal(size=(5, 3)).astype("float32")
+    with pytest.raises(batchjac.ModelError, match="leaves TensorFlow"):
+        batchjac.jacobian(leaky, x, backend="tensorflow")
+
+    def predict_inside(x: Any) -> Any:
+        return tf.constant(model.predict(x, verbose=0))
+
+    with pytest.raises(batchjac.ModelError, match="model"):
+        batchjac.jacobian(predict_inside, x, backend="tensorflow")
+
+
+def test_multi_output_model_is_refused() -> None:
+    inp = keras.Input((3,))
+    model = keras.Model(inp, [keras.layers.Dense(2)(inp), keras.layers.Dense(1)(inp)])
+    x = np.random.default_rng(8).normal(size=(4, 3)).astype("float32")
+    with pytest.raises(batchjac.ModelError, match="list of 2 outputs"):
+        batchjac.jacobian(model, x)
+
+
+def test_batch_statistics_layer_is_refused() -> None:
+    class BatchNormTrain(keras.layers.Layer):
+        def call(self, x: Any) -> Any:
+            mean, var = tf.nn.moments(x, axes=[0])
+            return (x - mean) / tf.sqrt(var + 1e-3)
+
+    model = keras.Sequential([keras.Input((4,)), BatchNormTrain(), keras.layers.Dense(2)])
+    x = np.random.default_rng(9).normal(size=(16, 4)).astype("float32")
+    with pytest.raises(batchjac.RowInteractionError, match="tensorflow#38428"):
+        batchjac.jacobian(model, x)
+
+
+def test_xla_fallback_warns_once_and_is_correct() -> None:
+    @tf.function
+    def f(x: Any) -> Any:
+        # string ops have no XLA kernel; per row, and the gradient flows through sin
+        two = tf.strings.to_number(tf.strings.as_string(tf.round(x) * 0 + 2))
+        return tf.sin(x) * two
+
+    x = np.random.default_rng(10).normal(size=(12, 3)).astype("float32")
+    with pytest.warns(XLAFallbackWarning, match="XLA could not compile"):
+        jac = batchjac.jacobian(f, x)
+    ref = np.einsum("ni,ij->nij", np.cos(x.astype(np.float64)) * 2, np.eye(3))
+    assert_jac_close(jac, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batchjac.jacobian(f, x)  # no second warning
+
+
+def test_100k_rows_trace_once_per_mode_and_dtype() -> None:
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 100_000, seed=11)
+    from batchjac import _backends
+
+    counts = {}
+    for mode in ("forward", "reverse"):
+        jac = batchjac.jacobian(model, unknown, known, mode=mode, chunk_size=16384)
+        bound = next(b for b in _backends._bound[model].values() if b.signature.dtype == np.float32)
+        counts[mode] = bound.trace_count
+    assert counts == {"forward": 1, "reverse": 2}  # one trace per mode for 7 chunks each
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown[-500:], known[-500:]], 1))
+    assert_jac_close(jac[-500:], ref[:, :, :5])
+
+
+def test_agrees_with_xla_batch_jacobian_on_original_scenario() -> None:
+    from batchjac._bench.tf_baselines import xla_batch_jacobian
+
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 1000, seed=12)
+    expert = xla_batch_jacobian(model)(unknown, known)
+    ours = batchjac.jacobian(model, unknown, known)
+    np.testing.assert_allclose(ours, expert, rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_inputs() -> None:
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 20, seed=13)
+    jac = batchjac.jacobian(model, tf.constant(unknown), tf.constant(known))
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
+    assert_jac_close(jac, ref)
+    jac_lists = batchjac.jacobian(model, unknown.tolist(), known.tolist())
+    assert_jac_close(jac_lists, ref)
