@@ -71,7 +71,6 @@ def make_plan(
         else:
             size = budget_rows
             source = f"memory budget {max_memory / 1e6:.0f} MB at ~{per_row} B per row"
-    size = max(1, min(size, max(n, 1))) if chunk_size is None else size
     n_chunks = -(-n // size) if n else 0
     return Plan(mode=chosen, chunk_size=size, n_chunks=n_chunks,
                 reason=f"{chosen} mode ({why}); chunks of {size} rows ({source})")

@@ -34,7 +34,7 @@ def to_numpy(obj: Any, name: str) -> np.ndarray:
             arr = np.asarray(obj)
         except ValueError as e:  # ragged nested lists
             raise InputError(
-                f"`{name}` could not be read as an array ({e}). Give a numpy array, a framework "
+                f"`{name}` could not be read as an array (ragged rows? {e}). Give a numpy array, a framework "
                 f"tensor or nested lists with one equal-length row per instance."
             ) from None
     if arr.dtype.kind not in "fiub":

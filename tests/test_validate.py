@@ -1,0 +1,134 @@
+"""Validation of call forms and bad input: all of it happens before any framework is used,
+so these tests use a model that must never be called."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchjac
+from batchjac._spec import Layout, assemble
+from batchjac._validate import normalize
+
+
+def never_called(*args: Any, **kw: Any) -> Any:
+    raise AssertionError("validation should have failed before the model was called")
+
+
+def jac(*inputs: Any, **kw: Any) -> Any:
+    return batchjac.jacobian(never_called, *inputs, backend="tensorflow", **kw)
+
+
+@pytest.fixture
+def x() -> np.ndarray:
+    return np.random.default_rng(0).normal(size=(10, 8)).astype(np.float32)
+
+
+def test_row_count_mismatch(x: np.ndarray) -> None:
+    with pytest.raises(batchjac.InputError, match="`known` has 9 rows but `unknown` has 10"):
+        jac(x[:, :5], x[:9, 5:])
+    with pytest.raises(batchjac.InputError, match=r"`inputs\['h'\]` has 3 rows but `inputs\['x'\]` has 10"):
+        jac({"x": x, "h": x[:3]}, wrt="x")
+
+
+def test_scalar_and_rank(x: np.ndarray) -> None:
+    with pytest.raises(batchjac.InputError, match="scalar; it needs a leading axis"):
+        jac(np.float32(3.0))
+    with pytest.raises(batchjac.InputError, match=r"must both be \(N, ..., features\)"):
+        jac(x[:, 0], x[:, 1:])
+    with pytest.raises(batchjac.InputError, match="no feature axis"):
+        jac(x[:, 0], wrt=[0])
+
+
+def test_non_numeric_dtype() -> None:
+    with pytest.raises(batchjac.InputTypeError, match="must hold real numbers; got dtype <U"):
+        jac(np.array([["a", "b"], ["c", "d"]]))
+    with pytest.raises(batchjac.InputError, match="ragged"):
+        jac([[1.0, 2.0], [3.0]])
+    with pytest.raises(batchjac.InputTypeError, match="unknowns must be real numbers"):
+        jac(np.ones((3, 2), bool))
+
+
+@pytest.mark.parametrize(
+    ("wrt", "message"),
+    [
+        ([0, 8], "column 8 is out of range: `x` has 8 feature columns"),
+        ([-9], "column -9 is out of range"),
+        ([1, 1, 2], r"names column\(s\) \[1\] more than once"),
+        ([], "`wrt` is empty"),
+        (slice(8, 10), "selects no column"),
+        ("h", "must be column indices"),
+        (True, "must be column indices"),
+        ([0.5], "must be integer column indices"),
+        (np.array([True, False]), "one entry per column"),
+    ],
+)
+def test_bad_wrt_columns(x: np.ndarray, wrt: Any, message: str) -> None:
+    with pytest.raises(batchjac.InputError, match=message):
+        jac(x, wrt=wrt)
+
+
+def test_bad_wrt_for_multi_input(x: np.ndarray) -> None:
+    with pytest.raises(batchjac.InputError, match=r"say which is unknown with `wrt` \(one of \['x', 'h'\]\)"):
+        jac({"x": x, "h": x})
+    with pytest.raises(batchjac.InputError, match=r"`wrt='z'` names no input; the inputs are \['x', 'h'\]"):
+        jac({"x": x, "h": x}, wrt="z")
+    with pytest.raises(batchjac.InputError, match="`wrt=2` is out of range: there are 2 inputs"):
+        jac((x, x), wrt=2)
+    with pytest.raises(batchjac.InputTypeError, match="index of the unknown input"):
+        jac((x, x), wrt="x")
+    with pytest.raises(batchjac.InputError, match="cannot be combined with the \\(unknown, known\\)"):
+        jac(x[:, :5], x[:, 5:], wrt=[0])
+    with pytest.raises(batchjac.InputError, match="got 3 input arrays"):
+        jac(x, x, x)
+    with pytest.raises(batchjac.InputError, match="needs the model's inputs"):
+        batchjac.jacobian(never_called)
+
+
+def test_nan_reports_first_bad_row(x: np.ndarray) -> None:
+    x[4, 2] = np.inf
+    x[6, 0] = np.nan
+    with pytest.raises(batchjac.InputError, match=r"`x` has a non-finite value \(inf\) in row 4 at \(2,\); 2 row"):
+        jac(x)
+    with pytest.raises(batchjac.InputError, match="nan_policy"):
+        jac(x, nan_policy="omit")
+
+
+def test_bad_options(x: np.ndarray) -> None:
+    with pytest.raises(batchjac.InputError, match=r"`dtype` must be one of \('float32', 'float64'\)"):
+        jac(x, dtype="float16")
+    with pytest.raises(batchjac.InputError, match="`backend` must be one of"):
+        batchjac.jacobian(never_called, x, backend="mxnet")  # type: ignore[arg-type]
+
+
+def test_normalize_layouts(x: np.ndarray) -> None:
+    spec = normalize((x,), wrt=[6, 0, 3], dtype=None, nan_policy="raise")
+    assert spec.layout == Layout(kind="single", n_inputs=1, columns=(6, 0, 3), perm=(1, 3, 4, 2, 5, 6, 0, 7))
+    u, ctx = spec.chunk(2, 5)
+    np.testing.assert_array_equal(u, x[2:5, [6, 0, 3]])
+    np.testing.assert_array_equal(ctx[0], x[2:5, [1, 2, 4, 5, 7]])
+    # assemble() with numpy ops rebuilds the original rows exactly
+    (full,) = assemble(spec.layout, u, ctx, lambda xs: np.concatenate(xs, -1), lambda a, i: a[..., list(i)])
+    np.testing.assert_array_equal(full, x[2:5])
+    # leading columns need no gather; all columns are the whole input
+    assert normalize((x,), wrt=slice(0, 3), dtype=None, nan_policy="raise").layout.perm is None
+    assert normalize((x,), wrt=list(range(8)), dtype=None, nan_policy="raise").layout.columns is None
+
+
+def test_dtype_resolution(x: np.ndarray) -> None:
+    assert normalize((x,), wrt=None, dtype=None, nan_policy="raise").dtype == np.float32
+    assert normalize((x.astype(np.float64),), wrt=None, dtype=None, nan_policy="raise").dtype == np.float64
+    assert normalize((x.tolist(),), wrt=None, dtype=None, nan_policy="raise").dtype == np.float32
+    assert normalize((x,), wrt=None, dtype="float64", nan_policy="raise").dtype == np.float64
+    ints = np.arange(20).reshape(10, 2)
+    spec = normalize(({"x": x, "ids": ints},), wrt="x", dtype=None, nan_policy="raise")
+    _, ctx = spec.chunk(0, 10)
+    assert ctx[0].dtype == ints.dtype  # integer known inputs are passed through unchanged
+
+
+def test_list_of_arrays_is_multi_input(x: np.ndarray) -> None:
+    spec = normalize(([x, x[:, :2]],), wrt=1, dtype=None, nan_policy="raise")
+    assert spec.layout.kind == "tuple"
+    assert spec.unknown_shape == (2,)
