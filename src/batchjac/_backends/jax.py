@@ -28,6 +28,7 @@ float64 needs JAX's x64 mode; batchjac never switches it on (that is a process-w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from collections.abc import Callable, Hashable
@@ -317,54 +318,53 @@ _MAX_VISITS = 2000
 
 
 def _captured_values(fn: Any) -> list[Any]:
-    """Arrays and scalars ``fn`` reads from closures, referenced globals, defaults, partial
-    arguments and bound instances (a few levels deep): what jax.jit bakes into a trace."""
+    """Arrays ``fn`` reads from closures, referenced globals, defaults, partial arguments and
+    callable objects' attributes (a few levels deep), and the plain scalars among its
+    closure cells, globals and defaults: the values jax.jit bakes into a trace."""
     found: list[Any] = []
     seen: set[int] = set()
 
-    def visit(obj: Any, depth: int) -> None:
-        if id(obj) in seen or len(seen) > _MAX_VISITS:
+    def visit(obj: Any, depth: int, scalars: bool) -> None:
+        if _is_array(obj) or isinstance(obj, _SCALARS):
+            if _is_array(obj) or scalars:
+                found.append(obj)
+            return
+        if id(obj) in seen or len(seen) > _MAX_VISITS or depth > 3 or \
+                isinstance(obj, (types.ModuleType, type)):
             return
         seen.add(id(obj))
-        if _is_array(obj) or isinstance(obj, _SCALARS):
-            found.append(obj)
-            return
-        if depth > 3 or isinstance(obj, (types.ModuleType, type)):
-            return
         if isinstance(obj, dict):
             for v in list(obj.values())[:256]:
-                visit(v, depth + 1)
+                visit(v, depth + 1, scalars)
         elif isinstance(obj, (list, tuple)):
             for v in obj[:256]:
-                visit(v, depth + 1)
+                visit(v, depth + 1, scalars)
         elif isinstance(obj, types.FunctionType):
             visit_code(obj.__code__, obj.__globals__, depth)
             for cell in obj.__closure__ or ():
-                try:
-                    visit(cell.cell_contents, depth + 1)
-                except ValueError:  # empty cell
-                    pass
-            visit(obj.__defaults__ or (), depth + 1)
-            visit(obj.__kwdefaults__ or {}, depth + 1)
+                with contextlib.suppress(ValueError):  # an empty cell has no contents
+                    visit(cell.cell_contents, depth + 1, True)
+            visit(obj.__defaults__ or (), depth + 1, True)
+            visit(obj.__kwdefaults__ or {}, depth + 1, True)
         elif isinstance(obj, types.MethodType):
-            visit(obj.__self__, depth + 1)
-            visit(obj.__func__, depth + 1)
+            visit(obj.__self__, depth + 1, False)
+            visit(obj.__func__, depth + 1, False)
         elif isinstance(obj, functools.partial):
-            visit(obj.func, depth + 1)
-            visit(obj.args, depth + 1)
-            visit(obj.keywords, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, types.BuiltinFunctionType):
-            visit(vars(obj), depth + 1)  # a callable object: its attributes
+            visit(obj.func, depth + 1, False)
+            visit(obj.args, depth + 1, True)
+            visit(obj.keywords, depth + 1, True)
+        elif hasattr(obj, "__dict__"):  # a callable object or a container of weights
+            visit(vars(obj), depth + 1, False)  # arrays only: other attributes may be counters
 
     def visit_code(code: types.CodeType, glb: dict[str, Any], depth: int) -> None:
         for name in code.co_names:
             if name in glb:
-                visit(glb[name], depth + 1)
+                visit(glb[name], depth + 1, True)
         for const in code.co_consts:  # nested functions and lambdas
             if isinstance(const, types.CodeType):
                 visit_code(const, glb, depth)
 
-    visit(fn, 0)
+    visit(fn, 0, False)
     return found
 
 
