@@ -37,7 +37,9 @@ def main(n: int = N, out: Callable[[str], None] = print) -> dict[str, float]:
 
     out(f"batchjac {batchjac.__version__}: per-instance Jacobians d output / d unknown")
     model = seed_model("tensorflow")
-    unknown, known = workload_inputs("W1", n)
+    unknown, maybe_known = workload_inputs("W1", n)
+    assert maybe_known is not None  # W1 has known inputs
+    known = maybe_known
     out(f"model: Keras MLP 8-64-64-4 (tanh) taking concat([unknown, known]); "
         f"unknown {unknown.shape}, known {known.shape}")
 

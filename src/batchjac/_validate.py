@@ -12,7 +12,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._errors import InputError, InputTypeError
-from ._spec import BatchSpec, Layout
+from ._spec import BatchSpec, InputKind, Layout
 
 NanPolicy = Literal["raise", "propagate"]
 DTypeLike = Any
@@ -104,11 +104,11 @@ def _columns(wrt: Any, width: int, name: str) -> tuple[int, ...] | None:
             f"`wrt` column {int(bad[0])} is out of range: `{name}` has {width} feature columns "
             f"(valid indices 0..{width - 1}, or negative from the end)."
         )
-    cols = tuple(int(c) % width for c in arr)
-    if len(set(cols)) != len(cols):
-        dup = sorted({c for c in cols if cols.count(c) > 1})
+    picked = tuple(int(c) % width for c in arr)
+    if len(set(picked)) != len(picked):
+        dup = sorted({c for c in picked if picked.count(c) > 1})
         raise InputError(f"`wrt` names column(s) {dup} more than once; list each unknown once.")
-    return _whole_or(cols, width)
+    return _whole_or(picked, width)
 
 
 def _whole_or(cols: tuple[int, ...], width: int) -> tuple[int, ...] | None:
@@ -124,7 +124,7 @@ def _perm(cols: tuple[int, ...], width: int) -> tuple[int, ...] | None:
     return tuple(pos[c] for c in range(width))
 
 
-def _split_inputs(inputs: tuple[Any, ...]) -> tuple[str, list[Any], tuple[str, ...] | None]:
+def _split_inputs(inputs: tuple[Any, ...]) -> tuple[InputKind, list[Any], tuple[str, ...] | None]:
     if not inputs:
         raise InputError(
             "jacobian() needs the model's inputs: jacobian(model, x), jacobian(model, unknown, "

@@ -72,7 +72,7 @@ def workload_inputs(name: str, n: int, seed: int = 1, dtype: type = np.float32
     rng = np.random.default_rng(seed)
     if w.kind == "cnn":
         return rng.uniform(0, 1, (n, *w.sizes)).astype(dtype), None
-    x = rng.normal(0, 1, (n, w.sizes[0])).astype(dtype)
+    x: np.ndarray = rng.normal(0, 1, (n, w.sizes[0])).astype(dtype)
     if w.n_unknown == w.sizes[0]:
         return x, None
     return x[:, : w.n_unknown].copy(), x[:, w.n_unknown:].copy()
