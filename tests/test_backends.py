@@ -43,7 +43,7 @@ def test_detect_by_type_and_references() -> None:
     assert detect(model) == "tensorflow"
     assert detect(tf.function(lambda x: x)) == "tensorflow"
 
-    def uses_tf(x):  # noqa: ANN001, ANN202
+    def uses_tf(x):
         return tf.sin(x)
 
     assert detect(uses_tf) == "tensorflow"

@@ -90,7 +90,8 @@ def test_bad_wrt_for_multi_input(x: np.ndarray) -> None:
 def test_nan_reports_first_bad_row(x: np.ndarray) -> None:
     x[4, 2] = np.inf
     x[6, 0] = np.nan
-    with pytest.raises(batchjac.InputError, match=r"`x` has a non-finite value \(inf\) in row 4 at \(2,\); 2 row"):
+    msg = r"`x` has a non-finite value \(inf\) in row 4 at \(2,\); 2 row"
+    with pytest.raises(batchjac.InputError, match=msg):
         jac(x)
     with pytest.raises(batchjac.InputError, match="nan_policy"):
         jac(x, nan_policy="omit")

@@ -30,3 +30,26 @@ def main() -> None:
         cli(standalone_mode=True)
     except KeyboardInterrupt:  # pragma: no cover
         sys.exit(130)
+
+
+@cli.command()
+@click.option("--quick", is_flag=True, help="Smaller batches and fewer repeats (about two minutes).")
+@click.option("--output", type=click.Path(dir_okay=False), default="BENCHMARKS.md", show_default=True,
+              help="Markdown report to write; the PNG chart goes beside it.")
+@click.option("--backend", "backends", multiple=True, type=click.Choice(["tensorflow", "torch", "jax"]),
+              help="Only these backends (repeatable); default: every installed one.")
+@click.option("--workload", "workloads", multiple=True, type=click.Choice(["W1", "W2", "W3", "W4"]),
+              help="Only these workloads (repeatable).")
+@click.option("--no-memory", is_flag=True, help="Skip the W2 N=100,000 out-of-core memory measurement.")
+def bench(quick: bool, output: str, backends: tuple[str, ...], workloads: tuple[str, ...],
+          no_memory: bool) -> None:
+    """Time batchjac beside the hand-written baselines and write BENCHMARKS.md."""
+    from pathlib import Path
+
+    from ._bench import memory
+    from ._bench.run import main as run_bench
+
+    extras = [] if (no_memory or quick) else [memory.section]
+    run_bench(quick=quick, output=Path(output), backends=list(backends) or None,
+              workloads=list(workloads) or None, log=lambda s: click.echo(s, err=True),
+              command="batchjac " + " ".join(sys.argv[1:]), extras=extras)

@@ -1,7 +1,7 @@
 """Configuration read from the environment, in one place, validated on first use.
 
 ``BATCHJAC_MAX_MEMORY``  default memory budget for one chunk, e.g. ``"512MB"``, ``"2GB"``
-                         (default ``"1GB"``).
+                         (default: 1/8 of physical memory, between 512 MB and 4 GB).
 ``BATCHJAC_PROBES``      ``"on"`` (default) or ``"off"``: the one-off checks that a model's
                          output is connected to the unknowns and that rows do not interact.
 """
@@ -15,7 +15,6 @@ from ._errors import InputError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_DEFAULT_MAX_MEMORY = "1GB"
 
 
 def parse_bytes(value: int | float | str, *, name: str = "max_memory") -> int:
@@ -48,8 +47,14 @@ def parse_bytes(value: int | float | str, *, name: str = "max_memory") -> int:
 
 
 def default_max_memory() -> int:
-    raw = os.environ.get("BATCHJAC_MAX_MEMORY", _DEFAULT_MAX_MEMORY)
-    return parse_bytes(raw, name="BATCHJAC_MAX_MEMORY")
+    raw = os.environ.get("BATCHJAC_MAX_MEMORY")
+    if raw is not None:
+        return parse_bytes(raw, name="BATCHJAC_MAX_MEMORY")
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        physical = 8 * 10**9
+    return int(min(4 * 10**9, max(512 * 10**6, physical // 8)))
 
 
 def probes_enabled() -> bool:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Literal
 
 import numpy as np
 
 from . import _backends
+from ._autotune import tune
 from ._config import default_max_memory, parse_bytes, probes_enabled
 from ._errors import BatchJacError, InputError, add_context
 from ._plan import ModeArg, Plan, make_plan
 from ._probes import run_probes
 from ._runner import run_chunks, run_single
+from ._sinks import ArraySink
 from ._spec import BatchSpec
 from ._validate import DTypeLike, NanPolicy, normalize
 
@@ -34,6 +37,7 @@ def jacobian(
     out: Any = None,
     backend: BackendName | None = None,
     backend_options: dict[str, Any] | None = None,
+    explain: bool = False,
 ) -> Any:
     """Per-instance Jacobians ``J[i] = d model(inputs_i) / d unknown_i``.
 
@@ -54,7 +58,8 @@ def jacobian(
     ``BATCHJAC_MAX_MEMORY``), ``dtype`` (float32 unless asked or the inputs are float64),
     ``nan_policy`` ("raise" or "propagate"), ``out`` (a writable array of the result's shape,
     e.g. an ``np.memmap``, filled in place chunk by chunk), ``backend`` (detected from the
-    model's type unless given).
+    model's type unless given), ``explain`` (print the plan and why to stderr; it is also
+    logged at debug level on the "batchjac" logger).
 
     >>> import numpy as np, batchjac
     >>> from batchjac.examples import seed_model
@@ -70,7 +75,7 @@ def jacobian(
     try:
         return _compute(model, spec, name, mode=mode, chunk_size=chunk_size,
                         max_memory=max_memory, return_outputs=return_outputs, out=out,
-                        options=backend_options or {})
+                        options=backend_options or {}, explain=explain)
     except BatchJacError as e:
         shapes = ", ".join(f"{n} {a.shape} {a.dtype}" for n, a in zip(spec.names, spec.arrays))
         raise add_context(e, f"backend={name}; inputs: {shapes}; compute dtype {spec.dtype}") from e
@@ -103,13 +108,12 @@ def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
     budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
     plan = make_plan(n=spec.n, k=spec.k, m=m, in_elems=in_elems, dtype=spec.dtype, mode=mode,
                      chunk_size=chunk_size, max_memory=budget)
-    log.debug("batchjac plan: %s", plan.reason)
     return plan
 
 
 def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
              chunk_size: int | None, max_memory: int | str | None, return_outputs: bool,
-             out: Any, options: dict[str, Any]) -> Any:
+             out: Any, options: dict[str, Any], explain: bool) -> Any:
     bound = prepare(model, spec, backend, options)
     plan = plan_for(spec, bound, mode=mode, chunk_size=chunk_size, max_memory=max_memory)
     assert bound.output_shape is not None
@@ -121,13 +125,18 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
         jac = out if out is not None else np.empty(j_shape, spec.dtype)
         return (np.empty(y_shape, spec.dtype), jac) if return_outputs else jac
 
+    if plan.uncertain:
+        plan = tune(bound, spec, plan, return_outputs)
+    if explain:
+        sys.stderr.write(f"batchjac: {plan.reason}\n")
+    log.debug("batchjac plan: %s", plan.reason)
     kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
     if out is None and plan.n_chunks == 1:
         y, jac = run_single(kernel, spec)
         return (y, jac) if return_outputs else jac
     out_j = out if out is not None else np.empty(j_shape, spec.dtype)
     out_y = np.empty(y_shape, spec.dtype) if return_outputs else None
-    run_chunks(kernel, spec, out_j, out_y)
+    run_chunks(kernel, spec, ArraySink(out_j, out_y))
     return (out_y, out_j) if return_outputs else out_j
 
 

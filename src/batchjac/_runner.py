@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from ._backends import Kernel
 from ._errors import BatchJacError, ModelError, add_context
+from ._sinks import ArraySink
 from ._spec import BatchSpec
 
 
@@ -20,41 +20,41 @@ def _pad(a: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([a, np.repeat(a[-1:], rows - a.shape[0], axis=0)], axis=0)
 
 
+def pad_chunk(spec: BatchSpec, lo: int, hi: int, rows: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """Rows ``lo:hi`` of the batch as kernel arguments, padded to ``rows``."""
+    u, ctx = spec.chunk(lo, hi)
+    return _pad(u, rows), tuple(_pad(c, rows) for c in ctx)
+
+
 def run_chunks(
     kernel: Kernel,
     spec: BatchSpec,
-    out_j: Any,
-    out_y: Any | None,
+    sink: ArraySink,
     *,
     on_chunk: Callable[[int], None] | None = None,
 ) -> None:
-    """Compute rows ``0..n`` chunk by chunk into ``out_j`` (and ``out_y``), which only need
-    slice assignment (numpy arrays, memmaps, stores)."""
+    """Compute rows ``0..n`` chunk by chunk, in order, into ``sink``."""
     cs = kernel.chunk_size
     for index, lo in enumerate(range(0, spec.n, cs)):
         hi = min(lo + cs, spec.n)
-        u, ctx = spec.chunk(lo, hi)
         try:
-            y, jac = kernel(_pad(u, cs), tuple(_pad(c, cs) for c in ctx))
+            y, jac = kernel(*pad_chunk(spec, lo, hi, cs))
         except BatchJacError as e:
             raise add_context(e, f"chunk {index}, rows {lo}:{hi}") from e
         except Exception as e:  # framework errors at run time
             raise ModelError(
                 f"The model failed on chunk {index} (rows {lo}:{hi}): {type(e).__name__}: {e}"
             ) from e
-        out_j[lo:hi] = jac[: hi - lo]
-        if out_y is not None and y is not None:
-            out_y[lo:hi] = y[: hi - lo]
+        sink.write(lo, hi, jac[: hi - lo], None if y is None else y[: hi - lo])
         if on_chunk is not None:
             on_chunk(hi - lo)
 
 
 def run_single(kernel: Kernel, spec: BatchSpec) -> tuple[np.ndarray | None, np.ndarray]:
     """All rows in one chunk: return the kernel's arrays without another copy."""
-    u, ctx = spec.chunk(0, spec.n)
     cs = kernel.chunk_size
     try:
-        y, jac = kernel(_pad(u, cs), tuple(_pad(c, cs) for c in ctx))
+        y, jac = kernel(*pad_chunk(spec, 0, spec.n, cs))
     except BatchJacError as e:
         raise add_context(e, f"rows 0:{spec.n}") from e
     except Exception as e:

@@ -56,6 +56,8 @@ class BoundModel(ABC):
         self.probed: bool = False
         self.output_shape: tuple[int, ...] | None = None
         self._kernels: dict[tuple[str, int, bool], Kernel] = {}
+        #: (chunk size, with outputs) -> (mode, measured timings), from _autotune
+        self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
 
     @abstractmethod
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:

@@ -99,7 +99,8 @@ class JaxBound(BoundModel):
         self.per_instance = per_instance
         self.has_params = params is not _NO_PARAMS
         self._model_split = _Split(model)
-        self._params_split = _Split(params if self.has_params else None)
+        self._params = params if self.has_params else None
+        self._params_split = _Split(self._params)
         self._forward: Any = None
         self._x64 = x64_enabled()
         self._captured = _captured_values(model)
@@ -112,12 +113,14 @@ class JaxBound(BoundModel):
 
     def update(self, **options: Any) -> None:
         """New params of the same structure (see ``JaxBackend.options_key``): no recompilation."""
-        if self.has_params and "params" in options:
-            new = _Split(options["params"])
-            if new.treedef != self._params_split.treedef or \
-                    [np.shape(a) for a in new.arrays] != [np.shape(a) for a in self.args[1]]:
-                raise InputError("`params` changed structure; bind the model again.")
-            self._params_split = new
+        params = options.get("params", self._params)
+        if not self.has_params or params is self._params:
+            return
+        new = _Split(params)
+        if new.treedef != self._params_split.treedef or \
+                [np.shape(a) for a in new.arrays] != [np.shape(a) for a in self.args[1]]:
+            raise InputError("`params` changed structure; bind the model again.")
+        self._params, self._params_split = params, new
 
     def refresh(self) -> None:
         _require_x64(self.signature.dtype)
@@ -125,6 +128,8 @@ class JaxBound(BoundModel):
         if self._x64 != x64_enabled() or not _same_values(captured, self._captured):
             # the x64 mode changes the dtypes of traced arrays; rebound closure values would
             # be stale constants in the compiled kernels: trace everything again
+            self._model_split = _Split(self.model)
+            self._params_split = _Split(self._params)
             self._kernels.clear()
             self._forward = None
             self.probed = False
@@ -382,7 +387,7 @@ def _same_values(a: list[Any], b: list[Any]) -> bool:
 
 def _leaf_key(leaf: Any) -> Hashable:
     if _is_array(leaf):
-        return ("array", tuple(np.shape(leaf)), str(np.result_type(leaf)))
+        return ("array", tuple(np.shape(leaf)), str(leaf.dtype))
     try:
         hash(leaf)
     except TypeError:

@@ -268,7 +268,8 @@ class TFKernel(Kernel):
             self._fn(u, *ctx)
         except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
                 tf.errors.InternalError) as xla_error:
-            graph_fn = tf.function(self._traced, jit_compile=False, autograph=False).get_concrete_function(*self._specs)
+            graph = tf.function(self._traced, jit_compile=False, autograph=False)
+            graph_fn = graph.get_concrete_function(*self._specs)
             try:
                 graph_fn(u, *ctx)
             except tf.errors.OpError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,14 +66,15 @@ def cnn_weights(seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def workload_inputs(name: str, n: int, seed: int = 1, dtype: type = np.float32
+def workload_inputs(name: str, n: int, seed: int = 1, dtype: Any = np.float32
                     ) -> tuple[np.ndarray, np.ndarray | None]:
     """``(unknown, known)`` rows for a workload; ``known`` is None when every input is unknown."""
     w = WORKLOADS[name]
     rng = np.random.default_rng(seed)
     if w.kind == "cnn":
-        return rng.uniform(0, 1, (n, *w.sizes)).astype(dtype), None
-    x: np.ndarray = rng.normal(0, 1, (n, w.sizes[0])).astype(dtype)
+        return rng.random((n, *w.sizes), dtype=dtype), None
+    # drawn in the target dtype: no float64 temporary (W2 at N=100,000 would double its peak)
+    x: np.ndarray = rng.standard_normal((n, w.sizes[0]), dtype=dtype)
     if w.n_unknown == w.sizes[0]:
         return x, None
     return x[:, : w.n_unknown].copy(), x[:, w.n_unknown:].copy()

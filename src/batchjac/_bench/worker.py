@@ -1,0 +1,145 @@
+"""Time batchjac beside the baselines of one framework on one workload, in this process.
+
+Run by :mod:`batchjac._bench.run` in a fresh subprocess per (workload, backend), so that
+frameworks' thread pools and memory do not mix and each peak-memory figure is its own.
+Prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Case:
+    name: str  # e.g. "B2 batch_jacobian+XLA"
+    fn: Callable[[], np.ndarray]
+    role: str  # "batchjac" | "expert" | "user" | "forward"
+    scale: float = 1.0  # time multiplier (B0 is timed on a subset of rows)
+    rows: int | None = None  # rows the result covers, when a subset
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def build_cases(workload: str, backend: str, n: int, loop_rows: int) -> tuple[list[Case], dict[str, Any]]:
+    import batchjac
+    from batchjac.examples import WORKLOADS, workload_inputs, workload_model
+
+    w = WORKLOADS[workload]
+    model = workload_model(workload, backend)
+    unknown, known = workload_inputs(workload, n)
+    data = (unknown,) if known is None else (unknown, known)
+    cases = [Case("batchjac", lambda: batchjac.jacobian(model, *data), "batchjac")]
+    sub = min(loop_rows, n)
+    if backend == "tensorflow":
+        from . import tf_baselines as b
+
+        xla = b.xla_batch_jacobian(model)
+        fwd = b.xla_forward(model)
+        ks = None if known is None else known[:sub]
+        cases += [
+            Case("B2 batch_jacobian+XLA", lambda: xla(unknown, known), "expert"),
+            Case("B1 eager batch_jacobian", lambda: b.eager_batch_jacobian(model, unknown, known), "user"),
+            Case(f"B0 loop (x{n / sub:g} of {sub} rows)", lambda: b.naive_loop(model, unknown[:sub], ks),
+                 "user", scale=n / sub, rows=sub),
+            Case("F forward (XLA)", lambda: fwd(unknown, known), "forward"),
+        ]
+    elif backend == "torch":
+        from . import torch_baselines as b  # type: ignore[no-redef]
+
+        rev, fwdj, fwd = b.vmap_jac(model, "jacrev"), b.vmap_jac(model, "jacfwd"), b.forward(model)
+        cases += [
+            Case("B3 vmap(jacrev)", lambda: rev(unknown, known), "expert"),
+            Case("B3 vmap(jacfwd)", lambda: fwdj(unknown, known), "expert"),
+            Case("F forward", lambda: fwd(unknown, known), "forward"),
+        ]
+    elif backend == "jax":
+        from . import jax_baselines as b  # type: ignore[no-redef]
+
+        rev, fwdj, fwd = b.vmap_jac(model, "jacrev"), b.vmap_jac(model, "jacfwd"), b.forward(model)
+        cases += [
+            Case("B4 jit(vmap(jacrev))", lambda: rev(unknown, known), "expert"),
+            Case("B4 jit(vmap(jacfwd))", lambda: fwdj(unknown, known), "expert"),
+            Case("F forward (jit)", lambda: fwd(unknown, known), "forward"),
+        ]
+    else:
+        raise SystemExit(f"unknown backend {backend!r}")
+    k = unknown[0].size
+    meta = {"workload": workload, "backend": backend, "n": n, "k": int(k), "description": w.description}
+    return cases, meta
+
+
+def measure(workload: str, backend: str, n: int, repeats: int, loop_rows: int,
+            slow_seconds: float = 2.0) -> dict[str, Any]:
+    cases, meta = build_cases(workload, backend, n, loop_rows)
+    first: dict[str, float] = {}
+    results: dict[str, np.ndarray] = {}
+    rss_batchjac = None
+    for case in cases:  # warm-up: compile, and keep each result for the correctness check
+        start = time.perf_counter()
+        results[case.name] = np.asarray(case.fn())
+        first[case.name] = time.perf_counter() - start
+        if case.role == "batchjac":
+            rss_batchjac = _peak_rss_mb()
+    times: dict[str, list[float]] = {c.name: [] for c in cases}
+    for r in range(repeats):  # interleaved, so drifting machine load hits every case alike
+        for case in cases:
+            if r >= 2 and first[case.name] > slow_seconds:
+                continue  # very slow baselines: two timed repeats are enough
+            start = time.perf_counter()
+            case.fn()
+            times[case.name].append(time.perf_counter() - start)
+    med = {c.name: statistics.median(times[c.name]) * c.scale for c in cases}
+    experts = [c for c in cases if c.role == "expert"]
+    best = min(experts, key=lambda c: med[c.name])
+    ref = results[best.name].astype(np.float64)
+    scale = float(np.abs(ref).max()) or 1.0
+    errors = {}
+    for c in cases:
+        if c.role == "forward":
+            continue
+        res = results[c.name].astype(np.float64)
+        errors[c.name] = float(np.abs(res - ref[: res.shape[0]]).max() / scale)
+    m = int(np.prod(results[best.name].shape[1:], dtype=np.int64)) // meta["k"]
+    return {
+        **meta,
+        "m": m,
+        "repeats": repeats,
+        "cases": [
+            {"name": c.name, "role": c.role, "median_s": med[c.name],
+             "compile_s": max(0.0, first[c.name] * c.scale - med[c.name]) if c.scale == 1 else None,
+             "n_timed": len(times[c.name]), "max_rel_err_vs_best": errors.get(c.name)}
+            for c in cases
+        ],
+        "best_expert": best.name,
+        "peak_rss_mb_after_batchjac": rss_batchjac,
+        "peak_rss_mb_end": _peak_rss_mb(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("workload")
+    p.add_argument("backend")
+    p.add_argument("n", type=int)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--loop-rows", type=int, default=100)
+    args = p.parse_args(argv)
+    out = measure(args.workload, args.backend, args.n, args.repeats, args.loop_rows)
+    sys.stdout.write("BENCH-JSON " + json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()

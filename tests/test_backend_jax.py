@@ -1,0 +1,382 @@
+"""JAX backend: the conformance suite plus JAX-specific model kinds, options and errors.
+
+float64 needs JAX's x64 mode. Tests that use it switch it on in a context (thread-local, undone
+on exit), so the setting never leaks into other test modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+import batchjac  # noqa: E402
+from batchjac import _backends  # noqa: E402
+from batchjac._examples import jax as jax_examples  # noqa: E402
+from batchjac.examples import (  # noqa: E402
+    mlp_forward,
+    mlp_jacobian,
+    mlp_weights,
+    seed_model,
+    workload_inputs,
+    workload_model,
+)
+
+from .conformance import SEED_SIZES, BackendConformance  # noqa: E402
+from .helpers import assert_jac_close, central_differences  # noqa: E402
+
+
+def x64() -> contextlib.AbstractContextManager[Any]:
+    """JAX's x64 mode for the duration of a ``with`` block only."""
+    if hasattr(jax, "enable_x64"):  # jax >= 0.7: a config state usable as a context
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # pragma: no cover - older jax
+
+    return enable_x64()  # pragma: no cover
+
+
+def data(shape: tuple[int, ...], seed: int, dtype: str = "float32") -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 1, shape).astype(dtype)
+
+
+def bound_of(model: Any, dtype: Any = np.float32) -> Any:
+    return next(b for b in _backends._bound[model].values() if b.signature.dtype == dtype)
+
+
+class TestJaxConformance(BackendConformance):
+    backend: ClassVar[str] = "jax"
+    # the backend walks the jaxpr of the forward-mode derivative: no path -> NotConnectedError
+    detects_disconnected: ClassVar[bool] = True
+
+    def mlp(self, sizes: tuple[int, ...], dtype: str) -> Any:
+        return jax_examples.mlp(sizes, dtype=dtype)
+
+    def linear(self, w: np.ndarray, b: np.ndarray, dtype: str) -> Any:
+        wj, bj = jnp.asarray(w.astype(dtype)), jnp.asarray(b.astype(dtype))
+        return lambda x: x @ wj + bj
+
+    def linear_3d(self, w: np.ndarray, dtype: str, out_shape: tuple[int, int]) -> Any:
+        wj = jnp.asarray(w.astype(dtype))
+        return lambda x: (x @ wj).reshape(x.shape[0], *out_shape)
+
+    def elementwise(self, dtype: str) -> Any:
+        return lambda x: jnp.sin(x) + 0.5 * x**2
+
+    def two_input(self, wx: np.ndarray, wh: np.ndarray, dtype: str, as_dict: bool) -> Any:
+        wxj, whj = jnp.asarray(wx.astype(dtype)), jnp.asarray(wh.astype(dtype))
+
+        def f(x: Any, h: Any) -> Any:  # positional or keywords x=, h=: the same function
+            return jnp.tanh(x @ wxj + h @ whj)
+
+        return f
+
+    def disconnected(self, dtype: str) -> Any:
+        return lambda x: jnp.ones((x.shape[0], 3), x.dtype) * 2.0
+
+    def batch_coupled(self, dtype: str) -> Any:
+        return lambda x: x - x.mean(axis=0, keepdims=True)
+
+    def float64(self) -> contextlib.AbstractContextManager[Any]:
+        return x64()
+
+
+# ---- float64 references ---------------------------------------------------------------------
+
+
+def _smooth(x: Any, w: Any, xp: Any) -> Any:
+    """A non-MLP batch function with a (N, 2, 3) output: products, sin, exp."""
+    z = xp.sin(x @ w) * x[:, :1] ** 2 + xp.exp(0.3 * x[:, 1:2])
+    return z.reshape(x.shape[0], 2, 3)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_float64_against_finite_differences(mode: str, chunk_size: int | None) -> None:
+    w = data((4, 6), seed=1, dtype="float64")
+    x = data((30, 4), seed=2, dtype="float64")
+    ref = central_differences(lambda v: _smooth(v, w, np), x)
+    with x64():
+        wj = jnp.asarray(w)
+        jac = batchjac.jacobian(lambda v: _smooth(v, wj, jnp), x, mode=mode,
+                                chunk_size=chunk_size)
+    assert jac.dtype == np.float64
+    assert jac.shape == (30, 2, 3, 4)
+    assert_jac_close(jac, ref)  # 1e-8
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_float32_against_finite_differences(mode: str) -> None:
+    w = data((4, 6), seed=3)
+    x = data((25, 4), seed=4)
+    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    jac = batchjac.jacobian(lambda v: _smooth(v, jnp.asarray(w), jnp), x, mode=mode,
+                            chunk_size=10)
+    assert jac.dtype == np.float32
+    assert_jac_close(jac, ref)  # 1e-4
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_float64_seed_model_chunked(mode: str) -> None:
+    unknown, known = workload_inputs("W1", 1000, seed=5, dtype=np.float64)
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
+    with x64():
+        model = seed_model("jax", dtype="float64")
+        y, jac = batchjac.jacobian(model, unknown, known, mode=mode, chunk_size=300,
+                                   return_outputs=True)
+    assert_jac_close(jac, ref)
+    np.testing.assert_allclose(y, mlp_forward(mlp_weights(SEED_SIZES),
+                                              np.concatenate([unknown, known], 1)), rtol=1e-12)
+
+
+def test_float64_without_x64_is_refused_with_the_fix() -> None:
+    model = seed_model("jax")
+    x = data((5, 8), seed=6, dtype="float64")
+    with pytest.raises(batchjac.InputError, match=r'jax.config.update\("jax_enable_x64", True\)'):
+        batchjac.jacobian(model, x)
+    with pytest.raises(batchjac.InputError, match="x64 mode"):
+        batchjac.jacobian(model, x.astype(np.float32), dtype="float64")
+    assert batchjac.jacobian(model, x, dtype="float32").dtype == np.float32
+
+
+def test_x64_state_is_checked_on_every_call() -> None:
+    model = seed_model("jax")
+    x = data((6, 8), seed=7)
+    with x64():
+        batchjac.jacobian(model, x.astype(np.float64))  # bound and compiled in x64 mode
+        batchjac.jacobian(model, x)
+    with pytest.raises(batchjac.InputError, match="x64 mode is off"):
+        batchjac.jacobian(model, x.astype(np.float64))  # the cached float64 binding
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), x)
+    assert_jac_close(batchjac.jacobian(model, x), ref)  # float32 after leaving x64: retraced
+
+
+# ---- model kinds and options ----------------------------------------------------------------
+
+
+def _params_mlp(params: Any, x: Any) -> Any:
+    h = x
+    for i, (w, b) in enumerate(params):
+        h = h @ w + b
+        if i < len(params) - 1:
+            h = jnp.tanh(h)
+    return h
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_params_option(mode: str) -> None:
+    layers = mlp_weights(SEED_SIZES, seed=3)
+    params = [(jnp.asarray(w, jnp.float32), jnp.asarray(b, jnp.float32)) for w, b in layers]
+    x = data((40, 8), seed=8)
+    jac = batchjac.jacobian(_params_mlp, x, wrt=[0, 3, 7], mode=mode,
+                            backend_options={"params": params})
+    assert_jac_close(jac, mlp_jacobian(layers, x)[:, :, [0, 3, 7]])
+    # new params of the same structure: the new Jacobian, never the cached one
+    traces = bound_of(_params_mlp).trace_count
+    doubled = jax.tree_util.tree_map(lambda a: 2 * a, params)
+    layers2 = [(2 * w, 2 * b) for w, b in layers]
+    jac2 = batchjac.jacobian(_params_mlp, x, wrt=[0, 3, 7], mode=mode,
+                             backend_options={"params": doubled})
+    assert_jac_close(jac2, mlp_jacobian(layers2, x)[:, :, [0, 3, 7]])
+    assert bound_of(_params_mlp).trace_count == traces  # params are kernel arguments
+
+
+def test_float32_params_in_float64() -> None:
+    layers = mlp_weights(SEED_SIZES, seed=4)
+    params = [(w.astype(np.float32), b.astype(np.float32)) for w, b in layers]  # numpy leaves
+    x = data((12, 8), seed=9, dtype="float64")
+    layers32 = [(w.astype(np.float64), b.astype(np.float64)) for w, b in params]
+    with x64():
+        jac = batchjac.jacobian(_params_mlp, x, backend_options={"params": params})
+    assert jac.dtype == np.float64
+    assert_jac_close(jac, mlp_jacobian(layers32, x))  # float64 on the float32-rounded weights
+
+
+def _per_instance_mlp(layers: list[tuple[Any, Any]]) -> Any:
+    def one(x: Any) -> Any:  # x: (in,) -> (out,), one instance; fails on a batch
+        if x.ndim != 1:
+            raise ValueError(f"one instance of shape (in,) expected, got shape {x.shape}")
+        return _params_mlp(layers, x)
+
+    return one
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_per_instance_option(mode: str) -> None:
+    layers = mlp_weights(SEED_SIZES, seed=5)
+    one = _per_instance_mlp([(jnp.asarray(w, jnp.float32), jnp.asarray(b, jnp.float32))
+                             for w, b in layers])
+    x = data((33, 8), seed=10)
+    y, jac = batchjac.jacobian(one, x[:, :5], x[:, 5:], mode=mode, chunk_size=10,
+                               return_outputs=True, backend_options={"per_instance": True})
+    assert_jac_close(jac, mlp_jacobian(layers, x)[:, :, :5])
+    np.testing.assert_allclose(y, mlp_forward(layers, x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(batchjac.ModelError, match=r"'per_instance': True"):
+        batchjac.jacobian(one, x[:, :5], x[:, 5:], mode=mode)  # a batch given to it
+
+
+def _equinox_mlp() -> tuple[Any, list[tuple[np.ndarray, np.ndarray]]]:
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(8, 4, width_size=16, depth=2, activation=jnp.tanh,
+                       key=jax.random.PRNGKey(0))
+    layers = [(np.asarray(lin.weight, np.float64).T, np.asarray(lin.bias, np.float64))
+              for lin in model.layers]
+    return model, layers
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_equinox_module_per_instance(mode: str) -> None:
+    model, layers = _equinox_mlp()
+    x = data((21, 8), seed=11)
+    jac = batchjac.jacobian(model, x, wrt=slice(2, 8), mode=mode,
+                            backend_options={"per_instance": True})  # backend detected
+    assert_jac_close(jac, mlp_jacobian(layers, x)[:, :, 2:])
+    with x64():  # float32 module, float64 compute: its weights are cast inside the kernel
+        jac64 = batchjac.jacobian(model, x.astype(np.float64), mode=mode,
+                                  backend_options={"per_instance": True})
+    assert jac64.dtype == np.float64
+    assert_jac_close(jac64, mlp_jacobian(layers, x.astype(np.float64)))
+
+
+def test_equinox_module_without_per_instance_says_so() -> None:
+    model, _ = _equinox_mlp()
+    with pytest.raises(batchjac.ModelError, match=r"backend_options=\{'per_instance': True\}"):
+        batchjac.jacobian(model, data((6, 8), seed=12))
+
+
+def test_jitted_model_and_jax_array_inputs() -> None:
+    w = jnp.asarray(data((5, 3), seed=13))
+    f = jax.jit(lambda x: jnp.tanh(x @ w))
+    x = data((9, 5), seed=14)
+    ref = central_differences(lambda v: np.tanh(v @ np.asarray(w, np.float64)), x)
+    assert_jac_close(batchjac.jacobian(f, jnp.asarray(x)), ref)
+
+
+def test_integer_context_input() -> None:
+    table = jnp.asarray(data((4, 3), seed=15))
+
+    def f(x: Any, ids: Any) -> Any:  # an embedding lookup by integer id, per row
+        return jnp.tanh(x * table[ids])
+
+    x, ids = data((10, 3), seed=16), np.arange(10) % 4
+    jac = batchjac.jacobian(f, (x, ids), wrt=0, chunk_size=4)
+    d = np.asarray(table, np.float64)[ids]
+    ref = np.einsum("ni,ij->nij", (1 - np.tanh(x * d) ** 2) * d, np.eye(3))
+    assert_jac_close(jac, ref)
+
+
+def test_rebound_closure_values_are_not_stale() -> None:
+    x = data((8, 3), seed=17)
+    scale = jnp.float32(1.0)
+    state = {"w": jnp.eye(3, dtype=jnp.float32)}
+
+    def f(v: Any) -> Any:
+        return jnp.sin(v) @ state["w"] * scale
+
+    base = np.einsum("ni,ij->nij", np.cos(x.astype(np.float64)), np.eye(3))
+    assert_jac_close(batchjac.jacobian(f, x), base)
+    scale = jnp.float32(3.0)  # a rebound closure variable
+    assert_jac_close(batchjac.jacobian(f, x), 3 * base)
+    state["w"] = -state["w"]  # a new array in a dict the function reads
+    assert_jac_close(batchjac.jacobian(f, x), -3 * base)
+
+
+def test_unused_unknowns_get_zero_columns() -> None:
+    model = jax_examples.mlp((3, 16, 2))
+    x = data((20, 5), seed=18)
+    jac = batchjac.jacobian(lambda v: model(v[:, :3]), x, backend="jax")
+    np.testing.assert_array_equal(jac[:, :, 3:], 0.0)
+    assert_jac_close(jac[:, :, :3], mlp_jacobian(mlp_weights((3, 16, 2)), x[:, :3]))
+
+
+def test_stop_gradient_is_not_connected() -> None:
+    x = data((6, 4), seed=19)
+    with pytest.raises(batchjac.NotConnectedError, match="does not depend on the unknowns"):
+        batchjac.jacobian(lambda v: jnp.tanh(jax.lax.stop_gradient(v)), x)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def test_tuple_and_dict_outputs_are_refused() -> None:
+    x = data((4, 3), seed=20)
+    with pytest.raises(batchjac.ModelError, match="returned a tuple of 2 outputs.*one output"):
+        batchjac.jacobian(lambda v: (v * 2, v.sum(1)), x, backend="jax")
+    with pytest.raises(batchjac.ModelError, match=r"dict with keys \['a'\].*f\(x\)\['a'\]"):
+        batchjac.jacobian(lambda v: {"a": v * 2}, x, backend="jax")
+
+
+def test_integer_output_is_refused() -> None:
+    x = data((4, 3), seed=21)
+    with pytest.raises(batchjac.ModelError, match="dtype int32; it must be floating"):
+        batchjac.jacobian(lambda v: jnp.round(v).astype(jnp.int32), x, backend="jax")
+
+
+def test_output_computed_outside_jax_is_explained() -> None:
+    x = data((4, 3), seed=22)
+    with pytest.raises(batchjac.ModelError, match="converts a traced JAX array to numpy"):
+        batchjac.jacobian(lambda v: jnp.asarray(np.tanh(np.asarray(v))), x, backend="jax")
+    with pytest.raises(batchjac.ModelError, match="not a JAX array"):
+        batchjac.jacobian(lambda v: np.ones((4, 2), np.float32), x, backend="jax")
+
+
+def test_python_control_flow_on_values_is_explained() -> None:
+    def f(v: Any) -> Any:
+        return v * 2 if v.sum() > 0 else v
+
+    with pytest.raises(batchjac.ModelError, match="Python control flow.*jnp.where"):
+        batchjac.jacobian(f, data((4, 3), seed=23), backend="jax")
+
+
+def test_model_failure_names_params_option() -> None:
+    with pytest.raises(batchjac.ModelError, match=r"backend_options=\{'params': params\}"):
+        batchjac.jacobian(_params_mlp, data((4, 8), seed=24))
+
+
+def test_bad_options() -> None:
+    model, x = seed_model("jax"), data((4, 8), seed=25)
+    with pytest.raises(batchjac.InputError, match=r"Unknown JAX backend option\(s\) \['param'\]"):
+        batchjac.jacobian(model, x, backend_options={"param": 1})
+    with pytest.raises(batchjac.InputError, match="must be True or False; got 'yes'"):
+        batchjac.jacobian(model, x, backend_options={"per_instance": "yes"})
+    with pytest.raises(batchjac.InputError, match="must be callable"):
+        batchjac.jacobian(jnp.ones(3), x, backend="jax")
+
+
+# ---- compilation --------------------------------------------------------------------------
+
+
+def test_100k_rows_compile_once_per_mode() -> None:
+    model = seed_model("jax")
+    unknown, known = workload_inputs("W1", 100_000, seed=26)
+    counts = {}
+    for mode in ("forward", "reverse"):
+        jac = batchjac.jacobian(model, unknown, known, mode=mode, chunk_size=16384)
+        counts[mode] = bound_of(model).trace_count
+    assert counts == {"forward": 1, "reverse": 2}  # one compilation per mode for 7 chunks
+    batchjac.jacobian(model, unknown[:5000], known[:5000], mode="reverse", chunk_size=16384)
+    assert bound_of(model).trace_count == 2  # a shorter batch reuses the padded chunk kernel
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown[-500:], known[-500:]], 1))
+    assert_jac_close(jac[-500:], ref[:, :, :5])
+
+
+# ---- the same weights in Keras and JAX -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "n"), [("W1", 50), ("W4", 6)])
+def test_same_jacobians_as_keras(name: str, n: int) -> None:
+    pytest.importorskip("tensorflow")
+    unknown, known = workload_inputs(name, n, seed=27)
+    args = (unknown,) if known is None else (unknown, known)
+    keras_model, jax_model = workload_model(name, "tensorflow"), workload_model(name, "jax")
+    y_k, jac_k = batchjac.jacobian(keras_model, *args, return_outputs=True)
+    y_j, jac_j = batchjac.jacobian(jax_model, *args, return_outputs=True)
+    x = unknown if known is None else np.concatenate([unknown, known], 1)
+    np.testing.assert_allclose(y_j, keras_model(x, training=False).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y_j, y_k, rtol=1e-5, atol=1e-5)
+    assert jac_j.shape == jac_k.shape
+    assert_jac_close(jac_j, np.asarray(jac_k, np.float64))
