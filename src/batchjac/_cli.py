@@ -25,6 +25,28 @@ def demo(rows: int) -> None:
     run_demo(rows)
 
 
+# Commands of other modules (`COMMANDS = [...]` in each), registered without importing any
+# framework: those modules import heavy things inside their command functions only.
+_COMMAND_MODULES = ("_cli_compute", "_cli_analysis", "_cli_solve")
+
+
+def _register() -> None:
+    import importlib
+
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"batchjac.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"batchjac.{name}":
+                raise
+            continue
+        for command in module.COMMANDS:
+            cli.add_command(command)
+
+
+_register()
+
+
 def main() -> None:
     try:
         cli(standalone_mode=True)
