@@ -304,7 +304,7 @@ def test_stop_gradient_is_not_connected() -> None:
 
 def test_tuple_and_dict_outputs_are_refused() -> None:
     x = data((4, 3), seed=20)
-    with pytest.raises(batchjac.ModelError, match="returned a tuple of 2 outputs.*one output"):
+    with pytest.raises(batchjac.ModelError, match=r"returned a tuple of 2 outputs.*one output"):
         batchjac.jacobian(lambda v: (v * 2, v.sum(1)), x, backend="jax")
     with pytest.raises(batchjac.ModelError, match=r"dict with keys \['a'\].*f\(x\)\['a'\]"):
         batchjac.jacobian(lambda v: {"a": v * 2}, x, backend="jax")
@@ -328,7 +328,7 @@ def test_python_control_flow_on_values_is_explained() -> None:
     def f(v: Any) -> Any:
         return v * 2 if v.sum() > 0 else v
 
-    with pytest.raises(batchjac.ModelError, match="Python control flow.*jnp.where"):
+    with pytest.raises(batchjac.ModelError, match=r"Python control flow.*jnp\.where"):
         batchjac.jacobian(f, data((4, 3), seed=23), backend="jax")
 
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -50,6 +51,11 @@ def default_max_memory() -> int:
     raw = os.environ.get("BATCHJAC_MAX_MEMORY")
     if raw is not None:
         return parse_bytes(raw, name="BATCHJAC_MAX_MEMORY")
+    return _physical_default()
+
+
+@functools.cache
+def _physical_default() -> int:
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not POSIX

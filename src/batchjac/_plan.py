@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -59,6 +60,7 @@ def granule(n: int) -> int:
     return 1 << max(0, int(math.log2(max(n, 1))) - 7)
 
 
+@functools.lru_cache(maxsize=256)  # called on every jacobian(); the inputs are small and hashable
 def make_plan(
     *, n: int, k: int, m: int, in_elems: int, dtype: np.dtype, mode: ModeArg,
     chunk_size: int | None, max_memory: int,

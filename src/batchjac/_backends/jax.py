@@ -76,10 +76,11 @@ class _Split:
     """A pytree cut into its array leaves (kernel arguments) and the rest (static)."""
 
     def __init__(self, tree: Any) -> None:
-        leaves, self.treedef = jax.tree_util.tree_flatten(tree)
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        self.treedef: Any = treedef
         self.where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-        self.static = leaves
         self.arrays = [jax.device_put(leaves[i]) for i in self.where]
+        self.static = [None if _is_array(leaf) else leaf for leaf in leaves]
 
     def merge(self, arrays: list[Any]) -> Any:
         leaves = list(self.static)
@@ -117,8 +118,9 @@ class JaxBound(BoundModel):
         if not self.has_params or params is self._params:
             return
         new = _Split(params)
-        if new.treedef != self._params_split.treedef or \
-                [np.shape(a) for a in new.arrays] != [np.shape(a) for a in self.args[1]]:
+        same = new.treedef == self._params_split.treedef and \
+            [np.shape(a) for a in new.arrays] == [np.shape(a) for a in self.args[1]]
+        if not same:
             raise InputError("`params` changed structure; bind the model again.")
         self._params, self._params_split = params, new
 

@@ -25,7 +25,7 @@ import math
 import types
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -44,6 +44,8 @@ class TrainingModeWarning(UserWarning):
     """The model was in training mode with layers that behave differently in eval mode;
     batchjac evaluates it in eval mode."""
 
+
+Engine = Literal["func", "autograd"]
 
 _OPTIONS = ("train_mode", "device")
 
@@ -97,7 +99,10 @@ class TorchBound(BoundModel):
         self._cast_src: dict[str, tuple[torch.Tensor, int]] = {}
         self._mode_warned = False
         self._perm: torch.Tensor | None = None  # layout.perm as an index tensor
-        self.forward_failure: str | None = None  # why forward mode fell back, once known
+        # what the first kernel call found out about this model (see TorchKernel._first_call)
+        self.forward_failure: str | None = None
+        self.fallback_warned = False
+        self.reverse_engine: Engine | None = None
         self.refresh()
 
     # -- state -------------------------------------------------------------------------------
@@ -259,21 +264,28 @@ class TorchBound(BoundModel):
         jac = jt.movedim(0, -1)
         return y, jac.reshape(*jac.shape[:-1], *self.signature.unknown_shape)
 
-    def jac_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], basis: torch.Tensor
+    def jac_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
+                    basis: torch.Tensor | None, engine: Engine = "func"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``basis`` is ``(m, rows, *out)``: unit cotangents broadcast over the rows, or None
-        before the output shape is known."""
-        with torch.enable_grad():
-            x = u.detach().requires_grad_(True)
-            y = self.apply(x, ctx)
+        """``basis`` is ``(m, rows, *out)``: unit cotangents broadcast over the rows (None:
+        built here). ``engine="func"`` is ``torch.func.vjp`` (the fastest); ``"autograd"`` is
+        plain autograd, for ``autograd.Function`` subclasses that torch.func rejects."""
+        if engine == "func":
+            y, pull = torch.func.vjp(lambda a: self.apply(a, ctx), u)
+        else:
+            with torch.enable_grad():
+                x = u.detach().requires_grad_(True)
+                y = self.apply(x, ctx)
         rows, out_shape = y.shape[0], tuple(y.shape[1:])
         m = math.prod(out_shape)
-        if basis is None or tuple(basis.shape[2:]) != out_shape:
+        if basis is None or tuple(basis.shape[1:]) != (rows, *out_shape):
             basis = _basis(m, rows, out_shape, y.dtype, y.device)
-        if y.requires_grad:
+        if engine == "func":
+            (jt,) = torch.func.vmap(pull)(basis)
+        elif y.requires_grad:
             (jt,) = torch.autograd.grad(y, x, basis, is_grads_batched=True, allow_unused=True,
                                         materialize_grads=True)
-        else:
+        else:  # no path from the unknowns at all (probes off): zero Jacobians
             jt = x.new_zeros((m, *x.shape))
         jac = jt.movedim(0, 1)  # (rows, m, *unknown_shape)
         return y.detach(), jac.reshape(rows, *out_shape, *self.signature.unknown_shape)
@@ -291,6 +303,10 @@ def _basis(n: int, rows: int, shape: tuple[int, ...], dtype: torch.dtype, device
 
 
 class TorchKernel(Kernel):
+    """Forward or reverse mode over chunks of ``chunk_size`` rows. The first call finds the
+    fastest path that works for this model: forward mode falls back to reverse mode (with one
+    warning), and torch.func's reverse mode to plain autograd (same values, no warning)."""
+
     def __init__(self, bound: TorchBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
         self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
         self._bound = bound
@@ -301,58 +317,69 @@ class TorchKernel(Kernel):
             m = math.prod(bound.output_shape)
             self._out_basis = _basis(m, chunk_size, bound.output_shape, bound.dtype, bound.device)
         self._in_basis = _basis(bound._k, chunk_size, sig.unknown_shape, bound.dtype, bound.device)
-        self._checked = False
-        if mode == "forward" and bound.forward_failure is not None:
-            self.mode = "reverse"  # this model has no forward mode; the warning was given
+        self._path: tuple[Mode, Engine] | None = None
 
-    def _run(self, mode: Mode, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+    def _run(self, path: tuple[Mode, Engine], u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        if mode == "forward":
+        if path[0] == "forward":
             return self._bound.jac_forward(u, ctx, self._in_basis)
-        return self._bound.jac_reverse(u, ctx, self._out_basis)  # type: ignore[arg-type]
+        return self._bound.jac_reverse(u, ctx, self._out_basis, path[1])
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                  ) -> tuple[np.ndarray | None, np.ndarray]:
         bound = self._bound
         ut, ct = bound.tensors(u, ctx)
         with bound.calling():
-            if self._checked:
-                y, jac = self._run(self.mode, ut, ct)
+            if self._path is not None:
+                y, jac = self._run(self._path, ut, ct)
             else:
                 y, jac = self._first_call(ut, ct)
         return (_to_numpy(y) if self.with_outputs else None), _to_numpy(jac)
 
     def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
-            out = self._run(self.mode, u, ctx)
-        except ModelError:
-            raise
-        except Exception as first:
-            if self.mode != "forward" or _out_of_memory(first):
-                raise _explain_model_failure(first, self._bound.signature) from first
+        bound = self._bound
+        paths: list[tuple[Mode, Engine]] = [("reverse", "func"), ("reverse", "autograd")]
+        if bound.reverse_engine is not None:  # another kernel found what works
+            paths = [("reverse", bound.reverse_engine)]
+        if self.mode == "forward" and bound.forward_failure is None:
+            paths.insert(0, ("forward", "func"))
+        first: Exception | None = None
+        for path in paths:
             try:
-                out = self._run("reverse", u, ctx)
-            except Exception:
-                raise _explain_model_failure(first, self._bound.signature) from first
-            self._fall_back(first)
-        self._checked = True
-        return out
+                out = self._run(path, u, ctx)
+            except ModelError:
+                raise
+            except Exception as e:
+                if _out_of_memory(e):
+                    raise _explain_model_failure(e, bound.signature) from e
+                first = first or e
+                if path[0] == "forward":
+                    bound.forward_failure = f"{type(e).__name__}: {_first_line(e)}"
+                continue
+            if path[0] == "reverse":
+                bound.reverse_engine = path[1]
+                if self.mode == "forward":
+                    self._warn_fallback()
+            self._path = path
+            return out
+        assert first is not None
+        raise _explain_model_failure(first, bound.signature) from first
 
-    def _fall_back(self, error: Exception) -> None:
+    def _warn_fallback(self) -> None:
         self.mode = "reverse"
         bound = self._bound
-        if bound.forward_failure is None:
-            bound.forward_failure = _first_line(error)
-            warnings.warn(
-                f"Forward mode failed for this model ({type(error).__name__}: "
-                f"{bound.forward_failure}); batchjac computes the Jacobians in reverse mode "
-                f"instead, which gives the same values but needs one backward pass per output "
-                f"rather than one pass per unknown. Usual cause: an operator or a custom "
-                f"torch.autograd.Function without a forward-mode (jvp) rule. Pass "
-                f"mode='reverse' to skip the attempt.",
-                ForwardModeFallbackWarning, stacklevel=5,
-            )
+        if bound.fallback_warned:
+            return
+        bound.fallback_warned = True
+        warnings.warn(
+            f"Forward mode failed for this model ({bound.forward_failure}); batchjac computes "
+            f"the Jacobians in reverse mode instead, which gives the same values but takes one "
+            f"backward pass per output rather than one pass per unknown. Usual cause: an "
+            f"operator or a custom torch.autograd.Function without a forward-mode rule (jvp, "
+            f"or vmap support). Pass mode='reverse' to skip the attempt.",
+            ForwardModeFallbackWarning, stacklevel=6,
+        )
 
 
 def _first_line(e: Exception) -> str:
