@@ -135,7 +135,7 @@ _bound_strong: dict[int, tuple[Any, dict[tuple[Any, ...], BoundModel]]] = {}
 
 
 def bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> BoundModel:
-    key = (backend.name, signature, tuple(sorted(options.items())))
+    key = (backend.name, signature, backend.options_key(options))
     try:
         per_model = _bound.setdefault(model, {})
     except TypeError:  # not weak-referenceable: keep a bounded strong cache
@@ -146,6 +146,8 @@ def bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> 
         per_model = _bound_strong[id(model)][1]
     if key not in per_model:
         per_model[key] = backend.bind(model, signature, **options)
+    else:
+        per_model[key].update(**options)
     return per_model[key]
 
 

@@ -10,6 +10,7 @@ Nothing outside ``batchjac._backends`` imports a framework.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -80,6 +81,10 @@ class BoundModel(ABC):
     def refresh(self) -> None:  # noqa: B027 - optional hook
         """Called before each use; e.g. re-sync weights of a float64 copy of the model."""
 
+    def update(self, **options: Any) -> None:  # noqa: B027 - optional hook
+        """Called when this cached bound model serves a call whose options have the same
+        :meth:`Backend.options_key`, e.g. new JAX params of the same structure."""
+
 
 class Backend(ABC):
     name: ClassVar[str]
@@ -88,7 +93,7 @@ class Backend(ABC):
     def bind(self, model: Any, signature: Signature, **options: Any) -> BoundModel:
         """Wrap ``model`` for ``signature``. Framework-specific checks of the model go here."""
 
-    @staticmethod
-    def owns(model: Any) -> bool:
-        """Whether ``model`` is recognisably of this backend's framework (no import needed)."""
-        return False
+    def options_key(self, options: dict[str, Any]) -> Hashable:
+        """What bound models are cached by, besides the model and the signature (hashable).
+        Options left out of the key reach the cached bound model through ``update``."""
+        return tuple(sorted(options.items()))

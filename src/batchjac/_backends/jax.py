@@ -24,6 +24,15 @@ global ``params`` reassigned after a training step) and compiles again instead o
 stale Jacobians. It cannot see arrays mutated in place (numpy ``w[...] = ...``).
 
 float64 needs JAX's x64 mode; batchjac never switches it on (that is a process-wide setting).
+
+>>> import jax, jax.numpy as jnp, numpy as np, batchjac
+>>> x = np.random.default_rng(0).normal(size=(100, 3)).astype(np.float32)
+>>> w = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2)).astype(np.float32))
+>>> batchjac.jacobian(lambda x: jnp.tanh(x @ w), x).shape                # f(x), a batch
+(100, 2, 3)
+>>> one = lambda x: jnp.tanh(w.T @ x)                                     # one instance
+>>> batchjac.jacobian(one, x, backend_options={"per_instance": True}).shape
+(100, 2, 3)
 """
 
 from __future__ import annotations
