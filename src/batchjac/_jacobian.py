@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from typing import Any, Literal
 
@@ -103,8 +104,8 @@ def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any]
 def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
              chunk_size: int | None, max_memory: int | str | None) -> Plan:
     assert bound.output_shape is not None
-    m = int(np.prod(bound.output_shape, dtype=np.int64))
-    in_elems = sum(int(np.prod(a.shape[1:], dtype=np.int64)) for a in spec.arrays)
+    m = math.prod(bound.output_shape)
+    in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
     budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
     plan = make_plan(n=spec.n, k=spec.k, m=m, in_elems=in_elems, dtype=spec.dtype, mode=mode,
                      chunk_size=chunk_size, max_memory=budget)

@@ -7,6 +7,7 @@ to rebuild the model's inputs inside their compiled function.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -64,26 +65,36 @@ def assemble(
 @dataclass
 class BatchSpec:
     """A validated batch: the raw input arrays and the layout. Chunks are cut on demand, so
-    no full-size copy of the inputs is ever made."""
+    no full-size copy of the inputs is ever made.
 
-    arrays: list[np.ndarray]  # as given: [unknown, known] for concat, else model inputs
+    An array may be *lazy*: anything with ``shape``, ``dtype`` and row slices ``a[lo:hi]`` that
+    read those rows only (a batchjac file reader, an h5py dataset, a Zarr array, an
+    ``np.memmap``). Then the inputs are streamed from disk chunk by chunk, and NaN/Inf, which
+    cannot be checked up front without reading everything, are checked in each chunk as it is
+    read (``finite_check``).
+    """
+
+    arrays: list[Any]  # as given: [unknown, known] for concat, else model inputs
     layout: Layout
     dtype: np.dtype  # compute dtype, float32 or float64
     n: int
     unknown_shape: tuple[int, ...]
     names: tuple[str, ...]  # one per array, for messages
+    #: per array: check NaN/Inf in each chunk as it is read (lazy inputs, nan_policy="raise")
+    finite_check: tuple[bool, ...] = ()
 
     @property
     def k(self) -> int:
-        return int(np.prod(self.unknown_shape, dtype=np.int64))
+        return math.prod(self.unknown_shape)
 
     def chunk(self, lo: int, hi: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         """Rows ``lo:hi`` as ``(u, ctx)``, floating arrays cast to the compute dtype."""
         lay = self.layout
+        rows = self.rows(lo, hi)
         if lay.kind == "concat":
-            u = np.ascontiguousarray(self.arrays[0][lo:hi], dtype=self.dtype)
-            return u, (_cast(self.arrays[1][lo:hi], self.dtype),)
-        src = self.arrays[lay.wrt_index][lo:hi]
+            u = np.ascontiguousarray(rows[0], dtype=self.dtype)
+            return u, (_cast(rows[1], self.dtype),)
+        src = rows[lay.wrt_index]
         ctx: list[np.ndarray] = []
         if lay.columns is not None:
             cols = np.asarray(lay.columns)
@@ -95,13 +106,40 @@ class BatchSpec:
             ctx.append(_cast(kn, self.dtype))
         else:
             u = src
-        ctx.extend(_cast(a[lo:hi], self.dtype) for i, a in enumerate(self.arrays) if i != lay.wrt_index)
+        ctx.extend(_cast(a, self.dtype) for i, a in enumerate(rows) if i != lay.wrt_index)
         return np.ascontiguousarray(u, dtype=self.dtype), tuple(ctx)
+
+    def rows(self, lo: int, hi: int) -> list[np.ndarray]:
+        """Rows ``lo:hi`` of every input array as given (read from disk for lazy arrays)."""
+        out = []
+        for i, a in enumerate(self.arrays):
+            if isinstance(a, np.memmap):  # copy, then drop the pages from resident memory
+                part = np.array(a[lo:hi])
+                _release(a, lo, hi)
+            else:
+                part = a[lo:hi]
+            if i < len(self.finite_check) and self.finite_check[i]:
+                check_finite_rows(part, self.names[i], lo)
+            out.append(part)
+        return out
 
     def ctx_specs(self) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
         """Per-row shape and dtype of each ctx array, as :meth:`chunk` produces them."""
-        _, ctx = self.chunk(0, 0)
-        return tuple((c.shape[1:], c.dtype) for c in ctx)
+        lay = self.layout
+
+        def cast(a: np.ndarray) -> np.dtype:
+            return self.dtype if a.dtype.kind == "f" else a.dtype
+
+        specs = []
+        if lay.kind == "concat":
+            specs.append((self.arrays[1].shape[1:], cast(self.arrays[1])))
+        else:
+            if lay.columns is not None:
+                src = self.arrays[lay.wrt_index]
+                width = src.shape[-1] - len(lay.columns)
+                specs.append(((*src.shape[1:-1], width), cast(src)))
+            specs.extend((a.shape[1:], cast(a)) for i, a in enumerate(self.arrays) if i != lay.wrt_index)
+        return tuple(specs)
 
 
 def _cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -109,3 +147,45 @@ def _cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if a.dtype.kind == "f":
         return np.ascontiguousarray(a, dtype=dtype)
     return np.ascontiguousarray(a)
+
+
+def check_finite_rows(a: np.ndarray, name: str, offset: int) -> None:
+    """Raise InputError naming the first row (counted from the start of the batch) with NaN/Inf."""
+    if a.dtype.kind != "f" or a.size == 0:
+        return
+    finite = np.isfinite(a)
+    if finite.all():
+        return
+    from ._errors import InputError
+
+    bad_rows = ~finite.reshape(a.shape[0], -1).all(axis=1)
+    row = int(np.argmax(bad_rows))
+    where = np.argwhere(~finite[row])
+    pos = tuple(int(i) for i in where[0]) if where.size else ()
+    val = a[row][pos] if pos else a[row]
+    raise InputError(
+        f"`{name}` has a non-finite value ({val}) in row {offset + row}"
+        f"{f' at {pos}' if pos else ''} (found while reading rows {offset}:{offset + a.shape[0]}; "
+        f"inputs read from disk are checked chunk by chunk). Clean or drop such rows, or pass "
+        f"nan_policy='propagate' to get NaN Jacobians for them."
+    )
+
+
+def _release(a: np.memmap, lo: int, hi: int) -> None:
+    """Drop the pages of rows ``lo:hi`` of a C-contiguous memmap from this process's resident
+    memory (they stay in the page cache and the file); a no-op where that is not possible."""
+    import mmap
+
+    base = a
+    while base is not None and not isinstance(getattr(base, "_mmap", None), mmap.mmap):
+        base = getattr(base, "base", None)
+    mm = getattr(base, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or a is not base or not a.flags.c_contiguous \
+            or a.ndim == 0 or hi <= lo:
+        return
+    row = a.strides[0]
+    start = a.offset % mmap.ALLOCATIONGRANULARITY + lo * row
+    begin = start - start % mmap.PAGESIZE
+    end = min(len(mm), start + (hi - lo) * row)
+    if end > begin:
+        mm.madvise(mmap.MADV_DONTNEED, begin, end - begin)
