@@ -182,7 +182,9 @@ class TFBound(BoundModel):
     # -- probes ------------------------------------------------------------------------------
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
         if self._graph_forward is None:
-            self._graph_forward = tf.function(lambda u, *ctx: self.apply(u, ctx), autograph=False)
+            # probes, checks and solvers call this with many batch sizes: one trace for all
+            self._graph_forward = tf.function(lambda u, *ctx: self.apply(u, ctx), autograph=False,
+                                              reduce_retracing=True)
         return self._graph_forward(u, *ctx).numpy()
 
     def connected(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:

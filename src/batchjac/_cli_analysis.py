@@ -1,0 +1,315 @@
+"""``batchjac check``, ``batchjac propagate`` and ``batchjac report``.
+
+MODEL is a Python callable named ``module:attr`` or ``path/to/file.py:attr`` (``attr`` may be
+dotted, and ``attr()`` calls a zero-argument factory); inputs are ``.npy`` files (opened
+memory-mapped). Frameworks and batchjac's numerics are imported inside the commands only.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+# -- shared helpers ----------------------------------------------------------------------------
+
+
+class UserError(click.ClickException):
+    """A mistake in the command line or its files: message to stderr, exit code 2, no traceback."""
+
+    exit_code = 2
+
+
+def load_model(target: str) -> Any:
+    """``module:attr``, ``file.py:attr``, with ``attr`` dotted and an optional ``()`` call."""
+    import importlib
+    import importlib.util
+
+    path_part, sep, attr = target.rpartition(":")
+    if not sep or not path_part or not attr:
+        raise UserError(f"MODEL must be 'module:attr' or 'path/to/file.py:attr'; got {target!r}.")
+    call = attr.endswith("()")
+    attr = attr[:-2] if call else attr
+    if path_part.endswith(".py"):
+        file = Path(path_part)
+        if not file.is_file():
+            raise UserError(f"Model file {path_part!r} does not exist.")
+        spec = importlib.util.spec_from_file_location(f"_batchjac_model_{abs(hash(file.resolve()))}",
+                                                      file)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(file.resolve().parent))  # sibling imports of the model file
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            raise UserError(f"Running {path_part!r} failed: {type(e).__name__}: {e}") from e
+        finally:
+            sys.path.pop(0)
+    else:
+        try:
+            module = importlib.import_module(path_part)
+        except ImportError as e:
+            raise UserError(f"Cannot import module {path_part!r}: {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UserError(f"{path_part!r} has no attribute {attr!r} (missing {part!r}).")
+        obj = getattr(obj, part)
+    if call:
+        try:
+            obj = obj()
+        except Exception as e:
+            raise UserError(f"Calling {attr}() failed: {type(e).__name__}: {e}") from e
+    if not callable(obj):
+        raise UserError(f"{target!r} is a {type(obj).__name__}, not a callable model.")
+    return obj
+
+
+def load_array(path: str, what: str) -> Any:
+    import numpy as np
+
+    if not path.endswith(".npy"):
+        raise UserError(f"{what} must be a .npy file (np.save); got {path!r}.")
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise UserError(f"{what} file {path!r} does not exist.") from None
+    except (ValueError, OSError) as e:
+        raise UserError(f"Cannot read {what} file {path!r} as a .npy array: {e}") from None
+
+
+def parse_columns(text: str | None) -> Any:
+    """``"0,1,4"`` -> [0, 1, 4]; ``"0:5"`` -> slice(0, 5); ``"2:"`` -> slice(2, None)."""
+    if text is None:
+        return None
+    try:
+        if ":" in text:
+            lo, hi = text.split(":", 1)
+            return slice(int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UserError(f"--wrt must be column indices such as 0,1,4 or a range 0:5; got "
+                        f"{text!r}.") from None
+
+
+def parse_names(text: str | None) -> list[str] | None:
+    """``a,b,c`` or ``@file`` (one name per line)."""
+    if text is None:
+        return None
+    if text.startswith("@"):
+        try:
+            return [ln.strip() for ln in Path(text[1:]).read_text().splitlines() if ln.strip()]
+        except OSError as e:
+            raise UserError(f"Cannot read names from {text[1:]!r}: {e}") from None
+    return [t.strip() for t in text.split(",")]
+
+
+def gather_inputs(inputs: tuple[str, ...], known: str | None, wrt: str | None,
+                  wrt_input: int | None) -> tuple[tuple[Any, ...], Any]:
+    """The positional inputs and ``wrt`` of the Python API from the command-line options."""
+    if not inputs:
+        raise UserError("Give the model's inputs with --inputs FILE.npy.")
+    arrays = [load_array(p, "--inputs") for p in inputs]
+    cols = parse_columns(wrt)
+    if known is not None:
+        if len(arrays) != 1 or cols is not None or wrt_input is not None:
+            raise UserError("--known goes with one --inputs file (the unknowns) and no --wrt: the "
+                            "model takes concat([unknown, known], -1).")
+        return (arrays[0], load_array(known, "--known")), None
+    if len(arrays) == 1:
+        if wrt_input not in (None, 0):
+            raise UserError(f"--wrt-input {wrt_input} is out of range: there is one --inputs file.")
+        return (arrays[0],), cols
+    if wrt_input is None:
+        raise UserError(f"With {len(arrays)} --inputs files, say which holds the unknowns with "
+                        f"--wrt-input INDEX (0..{len(arrays) - 1}).")
+    return (tuple(arrays),), (wrt_input if cols is None else (wrt_input, cols))
+
+
+def _guard(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a batchjac call; its user errors become clean command-line errors."""
+    from ._errors import BatchJacError
+
+    try:
+        return fn(*args, **kwargs)
+    except BatchJacError as e:
+        raise UserError(str(e)) from e
+
+
+_MODEL = click.argument("model", metavar="MODEL")
+_COMMON = [
+    click.option("--inputs", "inputs", multiple=True, metavar="FILE.npy",
+                 help="Input array (repeat for a model with several inputs)."),
+    click.option("--known", metavar="FILE.npy",
+                 help="Known part: the model takes concat([inputs, known], -1)."),
+    click.option("--wrt", metavar="COLS", help="Unknown columns, e.g. 0,1,4 or 0:5."),
+    click.option("--wrt-input", type=int, metavar="INDEX",
+                 help="With several --inputs: which one holds the unknowns."),
+    click.option("--backend", type=click.Choice(["tensorflow", "torch", "jax"]),
+                 help="Framework of the model (detected from it by default)."),
+    click.option("--dtype", type=click.Choice(["float32", "float64"]),
+                 help="Compute dtype (default: float32 unless the inputs are float64)."),
+]
+
+
+def _common(fn: Any) -> Any:
+    for option in reversed(_COMMON):
+        fn = option(fn)
+    return fn
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+@click.command()
+@_MODEL
+@_common
+@click.option("--rtol", type=float, help="Tolerance on the per-instance error (default 1e-3 "
+              "for float32 Jacobians, 1e-6 for float64).")
+@click.option("--sample", type=click.IntRange(min=1), help="Check this many random instances.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --sample.")
+@click.option("--mode", type=click.Choice(["auto", "forward", "reverse"]), default="auto",
+              show_default=True, help="The mode whose Jacobians are checked.")
+def check(model: str, inputs: tuple[str, ...], known: str | None, wrt: str | None,
+          wrt_input: int | None, backend: str | None, dtype: str | None, rtol: float | None,
+          sample: int | None, seed: int, mode: str) -> None:
+    """Check MODEL's Jacobians against central finite differences.
+
+    Prints the per-instance report; the exit code is 0 when the check passes, 1 when it fails.
+    """
+    from ._check import check as run_check
+
+    fn = load_model(model)
+    args, wrt_arg = gather_inputs(inputs, known, wrt, wrt_input)
+    report = _guard(run_check, fn, *args, wrt=wrt_arg, rtol=rtol, sample=sample, seed=seed,
+                    mode=mode, dtype=dtype, backend=backend)
+    click.echo(str(report))
+    if not report.passed:
+        sys.exit(1)
+
+
+@click.command()
+@_MODEL
+@_common
+@click.option("--cov", metavar="FILE.npy", help="Covariance of the unknowns: (k, k) or (N, k, k).")
+@click.option("--std", metavar="STD", help="Standard deviations: a number, a comma list (k "
+              "values) or FILE.npy with (k,) or (N, k).")
+@click.option("--method", type=click.Choice(["linear", "unscented", "monte_carlo"]),
+              default="linear", show_default=True)
+@click.option("--samples", type=click.IntRange(min=2), default=10_000, show_default=True,
+              help="Samples per instance for monte_carlo.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of monte_carlo.")
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
+              help="Directory for mean.npy (N, *output_shape) and cov.npy (N, m, m).")
+def propagate(model: str, inputs: tuple[str, ...], known: str | None, wrt: str | None,
+              wrt_input: int | None, backend: str | None, dtype: str | None, cov: str | None,
+              std: str | None, method: str, samples: int, seed: int, output: str) -> None:
+    """Propagate input uncertainty through MODEL: per-instance output mean and covariance.
+
+    --inputs holds the unknowns' means. The results are written chunk by chunk into
+    memory-mapped .npy files, so they may be larger than memory.
+    """
+    import numpy as np
+
+    from ._evaluate import bind, output_size
+    from ._propagate import propagate as run_propagate
+    from ._validate import normalize
+
+    fn = load_model(model)
+    args, wrt_arg = gather_inputs(inputs, known, wrt, wrt_input)
+    cov_arr = load_array(cov, "--cov") if cov is not None else None
+    std_arr: Any = None
+    if std is not None:
+        if std.endswith(".npy"):
+            std_arr = load_array(std, "--std")
+        else:
+            try:
+                std_arr = np.array([float(t) for t in std.split(",")])
+            except ValueError:
+                raise UserError(f"--std must be a number, a comma list or a .npy file; got "
+                                f"{std!r}.") from None
+            std_arr = std_arr[0] if std_arr.size == 1 else std_arr
+    spec = _guard(normalize, args, wrt=wrt_arg, dtype=dtype, nan_policy="raise")
+    _, bound = _guard(bind, fn, spec, backend, None)
+    assert bound.output_shape is not None
+    m = output_size(bound)
+    out_dir = Path(output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mean_out = np.lib.format.open_memmap(out_dir / "mean.npy", mode="w+", dtype=np.float64,
+                                         shape=(spec.n, *bound.output_shape))
+    cov_out = np.lib.format.open_memmap(out_dir / "cov.npy", mode="w+", dtype=np.float64,
+                                        shape=(spec.n, m, m))
+    mean_in, known_in = (args[0], args[1]) if len(args) == 2 else (args[0], None)
+    result = _guard(run_propagate, fn, mean_in, known_in, cov=cov_arr, std=std_arr,
+                    method=method, wrt=wrt_arg, n_samples=samples, seed=seed, dtype=dtype,
+                    backend=backend, out=(mean_out, cov_out))
+    mean_out.flush()
+    cov_out.flush()
+    first = np.sqrt(np.clip(np.diagonal(result.cov[0]), 0, None)) if spec.n else np.array([])
+    click.echo(f"{method}: wrote {out_dir / 'mean.npy'} {mean_out.shape} and "
+               f"{out_dir / 'cov.npy'} {cov_out.shape}")
+    if spec.n:
+        click.echo(f"instance 0: output std {np.array2string(first, precision=4)}")
+
+
+@click.command()
+@click.argument("model", metavar="[MODEL]", required=False)
+@_common
+@click.option("--jacobians", metavar="FILE.npy", help="Precomputed Jacobians (N, *out, *unknown) "
+              "instead of MODEL; --inputs are then the unknowns' values.")
+@click.option("--outputs", metavar="FILE.npy", help="With --jacobians: the model's outputs "
+              "(for elasticities).")
+@click.option("--input-names", metavar="NAMES", help="Names of the unknowns: a,b,c or @file.")
+@click.option("--output-names", metavar="NAMES", help="Names of the outputs: a,b,c or @file.")
+@click.option("--by", type=click.Choice(["mean_abs", "elasticity", "scaled"]), default="mean_abs",
+              show_default=True, help="Measure that ranks the inputs.")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Inputs listed per output.")
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
+              help="Directory for report.md and its PNG charts.")
+def report(model: str | None, inputs: tuple[str, ...], known: str | None, wrt: str | None,
+           wrt_input: int | None, backend: str | None, dtype: str | None,
+           jacobians: str | None, outputs: str | None, input_names: str | None,
+           output_names: str | None, by: str, top: int, output: str) -> None:
+    """Sensitivity report: heatmap, per-output bar charts and report.md.
+
+    From MODEL and --inputs (the Jacobians are computed), or from --jacobians FILE.npy.
+    """
+    import numpy as np
+
+    from ._jacobian import jacobian
+    from ._report import write_report
+    from ._sensitivity import sensitivity
+    from ._validate import normalize
+
+    if (model is None) == (jacobians is None):
+        raise UserError("Give either MODEL (the Jacobians are computed) or --jacobians FILE.npy.")
+    if jacobians is not None:
+        jac = load_array(jacobians, "--jacobians")
+        x = load_array(inputs[0], "--inputs") if inputs else None
+        if len(inputs) > 1 or known is not None or wrt is not None:
+            raise UserError("With --jacobians, --inputs is one file of the unknowns' values "
+                            "(no --known or --wrt).")
+        y = load_array(outputs, "--outputs") if outputs is not None else None
+    else:
+        assert model is not None
+        if outputs is not None:
+            raise UserError("--outputs goes with --jacobians; with MODEL the outputs are computed.")
+        fn = load_model(model)
+        args, wrt_arg = gather_inputs(inputs, known, wrt, wrt_input)
+        y, jac = _guard(jacobian, fn, *args, wrt=wrt_arg, dtype=dtype, backend=backend,
+                        return_outputs=True)
+        spec = _guard(normalize, args, wrt=wrt_arg, dtype=dtype, nan_policy="raise")
+        x = spec.chunk(0, spec.n)[0]
+    sens = _guard(sensitivity, jac, None if x is None else np.asarray(x),
+                  None if y is None else np.asarray(y), input_names=parse_names(input_names),
+                  output_names=parse_names(output_names), by=by)
+    path = _guard(write_report, sens, output, top=top)
+    click.echo(str(sens))
+    click.echo(f"wrote {path}")
+
+
+COMMANDS = [check, propagate, report]

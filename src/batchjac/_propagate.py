@@ -1,0 +1,431 @@
+"""``propagate``: input uncertainty to output uncertainty, per instance.
+
+Three methods, one result shape:
+
+- ``"linear"``: first order, ``mean = f(mu)``, ``cov = J Sigma J^T``, with ``f(mu)`` and ``J``
+  from the same pass of the Jacobian kernel;
+- ``"unscented"``: the scaled unscented transform (Julier & Uhlmann 1997; Wan & van der Merwe
+  2000), ``2 k + 1`` sigma points per instance;
+- ``"monte_carlo"``: ``n_samples`` seeded Gaussian draws per instance, evaluated in large
+  batches through the bound model's forward pass.
+
+Instances are processed in chunks and written into ``out`` arrays when given (e.g.
+``np.lib.format.open_memmap``), so results larger than memory stream like Jacobians.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ._errors import BatchJacError, InputError, add_context
+from ._evaluate import (
+    Evaluator,
+    bind,
+    block_rows,
+    budget,
+    check_out,
+    context,
+    jacobian_chunks,
+    output_size,
+    repeat_rows,
+)
+from ._plan import ModeArg
+from ._sinks import ArraySink
+from ._spec import BatchSpec
+from ._validate import DTypeLike, normalize
+
+Method = Literal["linear", "unscented", "monte_carlo"]
+_METHODS = ("linear", "unscented", "monte_carlo")
+
+
+@dataclass
+class Propagation:
+    """Per-instance output mean ``(N, *output_shape)`` and covariance ``(N, m, m)``, with
+    ``m`` the flattened output size (C order)."""
+
+    mean: Any
+    cov: Any
+    method: str
+    output_shape: tuple[int, ...]
+    n_samples: int | None = None
+
+    @property
+    def std(self) -> np.ndarray:
+        """Per-instance output standard deviations, shaped like ``mean``."""
+        var = np.diagonal(np.asarray(self.cov), axis1=1, axis2=2)
+        return np.sqrt(np.maximum(var, 0.0)).reshape(np.shape(self.mean))
+
+
+class _Uncertainty:
+    """The input covariance in one of its accepted forms, validated, served by instance range.
+
+    ``kind``: "shared" (one (k, k) matrix), "stack" (N, k, k), "std_shared" (k,) or
+    "std_stack" (N, k).
+    """
+
+    def __init__(self, cov: Any, std: Any, n: int, unknown_shape: tuple[int, ...]) -> None:
+        k = int(np.prod(unknown_shape, dtype=np.int64))
+        self.k, self.n = k, n
+        self.kind: str
+        self.data: Any  # an array; per-instance stacks may be memory-mapped
+        if (cov is None) == (std is None):
+            raise InputError(
+                "Give the input uncertainty as exactly one of `cov` (a (k, k) matrix for all "
+                "instances, or an (N, k, k) stack) and `std` (standard deviations, (k,) or "
+                "(N, k)); got " + ("both." if cov is not None else "neither.")
+            )
+        ushape = tuple(unknown_shape)
+        if std is not None:
+            s = _as_float(std, "std")
+            if s.ndim == 0:
+                s = np.full(k, float(s))
+            if s.shape in ((k,), ushape):
+                self.kind, self.data = "std_shared", s.reshape(k).astype(np.float64)
+            elif s.shape in ((n, k), (n, *ushape)):
+                self.kind, self.data = "std_stack", s.reshape(n, k)
+            else:
+                raise InputError(
+                    f"`std` has shape {s.shape}, which does not match the {k} unknowns (unknown "
+                    f"shape {ushape}, {n} instances): give ({k},) for all instances or ({n}, {k}) "
+                    f"per instance."
+                )
+            self._check_std()
+        else:
+            c = _as_float(cov, "cov")
+            if c.shape == (k, k):
+                self.kind, self.data = "shared", c.astype(np.float64)
+            elif c.shape == (n, k, k):
+                self.kind, self.data = "stack", c
+            else:
+                hint = " For standard deviations use `std=`." if c.ndim in (1, 2) and \
+                    c.shape[-1] == k else ""
+                raise InputError(
+                    f"`cov` has shape {c.shape}, which does not match the {k} unknowns (unknown "
+                    f"shape {ushape}, {n} instances): give ({k}, {k}) for all instances or "
+                    f"({n}, {k}, {k}) per instance.{hint}"
+                )
+            self._check_cov(c.dtype)
+
+    def _check_std(self) -> None:
+        for lo in range(0, self.n if self.kind == "std_stack" else 1, 65536):
+            s = self.data if self.kind == "std_shared" else np.asarray(self.data[lo:lo + 65536])
+            bad = ~np.isfinite(s) | (s < 0)
+            if bad.any():
+                where = np.argwhere(bad)[0]
+                inst = "" if self.kind == "std_shared" else f" for instance {lo + int(where[0])}"
+                raise InputError(
+                    f"`std` has an invalid value {s[tuple(where)]}{inst}: standard deviations "
+                    f"must be finite and >= 0."
+                )
+
+    def _check_cov(self, dtype: np.dtype) -> None:
+        eps = float(np.finfo(dtype).eps) if dtype.kind == "f" else float(np.finfo(np.float64).eps)
+        if self.kind == "shared":
+            _check_psd(self.data[None], 0, shared=True, eps=eps)
+            return
+        for lo in range(0, self.n, 4096):
+            _check_psd(np.asarray(self.data[lo:lo + 4096]), lo, shared=False, eps=eps)
+
+    def factor(self, lo: int, hi: int) -> np.ndarray:
+        """``L`` with ``L L^T = Sigma``, (hi - lo, k, k), from the symmetric eigendecomposition
+        (works for singular, positive semi-definite matrices where Cholesky does not)."""
+        if self.kind.startswith("std"):
+            s = self.data if self.kind == "std_shared" else np.asarray(self.data[lo:hi], np.float64)
+            eye = np.eye(self.k)
+            return np.broadcast_to(eye * np.atleast_2d(s)[:, None, :], (hi - lo, self.k, self.k))
+        if self.kind == "shared":
+            if not hasattr(self, "_shared_factor"):
+                self._shared_factor = _sqrt_psd(_sym(self.data)[None])[0]
+            return np.broadcast_to(self._shared_factor, (hi - lo, self.k, self.k))
+        return _sqrt_psd(_sym(np.asarray(self.data[lo:hi], np.float64)))
+
+    def sandwich(self, a: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """``A Sigma A^T`` for ``A`` (hi - lo, m, k)."""
+        if self.kind.startswith("std"):
+            s = self.data if self.kind == "std_shared" else np.asarray(self.data[lo:hi], np.float64)
+            b = a * (s if s.ndim == 1 else s[:, None, :])
+            return b @ b.transpose(0, 2, 1)
+        sigma = _sym(self.data) if self.kind == "shared" else \
+            _sym(np.asarray(self.data[lo:hi], np.float64))
+        return _sym(a @ sigma @ a.transpose(0, 2, 1))
+
+
+def _as_float(value: Any, name: str) -> np.ndarray:
+    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if arr.dtype.kind not in "fiu":
+        raise InputError(f"`{name}` must hold real numbers; got dtype {arr.dtype}.")
+    return arr
+
+
+def _sym(a: np.ndarray) -> np.ndarray:
+    return 0.5 * (a + np.swapaxes(a, -1, -2))
+
+
+def _sqrt_psd(a: np.ndarray) -> np.ndarray:
+    w, v = np.linalg.eigh(a)
+    return v * np.sqrt(np.maximum(w, 0.0))[:, None, :]
+
+
+def _check_psd(c: np.ndarray, offset: int, *, shared: bool, eps: float) -> None:
+    """Finite, symmetric and positive semi-definite up to the rounding of the given dtype
+    (machine epsilon ``eps``); otherwise say which instance is wrong and how."""
+    what = "`cov`" if shared else "`cov[{i}]` (instance {i})"
+    c = np.asarray(c, np.float64)
+    finite = np.isfinite(c).reshape(len(c), -1).all(axis=1)
+    if not finite.all():
+        i = offset + int(np.argmin(finite))
+        raise InputError(f"{what.format(i=i)} has a NaN or Inf entry; covariances must be finite.")
+    k = c.shape[-1]
+    size = np.maximum(np.abs(c).reshape(len(c), -1).max(axis=1), 1e-300)
+    asym = np.abs(c - c.transpose(0, 2, 1)).reshape(len(c), -1).max(axis=1)
+    bad = asym > max(1e-8, 100 * eps) * size
+    if bad.any():
+        j = int(np.argmax(bad))
+        r, s = np.unravel_index(int(np.argmax(np.abs(c[j] - c[j].T))), c[j].shape)
+        count = "" if shared else f" ({int(bad.sum())} instance(s) in this block of 4096)"
+        raise InputError(
+            f"{what.format(i=offset + j)} is not symmetric: entry ({r}, {s}) is {c[j, r, s]:.6g} "
+            f"but ({s}, {r}) is {c[j, s, r]:.6g}{count}. A covariance matrix must be symmetric "
+            f"positive semi-definite; symmetrise it with (C + C.T) / 2 if the difference is "
+            f"rounding."
+        )
+    w = np.linalg.eigvalsh(_sym(c))
+    low = w[:, 0] < -max(1e-10, 100 * k * eps) * np.maximum(np.abs(w).max(axis=1), 1e-300)
+    if low.any():
+        j = int(np.argmax(low))
+        count = "" if shared else f" ({int(low.sum())} instance(s) in this block of 4096)"
+        raise InputError(
+            f"{what.format(i=offset + j)} is not positive semi-definite: its smallest eigenvalue "
+            f"is {w[j, 0]:.3g} (largest {w[j, -1]:.3g}){count}. A covariance matrix must be "
+            f"symmetric positive semi-definite; build it as A @ A.T, or from standard deviations "
+            f"and a valid correlation matrix."
+        )
+
+
+def propagate(
+    model: Any,
+    mean: Any,
+    known: Any = None,
+    *,
+    cov: Any = None,
+    std: Any = None,
+    method: Method = "linear",
+    wrt: Any = None,
+    n_samples: int = 10_000,
+    seed: int = 0,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    kappa: float | None = None,
+    dtype: DTypeLike = None,
+    mode: ModeArg = "auto",
+    chunk_size: int | None = None,
+    max_memory: int | str | None = None,
+    out: tuple[Any, Any] | None = None,
+    backend: str | None = None,
+    backend_options: dict[str, Any] | None = None,
+) -> Propagation:
+    """Per-instance output mean and covariance of ``model`` given uncertain unknowns.
+
+    ``mean`` holds the unknowns' means; the inputs are given as for :func:`batchjac.jacobian`:
+    ``propagate(model, x, cov=...)`` (every feature uncertain), ``propagate(model, mean, known,
+    cov=...)`` (the model takes ``concat([unknown, known], -1)``; the known part is exact), or
+    ``propagate(model, x, wrt=[0, 2], cov=...)`` / ``propagate(model, {"x": X, "h": H},
+    wrt="x", cov=...)``.
+
+    The uncertainty of the ``k`` unknowns (flattened in C order) is one of:
+
+    - ``cov``: a ``(k, k)`` covariance for every instance, or an ``(N, k, k)`` stack;
+    - ``std``: standard deviations (independent unknowns), ``(k,)`` for every instance or
+      ``(N, k)``; a scalar is the same for every unknown.
+
+    A separate ``std`` argument, rather than guessing from ``cov``'s shape, keeps ``(k, k)``
+    and ``(N, k)`` apart when ``N == k``. Covariances must be symmetric positive semi-definite
+    (checked; the error names the instance).
+
+    Methods (inputs are taken as Gaussian for the last two):
+
+    - ``"linear"``: ``mean = f(mu)``, ``cov = J Sigma J^T`` (exact for a linear model);
+    - ``"unscented"``: the ``2 k + 1`` sigma points ``mu`` and ``mu +- sqrt(k + lambda) L_j``
+      (``L L^T = Sigma``, ``L_j`` its columns), ``lambda = alpha^2 (k + kappa) - k``, with the
+      weights of Wan & van der Merwe: ``W0m = lambda / (k + lambda)``, ``W0c = W0m + 1 -
+      alpha^2 + beta``, ``Wi = 1 / (2 (k + lambda))``. The defaults ``alpha=1, beta=0,
+      kappa=3 - k`` (``kappa=None``) are Julier & Uhlmann's original set: the points lie
+      ``sqrt(3)`` standard deviations out whatever ``k``, and they match the Gaussian's
+      fourth moment along each axis of ``L``: the mean is exact for any quadratic model, the
+      covariance for sums of squares along those axes (products such as ``x0 x1`` need points
+      off the axes; in general the axis fourth moment needs ``beta = 2 - alpha^2 (k + kappa) +
+      alpha^2``). For ``k > 3`` the centre weights are negative, so a strongly curved output
+      can get a covariance that is not PSD. The common ``alpha=1e-3, beta=2, kappa=0`` keeps
+      the points close, but weights of ~1e6 amplify a float32 model's rounding error a
+      million times: use it only in float64;
+    - ``"monte_carlo"``: ``n_samples`` draws per instance from ``N(mu_i, Sigma_i)`` (seeded by
+      ``seed`` and the instance index, so results do not depend on chunking), evaluated in
+      batches of many instances and samples; the covariance is the unbiased sample covariance.
+
+    Returns a :class:`Propagation` with ``mean`` ``(N, *output_shape)`` and ``cov`` ``(N, m,
+    m)`` in float64 (``m`` = flattened output size). ``out=(mean_out, cov_out)``: writable
+    arrays of those shapes (e.g. ``np.lib.format.open_memmap``) filled chunk by chunk.
+
+    >>> import numpy as np, batchjac
+    >>> from batchjac.examples import seed_model
+    >>> model = seed_model("tensorflow")
+    >>> rng = np.random.default_rng(0)
+    >>> mu, known = rng.normal(size=(10, 5)).astype("f4"), rng.normal(size=(10, 3)).astype("f4")
+    >>> res = batchjac.propagate(model, mu, known, std=0.01)
+    >>> res.mean.shape, res.cov.shape
+    ((10, 4), (10, 4, 4))
+    """
+    if method not in _METHODS:
+        raise InputError(f"`method` must be one of {_METHODS}; got {method!r}.")
+    inputs = (mean,) if known is None else (mean, known)
+    spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy="raise")
+    unc = _Uncertainty(cov, std, spec.n, spec.unknown_shape)
+    if method == "monte_carlo" and (isinstance(n_samples, bool) or
+                                    not isinstance(n_samples, (int, np.integer)) or n_samples < 2):
+        raise InputError(f"`n_samples` must be an integer >= 2; got {n_samples!r}.")
+    kappa = 3.0 - spec.k if kappa is None else float(kappa)
+    if method == "unscented":
+        lam = alpha**2 * (spec.k + kappa) - spec.k
+        if not alpha > 0 or not spec.k + lam > 0:
+            raise InputError(
+                f"The unscented transform needs alpha > 0 and alpha^2 (k + kappa) > 0; got "
+                f"alpha={alpha}, kappa={kappa} with k={spec.k} unknowns."
+            )
+    name, bound = bind(model, spec, backend, backend_options)
+    assert bound.output_shape is not None
+    out_shape = tuple(bound.output_shape)
+    m = output_size(bound)
+    mean_shape, cov_shape = (spec.n, *out_shape), (spec.n, m, m)
+    if out is not None:
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise InputError("`out` must be a tuple (mean_out, cov_out) of writable arrays; "
+                             f"got {type(out).__name__}.")
+        check_out(out[0], mean_shape, "mean")
+        check_out(out[1], cov_shape, "cov")
+        mean_out, cov_out = out
+    else:
+        mean_out, cov_out = np.empty(mean_shape), np.empty(cov_shape)
+    sink = ArraySink(cov_out, mean_out)
+    try:
+        if method == "linear":
+            _linear(bound, spec, unc, sink, m, mode=mode, chunk_size=chunk_size,
+                    max_memory=max_memory)
+        else:
+            evaluator = Evaluator(bound, _block(spec, m, method, n_samples, max_memory))
+            for lo, hi in _instance_chunks(spec, m, chunk_size, max_memory):
+                if method == "unscented":
+                    y, c = _unscented(evaluator, spec, unc, lo, hi, alpha, beta, kappa)
+                else:
+                    y, c = _monte_carlo(evaluator, spec, unc, lo, hi, n_samples, seed)
+                sink.write(lo, hi, c, y.reshape(hi - lo, *out_shape))
+    except BatchJacError as e:
+        raise add_context(e, context(spec, name)) from e
+    return Propagation(mean=mean_out, cov=cov_out, method=method, output_shape=out_shape,
+                       n_samples=int(n_samples) if method == "monte_carlo" else None)
+
+
+def _linear(bound: Any, spec: BatchSpec, unc: _Uncertainty, sink: ArraySink, m: int, *,
+            mode: ModeArg, chunk_size: int | None, max_memory: int | str | None) -> None:
+    k = spec.k
+    _, chunks = jacobian_chunks(bound, spec, mode=mode, chunk_size=chunk_size,
+                                max_memory=max_memory, with_outputs=True,
+                                extra_bytes_per_row=8 * (2 * m * k + 2 * m * m + k * k))
+    for lo, hi, y, jac in chunks:
+        assert y is not None
+        a = np.asarray(jac, np.float64).reshape(hi - lo, m, k)
+        sink.write(lo, hi, unc.sandwich(a, lo, hi), y)
+
+
+def _block(spec: BatchSpec, m: int, method: str, n_samples: int,
+           max_memory: int | str | None) -> int:
+    """Rows per forward call: whole instances' sigma points, or samples of one or more
+    instances, up to the memory-derived block size."""
+    cap = block_rows(spec, m, max_memory)
+    per = 2 * spec.k + 1 if method == "unscented" else n_samples
+    if per >= cap:
+        return cap if method == "monte_carlo" else per
+    return (cap // per) * per
+
+
+def _instance_chunks(spec: BatchSpec, m: int, chunk_size: int | None,
+                     max_memory: int | str | None) -> Iterator[tuple[int, int]]:
+    """Ranges of instances whose statistics (covariances, factors) fit an eighth of the budget."""
+    k = spec.k
+    if chunk_size is None:
+        per = 8 * (3 * m * m + 2 * k * k + 2 * (m + k))
+        chunk_size = int(max(1, min(65536, budget(max_memory) // 8 // per)))
+    for lo in range(0, spec.n, chunk_size):
+        yield lo, min(lo + chunk_size, spec.n)
+
+
+def _unscented(evaluator: Evaluator, spec: BatchSpec, unc: _Uncertainty, lo: int, hi: int,
+               alpha: float, beta: float, kappa: float) -> tuple[np.ndarray, np.ndarray]:
+    k = spec.k
+    lam = alpha**2 * (k + kappa) - k
+    c = k + lam
+    wm = np.full(2 * k + 1, 1.0 / (2 * c))
+    wm[0] = lam / c
+    wc = wm.copy()
+    wc[0] += 1.0 - alpha**2 + beta
+    per = evaluator.block // (2 * k + 1) if evaluator.block >= 2 * k + 1 else 1
+    ys, covs = [], []
+    for a in range(lo, hi, per):
+        b = min(a + per, hi)
+        u, ctx = spec.chunk(a, b)
+        mu = u.reshape(b - a, k).astype(np.float64)
+        lf = np.sqrt(c) * unc.factor(a, b)  # columns are the sigma directions
+        pts = np.empty((b - a, 2 * k + 1, k))
+        pts[:, 0] = mu
+        pts[:, 1:k + 1] = mu[:, None, :] + lf.transpose(0, 2, 1)
+        pts[:, k + 1:] = mu[:, None, :] - lf.transpose(0, 2, 1)
+        y = evaluator(pts.reshape(-1, *spec.unknown_shape).astype(spec.dtype),
+                      repeat_rows(ctx, 2 * k + 1)).reshape(b - a, 2 * k + 1, -1)
+        ybar = np.einsum("p,rpm->rm", wm, y)
+        d = y - ybar[:, None, :]
+        ys.append(ybar)
+        covs.append((d * wc[None, :, None]).transpose(0, 2, 1) @ d)
+    return np.concatenate(ys), np.concatenate(covs)
+
+
+def _monte_carlo(evaluator: Evaluator, spec: BatchSpec, unc: _Uncertainty, lo: int, hi: int,
+                 n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    k = spec.k
+    block = evaluator.block
+    per = max(1, block // n)  # instances per forward batch (1 when n >= block)
+    ys, covs = [], []
+    for a in range(lo, hi, per):
+        b = min(a + per, hi)
+        u, ctx = spec.chunk(a, b)
+        mu = u.reshape(b - a, k).astype(np.float64)
+        lf = unc.factor(a, b)
+        gens = [np.random.default_rng([seed, i]) for i in range(a, b)]
+        step = n if per > 1 else block
+        y = _draw(evaluator, spec, gens, mu, lf, ctx, min(step, n))
+        shift = y[:, :1].copy()  # sums of deviations from one sample: no cancellation
+        s1, s2 = np.zeros((b - a, y.shape[2])), np.zeros((b - a, y.shape[2], y.shape[2]))
+        done = 0
+        while True:
+            d = y - shift
+            s1 += d.sum(axis=1)
+            s2 += d.transpose(0, 2, 1) @ d
+            done += y.shape[1]
+            if done >= n:
+                break
+            y = _draw(evaluator, spec, gens, mu, lf, ctx, min(step, n - done))
+        mean_d = s1 / n
+        ys.append(shift[:, 0] + mean_d)
+        covs.append(_sym((s2 - n * mean_d[:, :, None] * mean_d[:, None, :]) / (n - 1)))
+    return np.concatenate(ys), np.concatenate(covs)
+
+
+def _draw(evaluator: Evaluator, spec: BatchSpec, gens: list[np.random.Generator], mu: np.ndarray,
+          lf: np.ndarray, ctx: tuple[np.ndarray, ...], count: int) -> np.ndarray:
+    """``count`` more samples of each instance's output, (r, count, m)."""
+    z = np.stack([g.standard_normal((count, spec.k)) for g in gens])  # (r, count, k)
+    x = mu[:, None, :] + z @ lf.transpose(0, 2, 1)
+    return evaluator(x.reshape(-1, *spec.unknown_shape).astype(spec.dtype),
+                     repeat_rows(ctx, count)).reshape(len(gens), count, -1)

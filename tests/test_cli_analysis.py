@@ -1,0 +1,161 @@
+"""``batchjac check | propagate | report``, run in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from batchjac._cli import cli
+
+pytest.importorskip("tensorflow")
+
+MODELS = '''
+import numpy as np
+import tensorflow as tf
+
+W = np.random.default_rng(0).normal(size=(3, 2))
+
+
+def _make(factor):
+    @tf.custom_gradient
+    def sin(z):
+        def grad(dy):
+            return dy * factor * tf.cos(z)
+        return tf.sin(z), grad
+
+    def model(x):
+        return sin(tf.matmul(x, tf.constant(W, x.dtype)))
+    return model
+
+
+good = _make(1.0)
+wrong = _make(2.0)
+
+
+class Factory:
+    @staticmethod
+    def build():
+        return good
+'''
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "models.py").write_text(MODELS)
+    x = np.random.default_rng(1).normal(size=(30, 3)).astype("f4")
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "cov.npy", np.diag([0.01, 0.02, 0.03]))
+    return {"model": str(tmp_path / "models.py"), "x": str(tmp_path / "x.npy"),
+            "cov": str(tmp_path / "cov.npy"), "dir": str(tmp_path)}
+
+
+def run(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_check_passes_and_fails_with_exit_codes(files: dict[str, str]) -> None:
+    ok = run("check", f"{files['model']}:good", "--inputs", files["x"], "--sample", "10")
+    assert ok.exit_code == 0, ok.output
+    assert "batchjac check: PASSED" in ok.output
+    assert "a random sample of 10 of 30" in ok.output
+    bad = run("check", f"{files['model']}:wrong", "--inputs", files["x"], "--mode", "reverse")
+    assert bad.exit_code == 1
+    assert "batchjac check: FAILED" in bad.output
+    assert "failed: 30 instance(s)" in bad.output
+
+
+def test_check_with_wrt_and_factory(files: dict[str, str], tmp_path: Path) -> None:
+    wide = np.random.default_rng(2).normal(size=(12, 5)).astype("f4")
+    np.save(tmp_path / "wide.npy", wide)
+    # a model of 5 columns that reads 0, 2 and 4 (a sibling import of the model file)
+    (tmp_path / "wrap.py").write_text(
+        "from models import good\nimport tensorflow as tf\n"
+        "def model(x):\n    return good(tf.gather(x, [0, 2, 4], axis=1))\n")
+    res = run("check", f"{tmp_path / 'wrap.py'}:model", "--inputs", str(tmp_path / "wide.npy"),
+              "--wrt", "0,2,4")
+    assert res.exit_code == 0, res.output
+    assert "x[:, " in res.output  # unknowns named by their column
+    res = run("check", f"{files['model']}:Factory.build()", "--inputs", files["x"])
+    assert res.exit_code == 0, res.output
+
+
+def test_propagate_writes_memmapped_results(files: dict[str, str]) -> None:
+    out = Path(files["dir"]) / "prop"
+    res = run("propagate", f"{files['model']}:good", "--inputs", files["x"], "--cov", files["cov"],
+              "-o", str(out))
+    assert res.exit_code == 0, res.output
+    mean, cov = np.load(out / "mean.npy"), np.load(out / "cov.npy")
+    assert mean.shape == (30, 2)
+    assert cov.shape == (30, 2, 2)
+    assert np.all(np.diagonal(cov, axis1=1, axis2=2) > 0)
+    assert "instance 0: output std" in res.output
+
+
+def test_propagate_std_forms(files: dict[str, str]) -> None:
+    import batchjac
+    from batchjac._cli_analysis import load_model
+
+    model = load_model(f"{files['model']}:good")
+    x = np.load(files["x"])
+    for std, expect in (("0.1", 0.1), ("0.1,0.2,0.3", [0.1, 0.2, 0.3])):
+        out = Path(files["dir"]) / f"p{len(std)}"
+        res = run("propagate", f"{files['model']}:good", "--inputs", files["x"], "--std", std,
+                  "--method", "unscented", "-o", str(out))
+        assert res.exit_code == 0, res.output
+        ref = batchjac.propagate(model, x, std=expect, method="unscented")
+        np.testing.assert_allclose(np.load(out / "cov.npy"), ref.cov, rtol=1e-6)
+
+
+def test_report_from_model_and_from_files(files: dict[str, str]) -> None:
+    out = Path(files["dir"]) / "rep"
+    res = run("report", f"{files['model']}:good", "--inputs", files["x"], "--input-names",
+              "a,b,c", "--output-names", "u,v", "-o", str(out))
+    assert res.exit_code == 0, res.output
+    assert (out / "report.md").exists()
+    assert (out / "sensitivity_heatmap.png").exists()
+    assert "u: " in res.output
+    jac = np.random.default_rng(3).normal(size=(10, 2, 3)) * [1.0, 5.0, 0.1]
+    np.save(Path(files["dir"]) / "j.npy", jac)
+    out2 = Path(files["dir"]) / "rep2"
+    res = run("report", "--jacobians", str(Path(files["dir"]) / "j.npy"), "-o", str(out2))
+    assert res.exit_code == 0, res.output
+    assert "y0: x1" in res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["check", "nocolon", "--inputs", "{x}"], "MODEL must be 'module:attr'"),
+        (["check", "missing.py:f", "--inputs", "{x}"], "does not exist"),
+        (["check", "{model}:nothere", "--inputs", "{x}"], "has no attribute 'nothere'"),
+        (["check", "{model}:W", "--inputs", "{x}"], "not a callable model"),
+        (["check", "{model}:good"], "--inputs FILE.npy"),
+        (["check", "{model}:good", "--inputs", "nope.npy"], "does not exist"),
+        (["check", "{model}:good", "--inputs", "{x}", "--wrt", "a,b"], "--wrt must be column"),
+        (["check", "{model}:good", "--inputs", "{x}", "--inputs", "{x}"], "--wrt-input INDEX"),
+        (["propagate", "{model}:good", "--inputs", "{x}", "-o", "{out}"], "exactly one of `cov`"),
+        (["propagate", "{model}:good", "--inputs", "{x}", "--std", "big", "-o", "{out}"],
+         "--std must be a number"),
+        (["propagate", "{model}:good", "--inputs", "{x}", "--cov", "{x}", "-o", "{out}"],
+         "`cov` has shape (30, 3)"),
+        (["report", "-o", "{out}"], "Give either MODEL"),
+        (["check", "no_such_module_xyz:f", "--inputs", "{x}"], "Cannot import module"),
+    ],
+)
+def test_user_errors_exit_2_without_traceback(files: dict[str, str], args: list[str],
+                                               match: str) -> None:
+    fill = {"model": files["model"], "x": files["x"], "out": str(Path(files["dir"]) / "o")}
+    res = CliRunner().invoke(cli, [a.format(**fill) for a in args])
+    assert res.exit_code == 2, res.output
+    assert match in res.output
+    assert "Traceback" not in res.output
+
+
+def test_commands_are_registered() -> None:
+    res = run("--help")
+    for name in ("check", "propagate", "report"):
+        assert name in res.output
