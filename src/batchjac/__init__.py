@@ -4,32 +4,36 @@
 that kind is first used.
 """
 
+from ._check import CheckReport as CheckReport, check as check
 from ._errors import (
     BackendNotAvailableError as BackendNotAvailableError,
-)
-from ._errors import (
     BatchJacError as BatchJacError,
-)
-from ._errors import (
     InputError as InputError,
-)
-from ._errors import (
     InputTypeError as InputTypeError,
-)
-from ._errors import (
     ModelError as ModelError,
-)
-from ._errors import (
     NotConnectedError as NotConnectedError,
-)
-from ._errors import (
     RowInteractionError as RowInteractionError,
 )
 from ._jacobian import jacobian as jacobian
+from ._propagate import Propagation as Propagation, propagate as propagate
+from ._report import write_report as write_report
+from ._sensitivity import Sensitivity as Sensitivity, elasticities as elasticities, sensitivity as sensitivity
+from ._solve import SolveResult as SolveResult, Status as Status, solve as solve
 from ._version import __version__ as __version__
 
 __all__ = [
     "jacobian",
+    "check",
+    "CheckReport",
+    "propagate",
+    "Propagation",
+    "sensitivity",
+    "elasticities",
+    "Sensitivity",
+    "write_report",
+    "solve",
+    "SolveResult",
+    "Status",
     "BatchJacError",
     "InputError",
     "InputTypeError",

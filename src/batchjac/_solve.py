@@ -1,0 +1,886 @@
+"""Batched nonlinear least squares for the unknowns: Levenberg-Marquardt and Gauss-Newton.
+
+For every instance ``i`` find ``x_i`` minimising ``0.5 * sum_j w_ij (f([x_i, h_i])_j - t_ij)^2``
+within box bounds. Every instance has its own damping, its own step acceptance and its own
+convergence tests; the instances still running are evaluated together, one batched model call
+with its Jacobian per iteration, through the same compiled chunk kernels as
+:func:`batchjac.jacobian`, so every backend works and nothing here imports a framework.
+
+Algorithm (per instance, vectorised over the active instances):
+
+- **Levenberg-Marquardt** (``method="lm"``): the step solves
+  ``(JᵀWJ + mu D) h = -JᵀWr`` with Moré's scaling ``D = diag(max over iterations of
+  diag(JᵀWJ))`` (invariant to the units of each unknown), and Nielsen's damping update
+  (``mu *= max(1/3, 1 - (2 rho - 1)^3)`` after an accepted step, ``mu *= nu, nu *= 2`` after a
+  rejected one). A trial point is accepted when the gain ratio ``rho`` (actual over predicted
+  cost reduction) exceeds 1e-4.
+- **Gauss-Newton** (``method="gn"``): the minimum-norm Gauss-Newton direction (pseudo-inverse
+  of ``JᵀWJ``, small eigenvalues cut off), with a per-instance backtracking line search
+  (Armijo condition, step halved on failure), so it does not diverge on the first bad step.
+- **Bounds** are kept by projection with an active set (projected Levenberg-Marquardt, as in
+  Kanzow, Yamashita & Fukushima 2004): an unknown sitting on a bound whose gradient pushes
+  outwards is frozen for the step, the others take the damped step, and the trial point is
+  clipped into the box. Projection rather than Coleman-Li's reflective scaling because it
+  keeps every evaluated point inside the box *exactly* (``np.clip`` returns the bound itself),
+  needs no interior start, and lets unknowns converge onto a bound in finitely many steps.
+  Bounds are rounded inwards to the compute dtype, so a float32 evaluation point never lies
+  outside the float64 bounds either.
+- Trial points are evaluated with the kernel that returns ``(y, J)`` together: most trial
+  steps are accepted, and an accepted point needs its Jacobian for the next step anyway, so
+  one batched call per iteration beats a forward pass followed by a Jacobian pass.
+- Instances stop costing compute once they stop: the active set is compacted every
+  iteration and fed through the smallest already-compiled chunk size that holds it; a smaller
+  chunk kernel is compiled once the time wasted on padding exceeds what a compilation costs
+  (measured), so a long tail of slow instances does not keep the whole batch's cost.
+
+Underdetermined problems (more unknowns than outputs) are solved by the damped equations as
+well, and flagged ``rank_deficient``. The steps add nothing in directions the outputs do not
+see, so the solution found is the one nearest to ``x0`` in a norm: for a linear model exactly
+so, in the scaled norm ``||D^1/2 (x - x0)||`` for LM and the Euclidean norm for GN (whose
+step is the pseudo-inverse one).
+
+Instances are solved in blocks of one kernel chunk (all starts of an instance in the same
+block), so memory stays bounded by the chunk size whatever N is.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from . import _backends
+from ._autotune import tune
+from ._config import default_max_memory, parse_bytes
+from ._errors import BatchJacError, InputError, InputTypeError, ModelError, add_context
+from ._jacobian import BackendName, prepare
+from ._plan import ModeArg, make_plan
+from ._validate import DTypeLike, normalize, resolve_dtype, to_numpy
+
+__all__ = ["IterationInfo", "SolveResult", "Status", "solve"]
+
+Method = Literal["lm", "gn"]
+
+
+class Status(enum.IntEnum):
+    """Why the iterations of one instance stopped. ``success`` is ``status > 0``.
+
+    ====================  =====  ===============================================================
+    name                  value  meaning
+    ====================  =====  ===============================================================
+    ``GTOL``                 1   converged: the (projected) gradient is orthogonal to the
+                                 residual within ``gtol`` (MINPACK's cosine test), or the
+                                 residual is exactly zero
+    ``FTOL``                 2   converged: an accepted step changed the cost by less than
+                                 ``ftol`` relative, and the linear model predicted no more
+    ``XTOL``                 3   converged: the step was shorter than ``xtol * (xtol + |x|)``
+    ``MAX_ITER``             0   not converged within ``max_iter`` trial steps
+    ``INVALID_INPUT``       -1   NaN/Inf in this instance's targets or known inputs: not solved
+    ``STALLED``             -2   no progress possible: the Jacobian is exactly zero while the
+                                 residual is not (a saturated or dead model), or no acceptable
+                                 step was found (damping beyond 1e30, or a line-search step
+                                 below 2^-40) before ``xtol`` was met
+    ``NON_FINITE``          -3   the model returned NaN/Inf at ``x0``, or at every trial point
+                                 down to the ``xtol`` scale, or 30 times in a row
+    ====================  =====  ===============================================================
+    """
+
+    MAX_ITER = 0
+    GTOL = 1
+    FTOL = 2
+    XTOL = 3
+    INVALID_INPUT = -1
+    STALLED = -2
+    NON_FINITE = -3
+
+
+_RUNNING = -100  # internal: still iterating
+_STATUS_TEXT = {
+    Status.GTOL: "converged: gradient orthogonal to the residual (gtol)",
+    Status.FTOL: "converged: relative cost reduction below ftol",
+    Status.XTOL: "converged: step shorter than xtol",
+    Status.MAX_ITER: "not converged: max_iter reached",
+    Status.INVALID_INPUT: "not solved: NaN/Inf in the targets or known inputs",
+    Status.STALLED: "not converged: zero Jacobian, or no acceptable step found",
+    Status.NON_FINITE: "not converged: the model returned non-finite values",
+}
+
+_ACCEPT_RHO = 1e-4  # minimum gain ratio for an LM step
+_ARMIJO = 1e-4  # sufficient-decrease constant of the GN line search
+_MU_MAX = 1e30  # LM damping beyond this: stalled
+_MU_MIN = 1e-12  # LM damping floor (relative to Moré's scaling): keeps k > m systems solvable
+_ALPHA_MIN = 2.0**-40  # GN line-search step below this: stalled
+_MAX_NONFINITE = 30  # consecutive non-finite trial points before giving up
+_MIN_BUCKET = 8  # smallest chunk kernel compiled for the tail of the active set
+_BUCKET_FACTOR = 8  # ratio between successive chunk sizes
+
+
+@dataclass(frozen=True)
+class IterationInfo:
+    """What ``solve(..., callback=...)`` receives after each batched model evaluation."""
+
+    iteration: int  #: 0 for the evaluation at the starting points
+    instance: np.ndarray  #: (A,) instance index of each evaluated row
+    start: np.ndarray  #: (A,) which of the ``n_starts`` starts each row is
+    x: np.ndarray  #: (A, k) the points evaluated (compute dtype)
+    cost: np.ndarray  #: (A,) their cost (inf where the model returned NaN/Inf)
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """Per-instance results of :func:`solve`; every array has one row per instance."""
+
+    x: np.ndarray  #: (N, k) the solution (compute dtype); NaN for invalid input
+    residual: np.ndarray  #: (N,) ``||sqrt(w) (f(x) - targets)||_2``
+    cost: np.ndarray  #: (N,) ``0.5 * residual**2``
+    success: np.ndarray  #: (N,) bool, ``status > 0`` (converged on gtol, ftol or xtol)
+    status: np.ndarray  #: (N,) int8 :class:`Status` codes
+    iterations: np.ndarray  #: (N,) trial steps taken (each one batched model evaluation)
+    rank: np.ndarray  #: (N,) numerical rank of ``sqrt(W) J`` at ``x``
+    rank_deficient: np.ndarray  #: (N,) bool, ``rank < k`` (always so when k > m)
+    start: np.ndarray  #: (N,) index of the start that won (0 is ``x0``)
+    jacobian: np.ndarray | None = None  #: (N, *output_shape, k), model Jacobian at ``x``
+    covariance: np.ndarray | None = None  #: (N, k, k) Gauss-Newton covariance of ``x``
+    info: dict[str, Any] = field(default_factory=dict)  #: method, tolerances, timings
+
+    @property
+    def status_names(self) -> np.ndarray:
+        """``status`` as lower-case names: "gtol", "ftol", "xtol", "max_iter", ..."""
+        names = np.array([s.name.lower() for s in Status])
+        codes = np.array([s.value for s in Status])
+        order = np.argsort(codes)
+        return names[order[np.searchsorted(codes[order], self.status)]]
+
+    def message(self, i: int) -> str:
+        """A sentence on instance ``i``."""
+        return _STATUS_TEXT[Status(int(self.status[i]))]
+
+    def summary(self) -> dict[str, int]:
+        """How many instances ended with each status."""
+        return {s.name.lower(): int((self.status == s.value).sum()) for s in Status
+                if (self.status == s.value).any()}
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{k}={v}" for k, v in self.summary().items())
+        return (f"SolveResult(n={len(self.x)}, k={self.x.shape[-1] if self.x.ndim > 1 else 0}, "
+                f"success={int(self.success.sum())}, {counts})")
+
+
+def solve(
+    model: Any,
+    targets: Any,
+    known: Any = None,
+    *,
+    x0: Any = None,
+    bounds: Any = None,
+    method: Method = "lm",
+    max_iter: int = 100,
+    xtol: float | None = None,
+    ftol: float | None = None,
+    gtol: float | None = None,
+    weights: Any = None,
+    sigma: Any = None,
+    n_starts: int = 1,
+    seed: int | None = None,
+    n_unknowns: int | None = None,
+    return_jacobian: bool = False,
+    return_covariance: bool = False,
+    dtype: DTypeLike = None,
+    mode: ModeArg = "auto",
+    chunk_size: int | None = None,
+    max_memory: int | str | None = None,
+    backend: BackendName | None = None,
+    backend_options: dict[str, Any] | None = None,
+    callback: Callable[[IterationInfo], None] | None = None,
+) -> SolveResult:
+    """Find the unknowns ``x_i`` with ``model(concat([x_i, known_i])) ≈ targets_i``, per instance.
+
+    Minimises ``0.5 * sum_j w_ij (f_j - targets_ij)^2`` for every instance independently, all
+    instances at once, with exact Jacobians from the model's framework (any backend).
+
+    - ``model`` takes ``concat([x, known], axis=-1)`` (the ``jacobian(model, unknown, known)``
+      layout), or ``x`` alone when ``known`` is None. ``x`` is ``(N, k)``.
+    - ``targets``: ``(N, *output_shape)``. ``known``: ``(N, h)`` or None.
+    - ``x0``: ``(N, k)``, ``(k,)`` or None (zeros, moved into the bounds; the midpoint where
+      both bounds are finite). ``k`` comes from ``x0``, the bounds or ``n_unknowns``.
+    - ``bounds=(lower, upper)``: each a scalar, ``(k,)`` or ``(N, k)``; ±inf or None for none.
+      Every point the model is evaluated at lies within them.
+    - ``method``: "lm" (Levenberg-Marquardt) or "gn" (Gauss-Newton with a line search).
+    - ``max_iter``: trial steps per instance (each costs one batched model evaluation).
+    - ``xtol``, ``ftol``, ``gtol``: convergence tolerances (see :class:`Status`); default 1e-8
+      when computing in float64, 1e-6 in float32 (whose rounding noise hides smaller changes).
+    - ``weights`` (``w``) or ``sigma`` (standard deviations, ``w = 1/sigma^2``): scalar,
+      ``output_shape`` or ``(N, *output_shape)``. Zero weights drop an output.
+    - ``n_starts`` > 1: also start from ``n_starts - 1`` random points (uniform in the box
+      where both bounds are finite, else ``x0 + max(1, |x0|) * N(0, 1)`` moved into the
+      bounds; ``seed`` fixes them) and keep the lowest cost per instance.
+    - ``return_jacobian``: also return the model Jacobian at the solution.
+    - ``return_covariance``: also return ``s^2 (JᵀWJ)^-1``; ``s^2 = 1`` when ``sigma`` was
+      given (absolute uncertainties), else ``2 cost / (m - k)`` (weights are relative). NaN
+      where it does not exist: rank deficiency, or ``m <= k`` without ``sigma``. It is the
+      linearisation at ``x``: for unknowns held on a bound it ignores the bound.
+    - ``dtype``, ``mode``, ``chunk_size``, ``max_memory``, ``backend``, ``backend_options``: as
+      in :func:`batchjac.jacobian`. Float64 is used when any of targets, known or x0 is float64.
+    - ``callback(info)``: called after every batched evaluation with the points evaluated.
+
+    Returns a :class:`SolveResult`. ``success`` means the iterations converged (``status`` says
+    on which test), as in ``scipy.optimize.least_squares``: a local minimum with a large
+    residual (an unreachable target) converges too, so look at ``residual`` to tell whether the
+    targets were matched. ``rank_deficient`` flags instances whose unknowns the outputs do not
+    determine (always so when k > m: the damped steps then stay close to ``x0`` in the
+    directions the outputs do not see, a minimum-norm-like solution).
+
+    Instances with NaN/Inf in their targets or known inputs get ``Status.INVALID_INPUT``; the
+    others are solved. A model returning NaN/Inf at a trial point rejects that step and raises
+    the damping (LM) or shortens the step (GN); errors the model raises propagate.
+
+    >>> import numpy as np, batchjac
+    >>> from batchjac.examples import workload_model
+    >>> model = workload_model("W3", "tensorflow", dtype="float64")  # 4 unknown + 4 known -> 512
+    >>> rng = np.random.default_rng(0)
+    >>> x_true, known = rng.uniform(-1, 1, (100, 4)), rng.normal(size=(100, 4))
+    >>> targets = batchjac.jacobian(model, x_true, known, return_outputs=True)[0]
+    >>> res = batchjac.solve(model, targets, known, x0=np.zeros((100, 4)))
+    >>> bool(res.success.all()), float(np.abs(res.x - x_true).max()) < 1e-6
+    (True, True)
+    """
+    start_time = time.perf_counter()
+    if method not in ("lm", "gn"):
+        raise InputError(f"`method` must be 'lm' (Levenberg-Marquardt) or 'gn' (Gauss-Newton); "
+                         f"got {method!r}.")
+    max_iter = _count(max_iter, "max_iter", minimum=0)
+    n_starts = _count(n_starts, "n_starts", minimum=1)
+
+    t_arr = to_numpy(targets, "targets")
+    n = t_arr.shape[0]
+    h_arr = None if known is None else to_numpy(known, "known")
+    if h_arr is not None:
+        if h_arr.ndim != 2:
+            raise InputError(f"`known` must be (N, h), one row of known inputs per instance; got "
+                             f"shape {h_arr.shape}.")
+        if h_arr.shape[0] != n:
+            raise InputError(f"`known` has {h_arr.shape[0]} rows but `targets` has {n}; they must "
+                             f"have one row per instance.")
+    x0_arr = None if x0 is None else to_numpy(x0, "x0")
+    k = _n_unknowns(x0_arr, bounds, n_unknowns, n)
+    dt = resolve_dtype(dtype, [a for a, raw in ((t_arr, targets), (h_arr, known), (x0_arr, x0))
+                               if a is not None and not isinstance(raw, (list, tuple))])
+    tols = _tolerances(dt, xtol=xtol, ftol=ftol, gtol=gtol)
+
+    lo, hi = _bounds(bounds, n, k)
+    lo_c, hi_c = _inward(lo, dt), _inward(hi, dt, up=False)
+    if np.any(lo_c > hi_c):
+        i, j = np.argwhere(lo_c > hi_c)[0]
+        raise InputError(f"`bounds` for instance {i}, unknown {j} ([{lo[i, j]}, {hi[i, j]}]) are "
+                         f"closer than {dt} can resolve; widen them or use dtype='float64'.")
+    x0_full = _start_points(x0_arr, lo, hi, n, k)
+    x0_full = np.clip(x0_full.astype(dt).astype(np.float64), lo_c, hi_c)
+
+    # which instances can be solved: finite targets and known inputs
+    t_rows = t_arr.reshape(n, int(np.prod(t_arr.shape[1:], dtype=np.int64)))
+    valid = np.isfinite(t_rows).all(axis=1) if t_arr.dtype.kind == "f" else np.ones(n, bool)
+    if h_arr is not None and h_arr.dtype.kind == "f":
+        valid &= np.isfinite(h_arr).all(axis=1)
+
+    # bind the model (cached) and learn its output shape; the probes use valid rows
+    inputs = (x0_full.astype(dt),) if h_arr is None else (x0_full.astype(dt), h_arr)
+    spec = normalize(inputs, wrt=None, dtype=dt, nan_policy="propagate")
+    name = backend or _backends.detect(model)
+    try:
+        bound = prepare(model, spec, name, backend_options or {})
+    except BatchJacError as e:
+        raise add_context(e, f"backend={name}; solve: x {x0_full.shape}, known "
+                             f"{None if h_arr is None else h_arr.shape}; dtype {dt}") from e
+    assert bound.output_shape is not None
+    out_shape = bound.output_shape
+    m = int(np.prod(out_shape, dtype=np.int64))
+    if t_arr.shape[1:] != out_shape:
+        raise InputError(
+            f"`targets` has shape {t_arr.shape}, but the model's output for one instance has "
+            f"shape {out_shape}; targets must be (N, *output_shape) = {(n, *out_shape)}."
+        )
+    sqrt_w, absolute = _weights(weights, sigma, n, out_shape)
+
+    rows_total = n * n_starts
+    budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
+    plan = make_plan(n=max(rows_total, 1), k=k, m=m, in_elems=k + (0 if h_arr is None else
+                     h_arr.shape[1]), dtype=dt, mode=mode, chunk_size=chunk_size,
+                     max_memory=budget)
+    if plan.uncertain and rows_total:
+        plan = tune(bound, spec, plan, True)
+
+    ctx_all = spec.chunk(0, n)[1]  # known inputs in the compute dtype
+    evaluator = _Evaluator(bound, plan.mode, plan.chunk_size)
+    t_flat = t_arr.reshape(n, m).astype(np.float64)
+    drawn = None
+    if n_starts > 1:  # drawn up front: the same starts whatever the chunk size (or a resume)
+        rows_i, rows_s = np.repeat(np.arange(n), n_starts), np.tile(np.arange(n_starts), n)
+        drawn = _random_starts(x0_full[rows_i], lo[rows_i], hi[rows_i], rows_s,
+                               np.random.default_rng(seed))
+        drawn = np.clip(drawn.astype(dt).astype(np.float64), lo_c[rows_i], hi_c[rows_i])
+
+    # per instance-start row results
+    res_x = np.full((rows_total, k), np.nan)
+    res_cost = np.full(rows_total, np.nan)
+    res_status = np.full(rows_total, int(Status.INVALID_INPUT), np.int8)
+    res_iter = np.zeros(rows_total, np.int64)
+    res_rank = np.zeros(rows_total, np.int64)
+    res_jac = np.full((rows_total, m, k), np.nan, dt) if return_jacobian else None
+    res_cov = np.full((rows_total, k, k), np.nan) if return_covariance else None
+
+    block_inst = max(1, plan.chunk_size // n_starts)
+    for lo_i in range(0, n, block_inst):
+        hi_i = min(n, lo_i + block_inst)
+        inst = np.arange(lo_i, hi_i)
+        inst = inst[valid[inst]]
+        if inst.size == 0:
+            continue
+        rows_inst = np.repeat(inst, n_starts)
+        rows_start = np.tile(np.arange(n_starts), inst.size)
+        dest = rows_inst * n_starts + rows_start
+        xs = x0_full[rows_inst] if drawn is None else drawn[dest]
+        sw = None if sqrt_w is None else np.broadcast_to(sqrt_w, (n, m))[rows_inst]
+        problem = _Problem(
+            x0=xs, lo=lo_c[rows_inst], hi=hi_c[rows_inst], target=t_flat[rows_inst], sqrt_w=sw,
+            ctx=tuple(c[rows_inst] for c in ctx_all), instance=rows_inst, start=rows_start,
+        )
+        out = _iterate(problem, evaluator, dt, method=method, max_iter=max_iter, tols=tols,
+                       callback=callback)
+        res_x[dest], res_cost[dest], res_status[dest] = out.x, out.cost, out.status
+        res_iter[dest] = out.iterations
+        res_rank[dest], cov = _rank_and_covariance(out.jac, out.gram, sw, dt, absolute=absolute,
+                                                   cost=out.cost, want_cov=return_covariance)
+        if res_jac is not None:
+            res_jac[dest] = out.jac
+        if res_cov is not None:
+            res_cov[dest] = cov
+
+    # the best start per instance: the lowest finite cost; among equal costs, a converged one
+    cost_by = res_cost.reshape(n, n_starts)
+    key = np.where(np.isfinite(cost_by), cost_by, np.inf)
+    best_cost = key.min(axis=1, keepdims=True, initial=np.inf)
+    lowest = key <= best_cost + 1e-9 * np.abs(best_cost) + 1e-300  # equal up to rounding
+    best = np.argmax(lowest * (1 + (res_status.reshape(n, n_starts) > 0)), axis=1)
+    pick = np.arange(n) * n_starts + best
+    x = res_x[pick]
+    cost = res_cost[pick]
+    status = res_status[pick]
+    rank = res_rank[pick]
+    invalid = status == Status.INVALID_INPUT
+    x_out = x.astype(dt)
+    return SolveResult(
+        x=x_out,
+        residual=np.sqrt(2.0 * cost),
+        cost=cost,
+        success=status > 0,
+        status=status,
+        iterations=res_iter[pick],
+        rank=rank,
+        rank_deficient=(rank < k) & ~invalid,
+        start=np.where(invalid, 0, best),
+        jacobian=None if res_jac is None else res_jac[pick].reshape(n, *out_shape, k),
+        covariance=None if res_cov is None else res_cov[pick],
+        info={"method": method, "backend": name, "dtype": str(dt), "mode": plan.mode,
+              "chunk_size": plan.chunk_size, "xtol": tols[0], "ftol": tols[1], "gtol": tols[2],
+              "max_iter": max_iter, "n_starts": n_starts, "seconds": time.perf_counter() - start_time,
+              "kernel_calls": evaluator.calls, "kernel_seconds": evaluator.seconds,
+              "compiled_chunk_sizes": sorted(evaluator.compiled)},
+    )
+
+
+# -- validation -------------------------------------------------------------------------------
+def _count(value: Any, name: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InputError(f"`{name}` must be an integer >= {minimum}; got {value!r}.")
+    return int(value)
+
+
+def _tolerances(dt: np.dtype, **given: float | None) -> tuple[float, float, float]:
+    default = 1e-8 if dt == np.float64 else 1e-6
+    out = []
+    for name in ("xtol", "ftol", "gtol"):
+        v = given[name]
+        if v is None:
+            v = default
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
+                or not np.isfinite(v) or v < 0:
+            raise InputError(f"`{name}` must be a finite number >= 0; got {v!r}.")
+        out.append(float(v))
+    return out[0], out[1], out[2]
+
+
+def _n_unknowns(x0: np.ndarray | None, bounds: Any, n_unknowns: int | None, n: int) -> int:
+    if x0 is not None:
+        if x0.ndim == 2 and x0.shape[0] == n:
+            k = x0.shape[1]
+        elif x0.ndim == 1:
+            k = x0.shape[0]
+        else:
+            raise InputError(f"`x0` must be (N, k) = ({n}, k) or (k,); got shape {x0.shape}.")
+        if n_unknowns is not None and n_unknowns != k:
+            raise InputError(f"`n_unknowns={n_unknowns}` but `x0` has {k} unknowns per instance.")
+        if k == 0:
+            raise InputError("`x0` has no unknown columns; give at least one unknown per instance.")
+        return k
+    if n_unknowns is not None:
+        return _count(n_unknowns, "n_unknowns", minimum=1)
+    if isinstance(bounds, (tuple, list)) and len(bounds) == 2:
+        for b in bounds:
+            if b is not None and np.ndim(b) >= 1:
+                return int(np.shape(b)[-1])
+    raise InputError(
+        "solve() cannot tell how many unknowns the model takes: pass x0 with shape (N, k) or "
+        "(k,), n_unknowns=k, or per-unknown bounds of shape (k,)."
+    )
+
+
+def _float_array(value: Any, what: str) -> np.ndarray:
+    """A scalar, nested list, numpy array or framework tensor as a float64 array."""
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        return np.asarray(value, np.float64)
+    arr = to_numpy(value, what) if np.ndim(value) else np.asarray(value)
+    if arr.dtype.kind not in "fiu":
+        raise InputTypeError(f"{what} must hold real numbers; got dtype {arr.dtype}.")
+    return arr.astype(np.float64)
+
+
+def _bounds(bounds: Any, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    if bounds is None:
+        return np.full((n, k), -np.inf), np.full((n, k), np.inf)
+    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+        raise InputError(f"`bounds` must be a pair (lower, upper); got {type(bounds).__name__}. "
+                         f"Each side is a scalar, shape ({k},) or ({n}, {k}); None or ±inf means "
+                         f"unbounded.")
+    out = []
+    for side, b, fill in (("lower", bounds[0], -np.inf), ("upper", bounds[1], np.inf)):
+        arr = np.full((n, k), fill) if b is None else _float_array(b, f"the {side} bound")
+        if arr.shape not in ((), (k,), (n, k)):
+            raise InputError(f"The {side} bound has shape {arr.shape}; it must be a scalar, ({k},) "
+                             f"or ({n}, {k}).")
+        if np.isnan(arr).any():
+            raise InputError(f"The {side} bound contains NaN; use -inf/inf for no bound.")
+        out.append(np.broadcast_to(arr, (n, k)))
+    lo, hi = out
+    bad = lo >= hi
+    if bad.any():
+        i, j = np.argwhere(bad)[0]
+        raise InputError(
+            f"`bounds`: lower >= upper for instance {i}, unknown {j} ({lo[i, j]} >= {hi[i, j]}); "
+            f"{int(bad.sum())} pair(s) in all. Each lower bound must be strictly below its upper "
+            f"bound (to fix an unknown, pass it in `known` instead)."
+        )
+    return lo, hi
+
+
+def _inward(b: np.ndarray, dt: np.dtype, up: bool = True) -> np.ndarray:
+    """Bounds as float64 values representable in ``dt``, rounded towards the inside."""
+    c = b.astype(dt)
+    if up:
+        c = np.where(c.astype(np.float64) < b, np.nextafter(c, dt.type(np.inf)), c)
+    else:
+        c = np.where(c.astype(np.float64) > b, np.nextafter(c, dt.type(-np.inf)), c)
+    return c.astype(np.float64)
+
+
+def _start_points(x0: np.ndarray | None, lo: np.ndarray, hi: np.ndarray, n: int, k: int
+                  ) -> np.ndarray:
+    if x0 is None:
+        both = np.isfinite(lo) & np.isfinite(hi)
+        mid = np.where(both, 0.5 * (np.where(both, lo, 0.0) + np.where(both, hi, 0.0)), 0.0)
+        return np.clip(mid, lo, hi)
+    x = np.broadcast_to(np.asarray(x0, np.float64), (n, k))
+    if not np.isfinite(x).all():
+        i = int(np.argwhere(~np.isfinite(x))[0][0])
+        raise InputError(f"`x0` has a non-finite value in row {i}: {x[i]}. Give finite starts "
+                         f"(or leave x0=None).")
+    out = (x < lo) | (x > hi)
+    if out.any():
+        i, j = np.argwhere(out)[0]
+        raise InputError(
+            f"`x0` is outside the bounds for instance {i}, unknown {j}: {x[i, j]} not in "
+            f"[{lo[i, j]}, {hi[i, j]}] ({int(out.any(axis=1).sum())} instance(s) in all). "
+            f"Start inside the box, e.g. x0=np.clip(x0, lower, upper)."
+        )
+    return x.copy()
+
+
+def _random_starts(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, start: np.ndarray,
+                   rng: np.random.Generator) -> np.ndarray:
+    finite = np.isfinite(lo) & np.isfinite(hi)
+    uniform = rng.uniform(np.where(finite, lo, 0.0), np.where(finite, hi, 1.0))
+    normal = x + np.maximum(1.0, np.abs(x)) * rng.standard_normal(x.shape)
+    drawn = np.clip(np.where(finite, uniform, normal), lo, hi)
+    return np.where((start > 0)[:, None], drawn, x)
+
+
+def _weights(weights: Any, sigma: Any, n: int, out_shape: tuple[int, ...]
+             ) -> tuple[np.ndarray | None, bool]:
+    """sqrt of the weights as (1 or N, m), and whether they are absolute (from sigma)."""
+    if weights is not None and sigma is not None:
+        raise InputError("Give `weights` or `sigma` (standard deviations), not both.")
+    if weights is None and sigma is None:
+        return None, False
+    name = "weights" if weights is not None else "sigma"
+    arr = _float_array(weights if weights is not None else sigma, f"`{name}`")
+    m = int(np.prod(out_shape, dtype=np.int64))
+    if arr.shape == () or arr.shape == out_shape:
+        arr = np.broadcast_to(arr, out_shape).reshape(1, m)
+    elif arr.shape == (n, *out_shape):
+        arr = arr.reshape(n, m)
+    else:
+        raise InputError(f"`{name}` has shape {arr.shape}; it must be a scalar, the output shape "
+                         f"{out_shape} or ({n}, *{out_shape}).")
+    if not np.isfinite(arr).all():
+        raise InputError(f"`{name}` contains NaN/Inf; give finite values (a zero weight drops an "
+                         f"output).")
+    if weights is not None:
+        if (arr < 0).any():
+            raise InputError(f"`weights` must be >= 0; found {arr.min()}.")
+        return np.sqrt(arr), False
+    if (arr <= 0).any():
+        raise InputError(f"`sigma` (standard deviations) must be > 0; found {arr.min()}.")
+    return 1.0 / arr, True
+
+
+# -- evaluation ---------------------------------------------------------------------------------
+#: measured compile time of a chunk kernel, per bound model (for the bucket heuristic)
+_compile_seconds: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+#: seconds spent on padded rows so far, per bound model: kept across solve() calls, so a
+#: session that solves batch after batch compiles the smaller chunk once it has paid for it
+_waste: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+
+class _Evaluator:
+    """``(y, J)`` for any number of rows through a few fixed chunk sizes.
+
+    The full chunk size is compiled first; sizes ``chunk/8``, ``chunk/64``, ... serve a shrinking
+    active set. A smaller size is compiled only when the time already spent on padded rows
+    (by this model, over all solve calls) exceeds the measured cost of one compilation (ski
+    rental: never more than twice the best choice in hindsight), unless the bound model has
+    it already.
+    """
+
+    def __init__(self, bound: Any, mode: Any, chunk_size: int) -> None:
+        self.bound, self.mode = bound, mode
+        sizes = [chunk_size]
+        while sizes[-1] // _BUCKET_FACTOR >= _MIN_BUCKET:
+            sizes.append(sizes[-1] // _BUCKET_FACTOR)
+        self.sizes = sizes  # descending
+        self.compiled = {s for s in sizes if self._exists(s)}
+        self.calls = 0
+        self.seconds = 0.0
+
+    def _exists(self, size: int) -> bool:
+        return (self.mode, size, True) in getattr(self.bound, "_kernels", {})
+
+    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+        rows = u.shape[0]
+        full = self.sizes[0]
+        if rows >= full:
+            parts = [self._run(full, u[lo:lo + full], tuple(c[lo:lo + full] for c in ctx))
+                     for lo in range(0, rows, full)]
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        ideal = min(s for s in self.sizes if s >= rows)
+        usable = min(s for s in self.sizes if s >= rows and (s in self.compiled or s == full))
+        waste = _waste.get(self.bound, 0.0)
+        if usable != ideal and waste >= _compile_seconds.get(self.bound, 0.25):
+            usable, waste = ideal, 0.0
+        start = time.perf_counter()
+        y, jac = self._run(usable, u, ctx)
+        if usable != ideal:
+            waste += (time.perf_counter() - start) * (1.0 - ideal / usable)
+        _waste[self.bound] = waste
+        return y, jac
+
+    def _run(self, size: int, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+             ) -> tuple[np.ndarray, np.ndarray]:
+        rows = u.shape[0]
+        new = size not in self.compiled and not self._exists(size)
+        start = time.perf_counter()
+        kernel = self.bound.kernel(self.mode, size, True)
+        try:
+            y, jac = kernel(_pad(u, size), tuple(_pad(c, size) for c in ctx))
+        except BatchJacError as e:
+            raise add_context(e, f"solve: {rows} active instances") from e
+        except Exception as e:  # framework errors at run time
+            raise ModelError(f"The model failed during solve ({rows} active instances): "
+                             f"{type(e).__name__}: {e}") from e
+        elapsed = time.perf_counter() - start
+        if new:
+            _compile_seconds[self.bound] = elapsed
+        self.compiled.add(size)
+        self.calls += 1
+        self.seconds += elapsed
+        assert y is not None
+        y2 = np.asarray(y[:rows], np.float64).reshape(rows, -1)
+        return y2, np.asarray(jac[:rows], np.float64).reshape(rows, y2.shape[1], -1)
+
+
+def _pad(a: np.ndarray, rows: int) -> np.ndarray:
+    """Pad to ``rows`` by repeating the last row (as the runner does: real values keep every op
+    finite; padded results are dropped)."""
+    if a.shape[0] == rows:
+        return a
+    return np.concatenate([a, np.repeat(a[-1:], rows - a.shape[0], axis=0)], axis=0)
+
+
+# -- the iterations -----------------------------------------------------------------------------
+@dataclass
+class _Problem:
+    x0: np.ndarray  # (R, k) float64, representable in the compute dtype, inside the bounds
+    lo: np.ndarray  # (R, k) inward-rounded bounds
+    hi: np.ndarray
+    target: np.ndarray  # (R, m) float64
+    sqrt_w: np.ndarray | None  # (R, m) or None
+    ctx: tuple[np.ndarray, ...]  # known inputs, (R, ...)
+    instance: np.ndarray  # (R,) for the callback
+    start: np.ndarray
+
+
+@dataclass
+class _Outcome:
+    x: np.ndarray
+    cost: np.ndarray
+    status: np.ndarray
+    iterations: np.ndarray
+    jac: np.ndarray  # (R, m, k) model Jacobian at x (compute dtype)
+    gram: np.ndarray  # (R, k, k) JᵀWJ at x
+
+
+def _iterate(p: _Problem, evaluate: _Evaluator, dt: np.dtype, *, method: str, max_iter: int,
+             tols: tuple[float, float, float], callback: Callable[[IterationInfo], None] | None
+             ) -> _Outcome:
+    xtol, ftol, gtol = tols
+    rows, k = p.x0.shape
+    gn = method == "gn"
+
+    def weighted(idx: np.ndarray, y: np.ndarray, jac: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        r = y - p.target[idx]
+        if p.sqrt_w is not None:
+            r = r * p.sqrt_w[idx]
+            jac = jac * p.sqrt_w[idx][:, :, None]
+        return r, jac
+
+    def call(idx: np.ndarray, x: np.ndarray, it: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                              np.ndarray, np.ndarray]:
+        xc = x.astype(dt)
+        y, jac = evaluate(xc, tuple(c[idx] for c in p.ctx))
+        finite = np.isfinite(y).all(axis=1) & np.isfinite(jac).all(axis=(1, 2))
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf rows are rejected below
+            r, jw = weighted(idx, y, jac)
+            cost = np.where(finite, 0.5 * np.einsum("ij,ij->i", r, r), np.inf)
+        if callback is not None:
+            callback(IterationInfo(iteration=it, instance=p.instance[idx], start=p.start[idx],
+                                   x=xc, cost=cost))
+        return jac, r, jw, cost, finite
+
+    x = p.x0.copy()
+    status = np.full(rows, _RUNNING, np.int64)
+    iters = np.zeros(rows, np.int64)
+    jac_store = np.full((rows, p.target.shape[1], k), np.nan, dt)
+    jtj = np.zeros((rows, k, k))
+    grad = np.zeros((rows, k))
+    colnorm = np.zeros((rows, k))
+    cost = np.full(rows, np.inf)
+    scale = np.zeros((rows, k))  # Moré's D
+    mu = np.full(rows, 1e-3)
+    nu = np.full(rows, 2.0)
+    alpha = np.ones(rows)
+    direction = np.zeros((rows, k))
+    fresh = np.ones(rows, bool)  # GN: the direction must be recomputed
+    nonfinite_run = np.zeros(rows, np.int64)
+
+    def store(idx: np.ndarray, jac: np.ndarray, r: np.ndarray, jw: np.ndarray, c: np.ndarray
+              ) -> None:
+        jac_store[idx] = jac
+        a = np.matmul(jw.transpose(0, 2, 1), jw)
+        jtj[idx] = a
+        grad[idx] = np.einsum("imk,im->ik", jw, r)
+        diag = np.einsum("ikk->ik", a)
+        colnorm[idx] = np.sqrt(diag)
+        scale[idx] = np.maximum(scale[idx], diag)
+        cost[idx] = c
+
+    idx = np.arange(rows)
+    jac, r, jw, c0, finite = call(idx, x, 0)
+    status[~finite] = Status.NON_FINITE
+    ok = idx[finite]
+    store(ok, jac[finite], r[finite], jw[finite], c0[finite])
+    conv, flat = _gtol_test(x[ok], p.lo[ok], p.hi[ok], grad[ok], colnorm[ok], cost[ok], gtol)
+    status[ok[conv]] = Status.GTOL
+    status[ok[flat]] = Status.STALLED
+
+    for it in range(1, max_iter + 1):
+        act = np.flatnonzero(status == _RUNNING)
+        if act.size == 0:
+            break
+        xa, lo, hi, g, a = x[act], p.lo[act], p.hi[act], grad[act], jtj[act]
+        free = ~(((xa <= lo) & (g > 0)) | ((xa >= hi) & (g < 0)))
+        if gn:
+            need = fresh[act]
+            if need.any():
+                direction[act[need]] = _gn_direction(a[need], g[need], free[need], dt)
+                fresh[act[need]] = False
+                alpha[act[need]] = 1.0
+            h = alpha[act, None] * direction[act]
+        else:
+            d = np.maximum(scale[act], 1e-12 * scale[act].max(axis=1, keepdims=True) + 1e-300)
+            h = _lm_step(a, g, mu[act, None] * d, free)
+        xt = np.clip(xa + h, lo, hi)
+        xt = np.clip(xt.astype(dt).astype(np.float64), lo, hi)  # representable, still inside
+        step = xt - xa
+        pred = -(np.einsum("ik,ik->i", g, step) +
+                 0.5 * np.einsum("ik,ikl,il->i", step, a, step))
+        jac, r, jw, ct, finite = call(act, xt, it)
+        iters[act] += 1
+        ared = cost[act] - ct
+        if gn:
+            accept = finite & (ct <= cost[act] + _ARMIJO * np.einsum("ik,ik->i", g, step)) & \
+                (ared >= 0) & (np.abs(step).max(axis=1) > 0)
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rho = np.where(pred > 0, ared / pred, -np.inf)
+            accept = finite & (rho > _ACCEPT_RHO)
+
+        old_cost = cost[act].copy()
+        acc = act[accept]
+        store(acc, jac[accept], r[accept], jw[accept], ct[accept])
+        x[acc] = xt[accept]
+        nonfinite_run[act] = np.where(finite, 0, nonfinite_run[act] + 1)
+        if gn:
+            fresh[acc] = True
+            rej = act[~accept]
+            alpha[rej] *= np.where(finite[~accept], 0.5, 0.25)
+        else:
+            rho_acc = rho[accept]
+            mu[acc] = np.maximum(mu[acc] * np.maximum(1 / 3, 1 - (2 * rho_acc - 1) ** 3), _MU_MIN)
+            nu[acc] = 2.0
+            rej = act[~accept]
+            mu[rej] *= nu[rej]
+            nu[rej] *= 2.0
+
+        # per-instance convergence tests, in order of precedence
+        snorm = np.linalg.norm(step, axis=1)
+        xnorm = np.linalg.norm(xt, axis=1)
+        small_step = finite & (snorm < xtol * (xtol + xnorm))
+        small_f = accept & (np.abs(ared) <= ftol * old_cost) & (pred <= ftol * old_cost)
+        g_ok = np.zeros(act.size, bool)
+        g_flat = np.zeros(act.size, bool)
+        if acc.size:
+            g_ok[accept], g_flat[accept] = _gtol_test(x[acc], p.lo[acc], p.hi[acc], grad[acc],
+                                                      colnorm[acc], cost[acc], gtol)
+        new = np.full(act.size, _RUNNING, np.int64)
+        new[small_step] = Status.XTOL
+        new[small_f] = Status.FTOL
+        new[g_ok] = Status.GTOL
+        new[g_flat] = Status.STALLED
+        still = new == _RUNNING
+        stuck_nf = still & ~finite & ((nonfinite_run[act] >= _MAX_NONFINITE) |
+                                      (snorm < xtol * (xtol + xnorm)))
+        new[stuck_nf] = Status.NON_FINITE
+        stalled = (new == _RUNNING) & ~accept & ((alpha[act] < _ALPHA_MIN) if gn
+                                                 else (mu[act] > _MU_MAX))
+        new[stalled] = Status.STALLED
+        status[act] = new
+
+    status[status == _RUNNING] = Status.MAX_ITER
+    return _Outcome(x=x, cost=cost, status=status.astype(np.int8), iterations=iters,
+                    jac=jac_store.reshape(rows, -1, k), gram=jtj)
+
+
+def _gtol_test(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, g: np.ndarray, colnorm: np.ndarray,
+               cost: np.ndarray, gtol: float) -> tuple[np.ndarray, np.ndarray]:
+    """MINPACK's scaled gradient test on the projected gradient: the largest cosine between the
+    residual and a Jacobian column, over unknowns not held at a bound. Returns (converged,
+    flat): a zero Jacobian with a nonzero residual is no convergence (nothing is known there)."""
+    held = ((x <= lo) & (g > 0)) | ((x >= hi) & (g < 0))
+    gp = np.where(held, 0.0, np.abs(g))
+    rnorm = np.sqrt(2.0 * cost)
+    denom = colnorm * rnorm[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cosine = np.where(denom > 0, gp / denom, 0.0).max(axis=1)
+    flat = (colnorm == 0).all(axis=1) & (rnorm > 0)
+    return ((cosine <= gtol) | (rnorm == 0)) & ~flat, flat
+
+
+def _lm_step(a: np.ndarray, g: np.ndarray, damp: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """Solve ``(A + diag(damp)) h = -g`` over the free unknowns; held unknowns get ``h = 0``."""
+    k = a.shape[1]
+    both = free[:, :, None] & free[:, None, :]
+    mat = np.where(both, a, 0.0)
+    idx = np.arange(k)
+    mat[:, idx, idx] += np.where(free, damp, 1.0)
+    rhs = np.where(free, -g, 0.0)
+    try:
+        return np.linalg.solve(mat, rhs[:, :, None])[:, :, 0]
+    except np.linalg.LinAlgError:  # numerically singular somewhere: pseudo-inverse for all
+        return _pinv_solve(mat, rhs, 1e-14)
+
+
+def _gn_direction(a: np.ndarray, g: np.ndarray, free: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """The minimum-norm Gauss-Newton step over the free unknowns."""
+    both = free[:, :, None] & free[:, None, :]
+    mat = np.where(both, a, 0.0)
+    rhs = np.where(free, -g, 0.0)
+    # singular values of J below max(m, k) * eps * s_max (numpy's matrix_rank rule) are noise
+    rcond = (a.shape[1] * 8 * np.finfo(dt).eps) ** 2
+    return _pinv_solve(mat, rhs, rcond)
+
+
+def _pinv_solve(mat: np.ndarray, rhs: np.ndarray, rcond: float) -> np.ndarray:
+    lam, vec = np.linalg.eigh(mat)
+    cut = rcond * np.maximum(lam.max(axis=1, keepdims=True), 1e-300)
+    inv = np.where(lam > cut, 1.0 / np.where(lam > cut, lam, 1.0), 0.0)
+    coef = np.einsum("ikj,ik->ij", vec, rhs) * inv
+    return np.einsum("ikj,ij->ik", vec, coef)
+
+
+def _rank_and_covariance(jac: np.ndarray, gram: np.ndarray, sqrt_w: np.ndarray | None,
+                         dt: np.dtype, *, absolute: bool, cost: np.ndarray, want_cov: bool
+                         ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Numerical rank of ``sqrt(W) J`` per row (numpy's matrix_rank rule: singular values above
+    ``s_max * max(m, k) * eps`` of the compute dtype) and, if asked, the Gauss-Newton covariance
+    ``s^2 (JᵀWJ)^-1``.
+
+    The eigenvalues of the Gram matrix ``JᵀWJ`` (already at hand) settle well-conditioned rows
+    cheaply; only rows whose conditioning the Gram matrix cannot resolve get an SVD of ``J``.
+    """
+    rows, m, k = jac.shape
+    rank = np.zeros(rows, np.int64)
+    cov = np.full((rows, k, k), np.nan) if want_cov else None
+    ok = np.flatnonzero(np.isfinite(jac).all(axis=(1, 2)) & np.isfinite(cost))
+    if ok.size == 0:
+        return rank, cov
+    lam = np.linalg.eigvalsh(gram[ok])  # ascending
+    near = lam[:, 0] <= 1e-10 * lam[:, -1]  # cond(J) >= 1e5, or k > m: look closer
+    rank[ok] = k
+    inv = np.zeros((ok.size, k, k))
+    full = ~near
+    if full.any():
+        inv[full] = np.linalg.inv(gram[ok[full]])
+    if near.any():
+        jw = jac[ok[near]].astype(np.float64)
+        if sqrt_w is not None:
+            jw = jw * sqrt_w[ok[near]][:, :, None]
+        _, s, vt = np.linalg.svd(jw, full_matrices=False)
+        tol = s.max(axis=1, initial=0.0, keepdims=True) * max(m, k) * np.finfo(dt).eps
+        r = (s > tol).sum(axis=1)
+        rank[ok[near]] = r
+        if want_cov and m >= k:
+            with np.errstate(divide="ignore"):
+                w = np.where(s > 0, 1.0 / np.where(s > 0, s, 1.0) ** 2, 0.0)
+            inv[near] = np.einsum("ijk,ij,ijl->ikl", vt, w, vt)
+            full[near] = r == k
+    if cov is not None and m >= k:
+        m_eff = np.full(ok.size, m) if sqrt_w is None else (sqrt_w[ok] > 0).sum(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s2 = np.ones(ok.size) if absolute else 2.0 * cost[ok] / (m_eff - k)
+        c = inv * s2[:, None, None]
+        c[~(full & (absolute | (m_eff > k)))] = np.nan
+        cov[ok] = c
+    return rank, cov
