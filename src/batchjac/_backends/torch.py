@@ -1,27 +1,35 @@
 """PyTorch backend.
 
 The model maps a batch to a batch with independent rows, so a basis vector broadcast over the
-whole batch yields one column (forward mode) or one row (reverse mode) of every instance's
+whole chunk yields one column (forward mode) or one row (reverse mode) of every instance's
 Jacobian at once:
 
-- forward mode: ``torch.func.vmap`` over the unknowns' basis of ``torch.func.jvp`` applied to
-  the whole chunk. The primal pass is not batched by ``vmap``, so it runs once, and the model
-  may branch on its values (``if x.sum() > 0``).
-- reverse mode: one forward pass with plain autograd, then ``torch.autograd.grad(...,
-  is_grads_batched=True)`` over the outputs' basis (a vmapped backward pass). Plain autograd
-  rather than ``torch.func.vjp``, because it also accepts ``torch.autograd.Function``
-  subclasses written in the old style (``forward(ctx, ...)``), which torch.func rejects.
+- forward mode: ``torch.func.vmap`` over the unknowns' basis of ``torch.func.jvp`` of the
+  whole chunk. The primal pass is not batched by ``vmap``: it runs once, and the model may
+  branch on its values (``if x.sum() > 0``).
+- reverse mode: ``torch.func.vjp`` of the whole chunk (one forward pass), then ``vmap`` of its
+  pullback over the outputs' basis. ``autograd.Function`` subclasses in the old style
+  (``forward(ctx, ...)``) are refused by torch.func; for them the same is done with plain
+  autograd (``autograd.grad(..., is_grads_batched=True)``, ~10% slower on W2).
 
-Measured against ``torch.func.vmap(jacrev)``/``vmap(jacfwd)`` on the benchmark workloads this
-is as fast or faster; ``torch.compile`` did not pay for its compile time, so it is not used.
-Parameters are constants: kernels run under ``torch.no_grad()`` (torch.func transforms and
-``autograd.grad`` on the unknowns are unaffected), so no graph is kept for the weights.
+The model always sees its ordinary batch, as in training code; no per-instance wrapper. On the
+benchmark workloads this is as fast as ``vmap(jacrev)``/``vmap(jacfwd)`` or faster. The
+Jacobians come back as views of the framework's layout (``(basis, rows, ...)`` moved to
+``(rows, ..., basis)``), not copied: a copy costs ~15% on W2.
+
+``torch.compile`` is not used: on W1 and W3 it cut the steady-state time by 25-35% but took
+4-17 s to compile on a 2-core CPU, which a call must be thousands of chunks long to win back.
+Parameters are constants: kernels run under ``torch.no_grad()`` (torch.func transforms are
+unaffected by it), so no graph is built for the weights and ``.grad`` is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
+import threading
 import types
 import warnings
 from collections.abc import Iterator
@@ -53,6 +61,52 @@ _OPTIONS = ("train_mode", "device")
 _MODE_DEPENDENT = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
 
 
+def _load_forward_ad() -> None:
+    """torch loads its forward-mode decompositions on the first dual tensor and, in torch
+    2.9+, that import warns that ``torch.jit.script`` is deprecated: framework noise the user
+    cannot act on, which a warnings-as-errors run would turn into a failure of forward mode.
+    Load them here once, with that one warning silenced."""
+    global _forward_ad_loaded
+    if _forward_ad_loaded:
+        return
+    _forward_ad_loaded = True
+    load = getattr(torch.autograd.forward_ad, "_maybe_load_decompositions", None)
+    if load is None:  # pragma: no cover - other torch versions
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated",
+                                category=DeprecationWarning)
+        load()
+
+
+_forward_ad_loaded = False
+
+
+@contextlib.contextmanager
+def _unknowns_require_grad() -> Iterator[None]:
+    """Plain autograd needs ``requires_grad`` on the unknowns; a model that branches on their
+    values (``float(x.max())``) then gets torch's warning about converting such a tensor to a
+    number. The flag is batchjac's doing, not the user's, so that one warning is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True",
+                                category=UserWarning)
+        yield
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside batchjac (and
+    contextlib), i.e. at the user's call, from the function that calls ``warnings.warn``."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+                                        or frame.f_code.co_filename == contextlib.__file__):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def _to_torch(a: np.ndarray, device: torch.device) -> torch.Tensor:
     if not a.dtype.isnative:
         a = a.astype(a.dtype.newbyteorder("="))
@@ -74,13 +128,34 @@ def _owner_module(model: Any) -> torch.nn.Module | None:
     return None
 
 
+def _set_eval(module: torch.nn.Module, flags: list[tuple[torch.nn.Module, bool]]) -> None:
+    """``module.eval()``, without its per-module ``__setattr__`` (~0.1 ms a call for a small
+    MLP, 5% of W1) unless some submodule overrides ``train`` and must see the call."""
+    if any(type(m).train is not torch.nn.Module.train for m, _ in flags):
+        module.eval()
+        return
+    for m, f in flags:
+        if f:
+            m.__dict__["training"] = False
+
+
+def _restore(flags: list[tuple[torch.nn.Module, bool]]) -> None:
+    """Every submodule's own training flag back (mixed flags included); an overridden
+    ``train`` of the top module is called with its original mode first."""
+    top, top_flag = flags[0]
+    if any(type(m).train is not torch.nn.Module.train for m, _ in flags):
+        top.train(top_flag)
+    for m, f in flags:
+        if m.training is not f:
+            m.__dict__["training"] = f  # Module.__setattr__ is slow
+
+
 def _model_device(module: torch.nn.Module | None) -> torch.device:
+    first: torch.Tensor | None = None
     if module is not None:
-        for t in module.parameters():
-            return t.device
-        for t in module.buffers():
-            return t.device
-    return torch.device("cpu")
+        first = next(module.parameters(), None)
+        first = first if first is not None else next(module.buffers(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 class TorchBound(BoundModel):
@@ -98,6 +173,9 @@ class TorchBound(BoundModel):
         self._cast: dict[str, torch.Tensor] = {}
         self._cast_src: dict[str, tuple[torch.Tensor, int]] = {}
         self._mode_warned = False
+        self._mode_lock = threading.Lock()
+        self._active = 0  # calls in progress: the first switches to eval, the last restores
+        self._flags: list[tuple[torch.nn.Module, bool]] = []
         self._perm: torch.Tensor | None = None  # layout.perm as an index tensor
         # what the first kernel call found out about this model (see TorchKernel._first_call)
         self.forward_failure: str | None = None
@@ -109,9 +187,13 @@ class TorchBound(BoundModel):
     def refresh(self) -> None:
         """Keep the cast copies of the weights in step with the user's module: re-cast only
         tensors that were replaced or changed in place (their version counter moved)."""
-        if not isinstance(self.model, torch.nn.Module):
+        model = self.model
+        if not isinstance(model, torch.nn.Module):
             return
-        named = [*self.model.named_parameters(), *self.model.named_buffers()]
+        if not self._cast and all(not t.is_floating_point() or t.dtype == self.dtype
+                                  for t in (*model.parameters(), *model.buffers())):
+            return  # the common case, checked without building names
+        named = [*model.named_parameters(), *model.named_buffers()]
         wanted = {n: t for n, t in named if t.is_floating_point() and t.dtype != self.dtype}
         with torch.no_grad():
             for name, src in wanted.items():
@@ -126,18 +208,26 @@ class TorchBound(BoundModel):
     def calling(self) -> Iterator[None]:
         """Eval mode (unless training is forced) for the call, then every submodule's own
         flag back; no autograd graph for the weights."""
-        flags: list[tuple[torch.nn.Module, bool]] = []
-        if self.module is not None and not self.train_mode:
-            flags = [(m, m.training) for m in self.module.modules()]
-            if any(f for _, f in flags):
-                self._warn_training(flags)
-                self.module.eval()
+        switch = self.module is not None and not self.train_mode
+        if switch:
+            assert self.module is not None
+            with self._mode_lock:  # threads sharing the model (e.g. a threaded scheduler)
+                if self._active == 0:
+                    self._flags = [(m, m.training) for m in self.module.modules()]
+                    if any(f for _, f in self._flags):
+                        self._warn_training(self._flags)
+                        _set_eval(self.module, self._flags)
+                self._active += 1
         try:
             with torch.no_grad():
                 yield
         finally:
-            for m, f in flags:
-                m.training = f
+            if switch:
+                with self._mode_lock:
+                    self._active -= 1
+                    if self._active == 0:
+                        _restore(self._flags)
+                        self._flags = []
 
     def _warn_training(self, flags: list[tuple[torch.nn.Module, bool]]) -> None:
         if self._mode_warned:
@@ -158,7 +248,7 @@ class TorchBound(BoundModel):
             f"Call model.eval() to silence this warning, or pass "
             f"backend_options={{'train_mode': True}} to force training mode (models with "
             f"batch statistics are then rejected, since their rows interact).",
-            TrainingModeWarning, stacklevel=6,
+            TrainingModeWarning, stacklevel=_user_stacklevel(),
         )
 
     def _state(self) -> dict[str, torch.Tensor]:
@@ -230,7 +320,7 @@ class TorchBound(BoundModel):
         with self.calling():
             try:
                 y = self.apply(ut, ct)
-            except ModelError:
+            except (ModelError, Warning):
                 raise
             except Exception as e:
                 raise _explain_model_failure(e, self.signature) from e
@@ -238,11 +328,11 @@ class TorchBound(BoundModel):
 
     def connected(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
         ut, ct = self.tensors(u, ctx)
-        with self.calling(), torch.enable_grad():
+        with self.calling(), torch.enable_grad(), _unknowns_require_grad():
             x = ut.detach().requires_grad_(True)
             try:
                 y = self.apply(x, ct)
-            except ModelError:
+            except (ModelError, Warning):
                 raise
             except Exception as e:
                 if "numpy()" in str(e):  # x.numpy() on the unknowns: the path is cut there
@@ -258,9 +348,12 @@ class TorchBound(BoundModel):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``basis`` is ``(k, rows, *unknown_shape)``: unit tangents broadcast over the rows."""
         def push(tangent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return torch.func.jvp(lambda a: self.apply(a, ctx), (u,), (tangent,))
+            out = torch.func.jvp(lambda a: self.apply(a, ctx), (u,), (tangent,))
+            return out[0], out[1]
 
-        y, jt = torch.func.vmap(push, out_dims=(None, 0))(basis)  # jt: (k, rows, *out)
+        # out_dims None: the primal output does not depend on the tangent, so it is unbatched
+        y, jt = torch.func.vmap(push, out_dims=(None, 0))(basis)  # type: ignore[arg-type]
+        # jt: (k, rows, *out)
         jac = jt.movedim(0, -1)
         return y, jac.reshape(*jac.shape[:-1], *self.signature.unknown_shape)
 
@@ -271,9 +364,9 @@ class TorchBound(BoundModel):
         built here). ``engine="func"`` is ``torch.func.vjp`` (the fastest); ``"autograd"`` is
         plain autograd, for ``autograd.Function`` subclasses that torch.func rejects."""
         if engine == "func":
-            y, pull = torch.func.vjp(lambda a: self.apply(a, ctx), u)
+            y, pull = torch.func.vjp(lambda a: self.apply(a, ctx), u)[:2]
         else:
-            with torch.enable_grad():
+            with torch.enable_grad(), _unknowns_require_grad():
                 x = u.detach().requires_grad_(True)
                 y = self.apply(x, ctx)
         rows, out_shape = y.shape[0], tuple(y.shape[1:])
@@ -318,6 +411,8 @@ class TorchKernel(Kernel):
             self._out_basis = _basis(m, chunk_size, bound.output_shape, bound.dtype, bound.device)
         self._in_basis = _basis(bound._k, chunk_size, sig.unknown_shape, bound.dtype, bound.device)
         self._path: tuple[Mode, Engine] | None = None
+        if mode == "forward":
+            _load_forward_ad()
 
     def _run(self, path: tuple[Mode, Engine], u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,7 +443,7 @@ class TorchKernel(Kernel):
         for path in paths:
             try:
                 out = self._run(path, u, ctx)
-            except ModelError:
+            except (ModelError, Warning):  # Warning: a warnings-as-errors run, not a failure
                 raise
             except Exception as e:
                 if _out_of_memory(e):
@@ -378,7 +473,7 @@ class TorchKernel(Kernel):
             f"backward pass per output rather than one pass per unknown. Usual cause: an "
             f"operator or a custom torch.autograd.Function without a forward-mode rule (jvp, "
             f"or vmap support). Pass mode='reverse' to skip the attempt.",
-            ForwardModeFallbackWarning, stacklevel=6,
+            ForwardModeFallbackWarning, stacklevel=_user_stacklevel(),
         )
 
 
@@ -413,7 +508,9 @@ def _explain_model_failure(e: Exception, sig: Signature) -> ModelError:
             f"backend_options={{'device': 'cuda'}} (or the device its tensors live on)."
         )
     dtype_hint = ""
-    if ("Double" in text or "float64" in text) and ("Float" in text or "float32" in text):
+    lower = text.lower()
+    if any(t in lower for t in ("double", "float64", "float32", "half")) and \
+            any(t in lower for t in ("dtype", "scalar type", "same type")):
         dtype_hint = (f" The compute dtype is {np.dtype(sig.dtype).name}; the model holds "
                       f"tensors of another float dtype. Pass the torch.nn.Module itself "
                       f"(batchjac then casts its weights), or choose `dtype` to match.")

@@ -8,10 +8,12 @@ flattens in NHWC order, so that its dense layer uses the Keras weights unchanged
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
+from .._errors import InputError
 from .weights import CNN_FILTERS, CNN_KERNEL, CNN_OUTPUTS, CNN_STRIDE, cnn_weights, mlp_weights
 
 
@@ -19,7 +21,7 @@ def _torch_dtype(dtype: str) -> Any:
     import torch
 
     if dtype not in ("float32", "float64"):
-        raise ValueError(f"`dtype` must be 'float32' or 'float64'; got {dtype!r}.")
+        raise InputError(f"`dtype` must be 'float32' or 'float64'; got {dtype!r}.")
     return getattr(torch, dtype)
 
 
@@ -37,7 +39,8 @@ def mlp(sizes: tuple[int, ...], seed: int = 0, dtype: str = "float32") -> Any:
     layers: list[torch.nn.Module] = []
     weights = mlp_weights(sizes, seed)
     for i, (w, b) in enumerate(weights):
-        linear = torch.nn.Linear(w.shape[0], w.shape[1], dtype=dt)
+        # skip_init: no random initialisation (it would draw from torch's global generator)
+        linear = torch.nn.utils.skip_init(torch.nn.Linear, w.shape[0], w.shape[1], dtype=dt)
         linear.weight = _param(w.T, dt)
         linear.bias = _param(b, dt)
         layers.append(linear)
@@ -48,25 +51,30 @@ def mlp(sizes: tuple[int, ...], seed: int = 0, dtype: str = "float32") -> Any:
 
 def cnn(seed: int = 0, dtype: str = "float32") -> Any:
     """Two 3x3 stride-2 'valid' tanh convolutions and a dense layer, on NHWC ``(N, 28, 28, 1)``."""
+    return _cnn_class()(cnn_weights(seed), _torch_dtype(dtype))
+
+
+@functools.cache
+def _cnn_class() -> Any:
+    """The CNN module class, defined on first use so that importing this module does not
+    import torch. Module-level ``__getattr__`` below makes it picklable as ``CNN``."""
     import torch
 
-    dt = _torch_dtype(dtype)
-    wts = cnn_weights(seed)
-
     class CNN(torch.nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, wts: dict[str, np.ndarray], dt: torch.dtype) -> None:
             super().__init__()
             convs = []
             c_in = 1
             for i, c_out in enumerate(CNN_FILTERS):
-                conv = torch.nn.Conv2d(c_in, c_out, CNN_KERNEL, stride=CNN_STRIDE, padding=0,
-                                       dtype=dt)
+                conv = torch.nn.utils.skip_init(torch.nn.Conv2d, c_in, c_out, CNN_KERNEL,
+                                                stride=CNN_STRIDE, padding=0, dtype=dt)
                 conv.weight = _param(wts[f"conv{i}_w"].transpose(3, 2, 0, 1), dt)  # HWIO -> OIHW
                 conv.bias = _param(wts[f"conv{i}_b"], dt)
                 convs.append(conv)
                 c_in = c_out
             self.convs = torch.nn.ModuleList(convs)
-            self.dense = torch.nn.Linear(wts["dense_w"].shape[0], CNN_OUTPUTS, dtype=dt)
+            self.dense = torch.nn.utils.skip_init(torch.nn.Linear, wts["dense_w"].shape[0],
+                                                  CNN_OUTPUTS, dtype=dt)
             self.dense.weight = _param(wts["dense_w"].T, dt)
             self.dense.bias = _param(wts["dense_b"], dt)
 
@@ -77,4 +85,11 @@ def cnn(seed: int = 0, dtype: str = "float32") -> Any:
             h = h.permute(0, 2, 3, 1)  # back to NHWC, so the flatten order is Keras'
             return self.dense(h.flatten(1))
 
-    return CNN()
+    CNN.__module__, CNN.__qualname__ = __name__, "CNN"
+    return CNN
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CNN":
+        return _cnn_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,566 @@
+"""PyTorch backend: the conformance suite plus torch-specific model kinds, modes and errors.
+
+References are independent of batchjac: float64 closed forms (``mlp_jacobian``), float64
+central finite differences of the model's own forward pass, and the same weights in Keras.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import batchjac  # noqa: E402
+from batchjac import _backends  # noqa: E402
+from batchjac._backends.torch import ForwardModeFallbackWarning, TrainingModeWarning  # noqa: E402
+from batchjac._examples import torch as torch_examples  # noqa: E402
+from batchjac.examples import (  # noqa: E402
+    cnn_weights,
+    mlp_forward,
+    mlp_jacobian,
+    mlp_weights,
+    seed_model,
+    workload_inputs,
+    workload_model,
+)
+
+from .conformance import SEED_SIZES, BackendConformance  # noqa: E402
+from .helpers import assert_jac_close, central_differences  # noqa: E402
+
+nn = torch.nn
+
+
+def data(shape: tuple[int, ...], seed: int, dtype: str = "float32") -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 1, shape).astype(dtype)
+
+
+def tensor(a: np.ndarray, dtype: Any = None) -> Any:
+    return torch.tensor(a, dtype=dtype or getattr(torch, a.dtype.name))
+
+
+def float64_forward(model: Any) -> Any:
+    """numpy float64 -> numpy float64 through a float64 eval-mode copy: the FD reference."""
+    twin = copy.deepcopy(model).double().eval()
+
+    def f(x: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return twin(torch.from_numpy(np.ascontiguousarray(x))).numpy()
+
+    return f
+
+
+def bound_of(model: Any, dtype: Any = np.float32) -> Any:
+    return next(b for b in _backends._bound[model].values() if b.signature.dtype == dtype)
+
+
+def seed_closed_form(x: np.ndarray, cols: Any = slice(0, 5)) -> np.ndarray:
+    return mlp_jacobian(mlp_weights(SEED_SIZES), x)[:, :, cols]
+
+
+# ---- model kinds used below -------------------------------------------------------------------
+
+
+class Linear3d(nn.Module):
+    def __init__(self, w: np.ndarray, out_shape: tuple[int, int], dtype: Any) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(w, dtype=dtype))
+        self.out_shape = out_shape
+
+    def forward(self, x: Any) -> Any:
+        return (x @ self.w).reshape(x.shape[0], *self.out_shape)
+
+
+class TwoInput(nn.Module):
+    """(x, h) -> tanh(x @ wx + h @ wh); positional or keywords x=, h=."""
+
+    def __init__(self, wx: np.ndarray, wh: np.ndarray, dtype: Any) -> None:
+        super().__init__()
+        self.wx = nn.Parameter(torch.tensor(wx, dtype=dtype))
+        self.wh = nn.Parameter(torch.tensor(wh, dtype=dtype))
+
+    def forward(self, x: Any, h: Any) -> Any:
+        return torch.tanh(x @ self.wx + h @ self.wh)
+
+
+class Constant(nn.Module):
+    """The output ignores the input: the original question's `None` pitfall."""
+
+    def __init__(self, dtype: Any) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3, dtype=dtype))
+
+    def forward(self, x: Any) -> Any:
+        return self.w.expand(x.shape[0], 3) * 2.0
+
+
+class TestTorchConformance(BackendConformance):
+    backend: ClassVar[str] = "torch"
+
+    def mlp(self, sizes: tuple[int, ...], dtype: str) -> Any:
+        return torch_examples.mlp(sizes, dtype=dtype)
+
+    def linear(self, w: np.ndarray, b: np.ndarray, dtype: str) -> Any:
+        layer = nn.Linear(*w.shape, dtype=getattr(torch, dtype))
+        with torch.no_grad():
+            layer.weight.copy_(torch.from_numpy(w.T))
+            layer.bias.copy_(torch.from_numpy(b))
+        return layer
+
+    def linear_3d(self, w: np.ndarray, dtype: str, out_shape: tuple[int, int]) -> Any:
+        return Linear3d(w, out_shape, getattr(torch, dtype))
+
+    def elementwise(self, dtype: str) -> Any:
+        return lambda x: torch.sin(x) + 0.5 * x**2
+
+    def two_input(self, wx: np.ndarray, wh: np.ndarray, dtype: str, as_dict: bool) -> Any:
+        return TwoInput(wx, wh, getattr(torch, dtype))
+
+    def disconnected(self, dtype: str) -> Any:
+        return Constant(getattr(torch, dtype))
+
+    def batch_coupled(self, dtype: str) -> Any:
+        return lambda x: x - x.mean(dim=0, keepdim=True)
+
+
+# ---- example models ---------------------------------------------------------------------------
+
+
+def test_example_mlp_matches_closed_form() -> None:
+    x = data((9, 8), seed=1, dtype="float64")
+    model = torch_examples.mlp(SEED_SIZES, dtype="float64")
+    with torch.no_grad():
+        y = model(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(y, mlp_forward(mlp_weights(SEED_SIZES), x), rtol=1e-12, atol=1e-12)
+
+
+# ---- closed forms and finite differences, both modes, chunked and not -------------------------
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("chunk_size", [None, 64])  # 64 rows: 5 chunks for 300, the last partial
+def test_float32_seed_model_against_closed_form(mode: str, chunk_size: int | None) -> None:
+    x = data((300, 8), seed=2)
+    y, jac = batchjac.jacobian(seed_model("torch"), x[:, :5], x[:, 5:], mode=mode,
+                               chunk_size=chunk_size, return_outputs=True)
+    assert jac.dtype == np.float32
+    assert_jac_close(jac, seed_closed_form(x))  # 1e-4
+    np.testing.assert_allclose(y, mlp_forward(mlp_weights(SEED_SIZES), x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_float64_seed_model_against_closed_form(mode: str, chunk_size: int | None) -> None:
+    x = data((50, 8), seed=3, dtype="float64")
+    jac = batchjac.jacobian(seed_model("torch", dtype="float64"), x, wrt=[6, 0, 3], mode=mode,
+                            chunk_size=chunk_size)
+    assert jac.dtype == np.float64
+    assert_jac_close(jac, seed_closed_form(x, [6, 0, 3]))  # 1e-8
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_float32_module_runs_in_true_float64(mode: str) -> None:
+    model = seed_model("torch")  # float32 weights
+    x = data((40, 8), seed=4, dtype="float64")
+    jac = batchjac.jacobian(model, x[:, :5], x[:, 5:], mode=mode, chunk_size=16)
+    assert jac.dtype == np.float64
+    # the float32 weights, widened exactly: a float64 computation matches to float64 accuracy
+    layers = [(w.astype(np.float32).astype(np.float64), b.astype(np.float32).astype(np.float64))
+              for w, b in mlp_weights(SEED_SIZES)]
+    assert_jac_close(jac, mlp_jacobian(layers, x)[:, :, :5])  # 1e-8
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the user's model is untouched
+
+
+def _smooth_module(dtype: Any) -> Any:
+    class Smooth(nn.Module):
+        """Products, sin and exp, with a (N, 2, 3) output."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor(data((4, 6), seed=5, dtype="float64"), dtype=dtype))
+
+        def forward(self, x: Any) -> Any:
+            z = torch.sin(x @ self.w) * x[:, :1] ** 2 + torch.exp(0.3 * x[:, 1:2])
+            return z.reshape(x.shape[0], 2, 3)
+
+    return Smooth()
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize(("dtype", "chunk_size"), [("float32", None), ("float32", 9), ("float64", 9)])
+def test_against_finite_differences(mode: str, dtype: str, chunk_size: int | None) -> None:
+    model = _smooth_module(getattr(torch, dtype))
+    x = data((31, 4), seed=6, dtype=dtype)
+    jac = batchjac.jacobian(model, x, mode=mode, chunk_size=chunk_size)
+    assert jac.shape == (31, 2, 3, 4)
+    assert jac.dtype == np.dtype(dtype)
+    assert_jac_close(jac, central_differences(float64_forward(model), x))
+
+
+# ---- call forms -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_all_call_forms_agree_with_closed_form(mode: str) -> None:
+    model = seed_model("torch")
+    x = data((45, 8), seed=7)
+    full = mlp_jacobian(mlp_weights(SEED_SIZES), x)
+    assert_jac_close(batchjac.jacobian(model, x, mode=mode), full)
+    assert_jac_close(batchjac.jacobian(model, x[:, :5], x[:, 5:], mode=mode), full[:, :, :5])
+    for wrt in ([7, 1, 4], slice(3, 8), [5]):
+        assert_jac_close(batchjac.jacobian(model, x, wrt=wrt, mode=mode), full[:, :, np.arange(8)[wrt]])
+
+
+class WithIds(nn.Module):
+    """A float input and an integer one (an embedding): y = tanh(x @ w + emb[ids])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(data((3, 4), seed=8)))
+        self.emb = nn.Embedding(5, 4)
+
+    def forward(self, *, x: Any, ids: Any) -> Any:
+        return torch.tanh(x @ self.w + self.emb(ids))
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_dict_inputs_with_integer_context(mode: str) -> None:
+    model = WithIds()
+    x = data((20, 3), seed=9)
+    ids = np.random.default_rng(10).integers(0, 5, 20)
+    jac = batchjac.jacobian(model, {"x": x, "ids": ids}, wrt="x", mode=mode)
+    w = model.w.detach().double().numpy()
+    pre = x.astype(np.float64) @ w + model.emb.weight.detach().double().numpy()[ids]
+    ref = (1 - np.tanh(pre) ** 2)[:, :, None] * w.T[None]
+    assert_jac_close(jac, ref)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_tuple_inputs_some_columns(mode: str) -> None:
+    rng = np.random.default_rng(11)
+    wx, wh = rng.normal(size=(4, 3)), rng.normal(size=(2, 3))
+    model = TwoInput(wx, wh, torch.float64)
+    x, h = data((15, 4), seed=12, dtype="float64"), data((15, 2), seed=13, dtype="float64")
+    jac = batchjac.jacobian(model, (x, h), wrt=(0, [3, 1]), mode=mode, chunk_size=4)
+    d = 1 - np.tanh(x @ wx + h @ wh) ** 2
+    assert_jac_close(jac, (d[:, :, None] * wx.T[None])[:, :, [3, 1]])
+
+
+def test_tensor_and_read_only_inputs() -> None:
+    model = seed_model("torch")
+    x = data((30, 8), seed=14)
+    ref = seed_closed_form(x)
+    # a tensor that requires grad, and read-only arrays (torch.from_numpy would warn on them)
+    assert_jac_close(batchjac.jacobian(model, torch.tensor(x[:, :5], requires_grad=True),
+                                       torch.tensor(x[:, 5:])), ref)
+    u, h = x[:, :5].copy(), x[:, 5:].copy()
+    u.setflags(write=False)
+    h.setflags(write=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_jac_close(batchjac.jacobian(model, u, h, chunk_size=8), ref)
+
+
+def test_device_option() -> None:
+    x = data((10, 8), seed=15)
+    jac = batchjac.jacobian(seed_model("torch"), x, backend_options={"device": "cpu"})
+    assert_jac_close(jac, mlp_jacobian(mlp_weights(SEED_SIZES), x))
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_python_control_flow_on_values(mode: str) -> None:
+    def f(x: Any) -> Any:
+        if float(x.abs().max()) > 1e6:  # a data-dependent branch on the primal values
+            raise ValueError("too large")
+        return torch.sin(x) * 2 if x.sum() > -1e9 else x
+
+    x = data((12, 3), seed=16)
+    jac = batchjac.jacobian(f, x, mode=mode, backend="torch")
+    assert_jac_close(jac, np.einsum("ni,ij->nij", 2 * np.cos(x.astype(np.float64)), np.eye(3)))
+
+
+# ---- training mode, BatchNorm, parameters ----------------------------------------------------
+
+
+def _bn_model() -> Any:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 2))
+    bn = model[1]
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(8))
+        bn.running_var.copy_(torch.rand(8) + 0.5)
+        bn.weight.copy_(torch.rand(8) + 0.5)
+        bn.bias.copy_(torch.randn(8))
+    return model
+
+
+def test_training_mode_batchnorm_runs_in_eval_warns_once_and_restores() -> None:
+    model = _bn_model()
+    model.train()
+    model[2].eval()  # mixed flags must come back exactly as they were
+    flags = [m.training for m in model.modules()]
+    stats = {k: v.clone() for k, v in model.state_dict().items()}
+    x = data((64, 5), seed=17)
+    with pytest.warns(TrainingModeWarning, match=r"training mode.*1 \(BatchNorm1d\).*3 \(Dropout\)"):
+        jac = batchjac.jacobian(model, x)
+    assert [m.training for m in model.modules()] == flags
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, stats[k]), f"{k} changed"
+    # eval mode: running statistics and no dropout, so J matches the eval-mode model's FD
+    assert_jac_close(jac, central_differences(float64_forward(model), x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, not one per call
+        np.testing.assert_array_equal(batchjac.jacobian(model, x), jac)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])  # float64: cast weights and buffers
+def test_eval_model_gives_no_warning(dtype: str) -> None:
+    model = _bn_model().eval()
+    x = data((16, 5), seed=18, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jac = batchjac.jacobian(model, x, mode="forward")
+    assert jac.dtype == np.dtype(dtype)
+    assert not any(m.training for m in model.modules())
+    assert_jac_close(jac, central_differences(float64_forward(model), x))
+
+
+def test_overridden_train_method_is_called() -> None:
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.calls: list[bool] = []
+
+        def train(self, mode: bool = True) -> Any:
+            self.calls.append(mode)
+            return super().train(mode)
+
+        def forward(self, x: Any) -> Any:
+            assert not self.training
+            return torch.tanh(self.lin(x))
+
+    model = Frozen()
+    batchjac.jacobian(model, data((6, 3), seed=35))
+    # eval() and the way back went through the override, once per call of the model
+    assert model.calls[:2] == [False, True]
+    assert model.calls == [False, True] * (len(model.calls) // 2)
+    assert model.training
+    assert model.lin.training
+
+
+def test_forced_training_mode_with_batchnorm_is_refused() -> None:
+    model = _bn_model().train()
+    stats = {k: v.clone() for k, v in model.state_dict().items()}
+    x = data((32, 5), seed=19)
+    with pytest.raises(batchjac.RowInteractionError, match="rows of a batch interact"):
+        batchjac.jacobian(model, x, backend_options={"train_mode": True})
+    assert model.training
+    for k, v in model.state_dict().items():  # the probes ran on copies of the buffers
+        assert torch.equal(v, stats[k]), f"{k} changed"
+
+
+def test_modes_restored_when_the_model_fails() -> None:
+    class Fails(nn.Module):
+        def forward(self, x: Any) -> Any:
+            raise RuntimeError("boom inside the model")
+
+    model = Fails().train()
+    with pytest.raises(batchjac.ModelError, match="boom inside the model"):
+        batchjac.jacobian(model, data((4, 2), seed=20))
+    assert model.training
+
+
+def test_no_gradients_for_parameters() -> None:
+    model = seed_model("torch")
+    assert all(p.requires_grad for p in model.parameters())
+    batchjac.jacobian(model, data((20, 8), seed=21), mode="reverse")
+    batchjac.jacobian(model, data((20, 8), seed=22), mode="forward")
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_float64_copy_follows_weight_updates(mode: str) -> None:
+    model = seed_model("torch")
+    x = data((10, 8), seed=23, dtype="float64")  # float64 inputs -> float64 compute
+    batchjac.jacobian(model, x, mode=mode)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # in place
+    model[0].bias = nn.Parameter(model[0].bias.detach() + 1.0)  # and a new Parameter object
+    layers = [(m.weight.detach().double().numpy().T, m.bias.detach().double().numpy())
+              for m in model if isinstance(m, nn.Linear)]
+    assert_jac_close(batchjac.jacobian(model, x, mode=mode), mlp_jacobian(layers, x))
+
+
+# ---- models batchjac refuses, and why ----------------------------------------------------------
+
+
+class Detached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.lin(x.detach())
+
+
+class ThroughNumpy(nn.Module):
+    def forward(self, x: Any) -> Any:
+        return torch.from_numpy(np.tanh(x.numpy()))
+
+
+@pytest.mark.parametrize("model", [Constant(torch.float32), Detached(), ThroughNumpy()],
+                         ids=["ignores-input", "detach", "numpy-round-trip"])
+def test_disconnected_models(model: Any) -> None:
+    with pytest.raises(batchjac.NotConnectedError, match="does not depend on the unknowns"):
+        batchjac.jacobian(model, data((6, 4), seed=24))
+
+
+def test_numpy_output_is_explained() -> None:
+    def f(x: Any) -> Any:
+        return np.tanh(x.detach().numpy())
+
+    with pytest.raises(batchjac.NotConnectedError, match="not a torch tensor"):
+        batchjac.jacobian(f, data((5, 3), seed=25), backend="torch")
+
+
+@pytest.mark.parametrize(("out", "match"), [("tuple", "tuple of 2 outputs"), ("dict", "dict of 2 outputs")])
+def test_multi_output_is_refused(out: str, match: str) -> None:
+    def f(x: Any) -> Any:
+        a, b = torch.sin(x), torch.cos(x)
+        return (a, b) if out == "tuple" else {"a": a, "b": b}
+
+    with pytest.raises(batchjac.ModelError, match=match):
+        batchjac.jacobian(f, data((5, 3), seed=26), backend="torch")
+
+
+def test_float32_function_in_float64_is_explained() -> None:
+    w = torch.tensor(data((3, 2), seed=27))  # float32, inside a plain function
+
+    def f(x: Any) -> Any:
+        return torch.tanh(x @ w)
+
+    with pytest.raises(batchjac.ModelError, match="compute dtype is float64"):
+        batchjac.jacobian(f, data((5, 3), seed=28, dtype="float64"), backend="torch")
+
+    def narrowing(x: Any) -> Any:
+        return torch.tanh(x.float() @ w)
+
+    with pytest.raises(batchjac.ModelError, match=r"returned torch\.float32"):
+        batchjac.jacobian(narrowing, data((5, 3), seed=29, dtype="float64"), backend="torch")
+
+
+def test_bad_options() -> None:
+    x = data((4, 8), seed=30)
+    with pytest.raises(batchjac.InputError, match=r"Unknown option\(s\) \['bogus'\]"):
+        batchjac.jacobian(seed_model("torch"), x, backend_options={"bogus": 1})
+    with pytest.raises(batchjac.InputError, match="`train_mode` must be True or False"):
+        batchjac.jacobian(seed_model("torch"), x, backend_options={"train_mode": "yes"})
+    with pytest.raises(batchjac.InputError, match="must name a torch device"):
+        batchjac.jacobian(seed_model("torch"), x, backend_options={"device": "nowhere"})
+
+
+# ---- forward mode falls back to reverse mode --------------------------------------------------
+
+
+class CubeNoJvp(torch.autograd.Function):
+    """A custom op with a backward rule only (the usual case in user code)."""
+
+    @staticmethod
+    def forward(x: Any) -> Any:
+        return x**3
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad
+
+
+class CubeVmapNoJvp(CubeNoJvp):
+    generate_vmap_rule = True  # vmap works; forward mode still has no rule
+
+
+class CubeOldStyle(torch.autograd.Function):
+    """Old-style (forward(ctx, ...)): torch.func rejects it, plain autograd accepts it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any) -> Any:
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad
+
+
+@pytest.mark.parametrize("op", [CubeNoJvp, CubeVmapNoJvp, CubeOldStyle])
+def test_forward_mode_falls_back_to_reverse_once(op: Any) -> None:
+    class Model(nn.Module):
+        def forward(self, x: Any) -> Any:
+            return op.apply(torch.sin(x)) * 2
+
+    model = Model()
+    x = data((23, 3), seed=31)
+    ref = np.einsum("ni,ij->nij", 6 * np.sin(x.astype(np.float64)) ** 2 * np.cos(x.astype(np.float64)),
+                    np.eye(3))
+    with pytest.warns(ForwardModeFallbackWarning, match="Forward mode failed for this model"):
+        jac = batchjac.jacobian(model, x, mode="forward", chunk_size=10)
+    assert_jac_close(jac, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, for another chunk size too
+        assert_jac_close(batchjac.jacobian(model, x, mode="forward", chunk_size=8), ref)
+        assert_jac_close(batchjac.jacobian(model, x, mode="reverse"), ref)
+
+
+# ---- compile/trace once -----------------------------------------------------------------------
+
+
+def test_100k_rows_build_one_kernel_per_mode() -> None:
+    model = seed_model("torch")
+    unknown, known = workload_inputs("W1", 100_000, seed=32)
+    counts = {}
+    for mode in ("forward", "reverse"):
+        jac = batchjac.jacobian(model, unknown, known, mode=mode, chunk_size=16384)
+        counts[mode] = bound_of(model).trace_count
+    assert counts == {"forward": 1, "reverse": 2}  # one kernel per mode for 7 chunks each
+    ref = seed_closed_form(np.concatenate([unknown[-500:], known[-500:]], 1))
+    assert_jac_close(jac[-500:], ref)
+
+
+# ---- the same weights in Keras and PyTorch ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "n"), [("W1", 50), ("W4", 6)])
+def test_same_jacobians_as_keras(name: str, n: int) -> None:
+    pytest.importorskip("tensorflow")
+    unknown, known = workload_inputs(name, n, seed=33)
+    args = (unknown,) if known is None else (unknown, known)
+    keras_model, torch_model = workload_model(name, "tensorflow"), workload_model(name, "torch")
+    y_k, jac_k = batchjac.jacobian(keras_model, *args, return_outputs=True)
+    y_t, jac_t = batchjac.jacobian(torch_model, *args, return_outputs=True)
+    x = unknown if known is None else np.concatenate([unknown, known], 1)
+    np.testing.assert_allclose(y_t, keras_model(x, training=False).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y_t, y_k, rtol=1e-5, atol=1e-5)
+    assert jac_t.shape == jac_k.shape
+    assert_jac_close(jac_t, np.asarray(jac_k, np.float64))
+
+
+def test_cnn_float64_against_finite_differences() -> None:
+    model = torch_examples.cnn(dtype="float64")
+    x = np.random.default_rng(34).random((3, 28, 28, 1))
+    jac = batchjac.jacobian(model, x, mode="reverse")
+    assert jac.shape == (3, 10, 28, 28, 1)
+    assert jac.dtype == np.float64
+    assert_jac_close(jac, central_differences(float64_forward(model), x))
+    # the example carries exactly the shared weights
+    np.testing.assert_array_equal(model.dense.weight.detach().numpy().T, cnn_weights()["dense_w"])
