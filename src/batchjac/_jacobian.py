@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -18,6 +19,7 @@ from ._probes import run_probes
 from ._runner import run_chunks, run_single
 from ._sinks import ArraySink
 from ._spec import BatchSpec
+from ._stores import StoreError, as_store, compute_to_store, is_store_target, progress_bar
 from ._validate import DTypeLike, NanPolicy, normalize
 
 log = logging.getLogger("batchjac")
@@ -39,6 +41,7 @@ def jacobian(
     backend: BackendName | None = None,
     backend_options: dict[str, Any] | None = None,
     explain: bool = False,
+    progress: bool | Callable[[int], None] = False,
 ) -> Any:
     """Per-instance Jacobians ``J[i] = d model(inputs_i) / d unknown_i``.
 
@@ -60,7 +63,19 @@ def jacobian(
     ``nan_policy`` ("raise" or "propagate"), ``out`` (a writable array of the result's shape,
     e.g. an ``np.memmap``, filled in place chunk by chunk), ``backend`` (detected from the
     model's type unless given), ``explain`` (print the plan and why to stderr; it is also
-    logged at debug level on the "batchjac" logger).
+    logged at debug level on the "batchjac" logger), ``progress`` (a progress bar on stderr,
+    or a function called with the number of rows of each finished chunk).
+
+    Inputs may also be files, read chunk by chunk: a path (``.npy``, ``.npz:key``, ``.csv``,
+    ``.tsv``, ``.parquet``, ``.h5:/dataset``, ``.zarr``), an h5py dataset, a Zarr array or an
+    ``np.memmap``; with column names (CSV, Parquet) ``wrt`` may name columns.
+    ``out`` may be a path (``"jac.zarr"``, ``"jac.h5"``, ``"jac.npy"``) or a
+    :class:`~batchjac._stores.Store`: the result is written there chunk by chunk, memory
+    stays flat however many rows there are, and a call that was killed continues where it
+    stopped when made again (bitwise the same result). It then returns a
+    :class:`~batchjac._stores.StoreResult` (path, rows, mode, chunk size, chunks resumed and
+    computed, time; ``.open()`` reads the stored array lazily). With ``return_outputs=True``
+    the store holds the outputs too.
 
     >>> import numpy as np, batchjac
     >>> from batchjac.examples import seed_model
@@ -74,9 +89,17 @@ def jacobian(
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
     name = backend or _backends.detect(model)
     try:
+        if is_store_target(out):
+            return compute_to_store(model, spec, name, store=as_store(out), mode=mode,
+                                    chunk_size=chunk_size, max_memory=max_memory,
+                                    return_outputs=return_outputs, nan_policy=nan_policy,
+                                    options=backend_options or {}, explain=explain,
+                                    progress=progress)
         return _compute(model, spec, name, mode=mode, chunk_size=chunk_size,
                         max_memory=max_memory, return_outputs=return_outputs, out=out,
-                        options=backend_options or {}, explain=explain)
+                        options=backend_options or {}, explain=explain, progress=progress)
+    except StoreError:  # about the output, not the model or inputs: no context to add
+        raise
     except BatchJacError as e:
         shapes = ", ".join(f"{n} {a.shape} {a.dtype}" for n, a in zip(spec.names, spec.arrays))
         raise add_context(e, f"backend={name}; inputs: {shapes}; compute dtype {spec.dtype}") from e
@@ -114,7 +137,8 @@ def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
 
 def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
              chunk_size: int | None, max_memory: int | str | None, return_outputs: bool,
-             out: Any, options: dict[str, Any], explain: bool) -> Any:
+             out: Any, options: dict[str, Any], explain: bool,
+             progress: bool | Callable[[int], None] = False) -> Any:
     bound = prepare(model, spec, backend, options)
     plan = plan_for(spec, bound, mode=mode, chunk_size=chunk_size, max_memory=max_memory)
     assert bound.output_shape is not None
@@ -137,7 +161,12 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
         return (y, jac) if return_outputs else jac
     out_j = out if out is not None else np.empty(j_shape, spec.dtype)
     out_y = np.empty(y_shape, spec.dtype) if return_outputs else None
-    run_chunks(kernel, spec, ArraySink(out_j, out_y))
+    bar = progress_bar(progress, spec.n)
+    try:
+        run_chunks(kernel, spec, ArraySink(out_j, out_y), on_chunk=bar.update if bar else None)
+    finally:
+        if bar is not None:
+            bar.close()
     return (out_y, out_j) if return_outputs else out_j
 
 

@@ -37,8 +37,12 @@ def run_chunks(
     cs = kernel.chunk_size
     for index, lo in enumerate(range(0, spec.n, cs)):
         hi = min(lo + cs, spec.n)
+        try:  # reading (from disk, for lazy inputs) fails as an input error, not the model's
+            args = pad_chunk(spec, lo, hi, cs)
+        except BatchJacError as e:
+            raise add_context(e, f"chunk {index}, rows {lo}:{hi}") from e
         try:
-            y, jac = kernel(*pad_chunk(spec, lo, hi, cs))
+            y, jac = kernel(*args)
         except BatchJacError as e:
             raise add_context(e, f"chunk {index}, rows {lo}:{hi}") from e
         except Exception as e:  # framework errors at run time
@@ -53,8 +57,9 @@ def run_chunks(
 def run_single(kernel: Kernel, spec: BatchSpec) -> tuple[np.ndarray | None, np.ndarray]:
     """All rows in one chunk: return the kernel's arrays without another copy."""
     cs = kernel.chunk_size
+    args = pad_chunk(spec, 0, spec.n, cs)
     try:
-        y, jac = kernel(*pad_chunk(spec, 0, spec.n, cs))
+        y, jac = kernel(*args)
     except BatchJacError as e:
         raise add_context(e, f"rows 0:{spec.n}") from e
     except Exception as e:

@@ -176,7 +176,7 @@ def _release(a: np.memmap, lo: int, hi: int) -> None:
     memory (they stay in the page cache and the file); a no-op where that is not possible."""
     import mmap
 
-    base = a
+    base: Any = a
     while base is not None and not isinstance(getattr(base, "_mmap", None), mmap.mmap):
         base = getattr(base, "base", None)
     mm = getattr(base, "_mmap", None)

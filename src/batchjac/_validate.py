@@ -6,6 +6,7 @@ the argument, say what was received, and how to fix it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -49,6 +50,40 @@ def to_numpy(obj: Any, name: str) -> np.ndarray:
             f"shape (N, ...). For one instance use x[None]."
         )
     return arr
+
+
+def is_lazy(obj: Any) -> bool:
+    """Whether ``obj`` is an array read from disk by rows: a batchjac file reader, an h5py
+    dataset, a Zarr array or an ``np.memmap`` (recognised without importing h5py or zarr)."""
+    if isinstance(obj, np.memmap) or getattr(type(obj), "__batchjac_reader__", False):
+        return True
+    top = (type(obj).__module__ or "").split(".", 1)[0]
+    return top in ("h5py", "zarr") and hasattr(obj, "shape") and hasattr(obj, "dtype")
+
+
+def as_input(obj: Any, name: str) -> Any:
+    """An input as numpy, or as a lazy array (see :func:`is_lazy`) left on disk. A path
+    (``str`` or ``os.PathLike``) is opened with :func:`batchjac._io.open_input`."""
+    if isinstance(obj, (str, os.PathLike)):
+        from ._io import open_input
+
+        obj = open_input(obj)
+    if not is_lazy(obj):
+        return to_numpy(obj, name)
+    dt = np.dtype(obj.dtype)
+    if dt.kind not in "fiub":
+        raise InputTypeError(f"`{name}` must hold real numbers; got dtype {dt}.")
+    if len(obj.shape) == 0:
+        raise InputError(f"`{name}` is a scalar; it needs a leading axis with one row per instance.")
+    return obj
+
+
+def _label(obj: Any, name: str) -> str:
+    """The name used in messages: the file it comes from, when it comes from one."""
+    source = getattr(obj, "source", None) if is_lazy(obj) else None
+    if source is None and isinstance(obj, (str, os.PathLike)):
+        source = os.fspath(obj)
+    return f"{name} ({source})" if source else name
 
 
 def resolve_dtype(dtype: DTypeLike, arrays: Sequence[np.ndarray]) -> np.dtype:
@@ -175,7 +210,9 @@ def normalize(
         names = tuple(f"inputs[{k!r}]" for k in keys)
     else:
         names = tuple(f"inputs[{i}]" for i in range(len(raw)))
-    arrays = [to_numpy(a, n) for a, n in zip(raw, names)]
+    names = tuple(_label(a, n) for a, n in zip(raw, names))
+    arrays = [as_input(a, n) for a, n in zip(raw, names)]
+    lazy = tuple(is_lazy(a) for a in arrays)
 
     n = arrays[0].shape[0]
     for a, name in zip(arrays[1:], names[1:]):
@@ -210,6 +247,7 @@ def normalize(
                     f"`wrt` selects columns, but `{names[wrt_index]}` has shape {target.shape}, "
                     f"with no feature axis. Give it shape (N, features)."
                 )
+            cols_sel = _named_columns(cols_sel, target, names[wrt_index])
             cols = _columns(cols_sel, target.shape[-1], names[wrt_index])
         if cols is None:
             layout = Layout(kind=kind, n_inputs=len(arrays), wrt_index=wrt_index, keys=keys)
@@ -225,11 +263,29 @@ def normalize(
 
     # nested Python lists carry no dtype intent (their floats are doubles): only arrays and
     # tensors that are float64 make float64 the default
-    dt = resolve_dtype(dtype, [a for a, r in zip(arrays, raw) if not isinstance(r, (list, tuple))])
+    # (nor does text: CSV numbers are read as float64 whatever precision they were written in)
+    dt = resolve_dtype(dtype, [a for a, r in zip(arrays, raw) if not isinstance(r, (list, tuple))
+                               and getattr(a, "carries_dtype", True)])
     if nan_policy == "raise":
-        _check_finite(arrays, names)
+        _check_finite([a for a, lz in zip(arrays, lazy) if not lz],
+                      tuple(nm for nm, lz in zip(names, lazy) if not lz))
     return BatchSpec(arrays=arrays, layout=layout, dtype=dt, n=n,
-                     unknown_shape=tuple(unknown_shape), names=names)
+                     unknown_shape=tuple(unknown_shape), names=names,
+                     finite_check=tuple(lz and nan_policy == "raise" for lz in lazy))
+
+
+def _named_columns(sel: Any, target: Any, name: str) -> Any:
+    """Column names in ``wrt`` → indices, for inputs that have column names (CSV, Parquet...)."""
+    names = getattr(target, "columns", None)
+    if isinstance(sel, str):
+        if names is None:
+            return sel  # _columns explains that columns are selected by index
+        sel = [sel]
+    elif not isinstance(sel, (list, tuple)) or not any(isinstance(c, str) for c in sel):
+        return sel
+    from ._io import column_indices
+
+    return column_indices(names, list(sel), name)
 
 
 def _resolve_wrt(kind: str, wrt: Any, arrays: list[np.ndarray], names: tuple[str, ...],

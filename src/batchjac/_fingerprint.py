@@ -1,0 +1,300 @@
+"""Fingerprints: a stable hash of what a model computes, and of files, for resumable stores.
+
+A store may only be resumed by the same job, so it records a fingerprint of the model. For
+models loaded from a file the command line uses the hash of the file's bytes. For model
+objects :func:`model_fingerprint` hashes what determines their output, recognising objects by
+duck typing (nothing here imports a framework):
+
+- Keras models and layers: the architecture (``get_config()``, with layer names replaced by
+  their position, since Keras numbers auto-named layers per process) and the weights;
+- ``torch.nn.Module``: every submodule's class and code (TorchScript/FX code, or the bytecode of
+  ``forward``), ``extra_repr()``, and the ``state_dict()`` (parameters and buffers);
+- Python functions: bytecode, constants, defaults, closure cells and the globals they use,
+  followed into ``functools.partial``, bound methods and ``__wrapped__`` (``jax.jit``,
+  ``tf.function``); arrays anywhere (numpy, or tensors of any framework) by dtype, shape and
+  bytes;
+- other objects: their class and attributes.
+
+The hash is stable across processes (no ``id()``, no memory addresses). What it cannot see into
+(compiled extension objects) it records by type only; the store also records the model's
+outputs on fixed probe inputs, which catches a changed model even then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import types
+from typing import Any
+
+import numpy as np
+
+#: objects from these packages are referred to by name only (their code is not the user's model)
+_LIBRARIES = ("numpy", "builtins", "jax", "jaxlib", "torch", "tensorflow", "keras", "tf_keras",
+              "scipy", "math", "functools", "typing", "collections", "abc", "equinox", "flax",
+              "haiku", "optax")
+_MAX_DEPTH = 8
+
+
+def model_fingerprint(model: Any) -> str:
+    h = _Hasher()
+    h.feed(model, 0)
+    return "sha256:" + h.sha.hexdigest()
+
+
+def file_fingerprint(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file's bytes, or of a directory's files (relative paths and bytes, sorted)."""
+    sha = hashlib.sha256()
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for name in sorted(files):
+                full = os.path.join(root, name)
+                sha.update(os.path.relpath(full, path).encode() + b"\0")
+                _hash_file(sha, full)
+    else:
+        _hash_file(sha, path)
+    return "sha256:" + sha.hexdigest()
+
+
+def _hash_file(sha: Any, path: str) -> None:
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            sha.update(block)
+    sha.update(b"\0")
+
+
+def _top_module(obj: Any) -> str:
+    return (getattr(type(obj), "__module__", "") or "").split(".", 1)[0]
+
+
+def _in_mro(obj: Any, module_prefixes: tuple[str, ...], name: str | None = None) -> bool:
+    for cls in type(obj).__mro__:
+        mod = (cls.__module__ or "").split(".", 1)[0]
+        if mod in module_prefixes and (name is None or cls.__name__ == name):
+            return True
+    return False
+
+
+def as_array(obj: Any) -> np.ndarray | None:
+    """numpy for numpy arrays and framework tensors/variables (by their methods), else None."""
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return np.asarray(obj)
+    if not (hasattr(obj, "shape") and hasattr(obj, "dtype")):
+        return None
+    try:
+        if hasattr(obj, "detach") and hasattr(obj, "cpu"):  # torch
+            return np.asarray(obj.detach().cpu().numpy())
+        if hasattr(obj, "numpy") and callable(obj.numpy):  # tf.Tensor/Variable, keras.Variable
+            return np.asarray(obj.numpy())
+        if hasattr(obj, "__array__"):  # jax.Array and friends
+            return np.asarray(obj)
+    except Exception:
+        return None
+    return None
+
+
+class _Hasher:
+    def __init__(self) -> None:
+        self.sha = hashlib.sha256()
+        self.seen: dict[int, int] = {}
+        self._keep: list[Any] = []  # keeps visited objects alive, so their ids stay unique
+
+    def tag(self, *parts: Any) -> None:
+        for p in parts:
+            self.sha.update(str(p).encode())
+            self.sha.update(b"\x1f")
+
+    def feed(self, obj: Any, depth: int) -> None:
+        if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+            self.tag(type(obj).__name__, repr(obj))
+            return
+        arr = as_array(obj)
+        if arr is not None:
+            arr = np.ascontiguousarray(arr)
+            self.tag("array", arr.dtype.str, arr.shape)
+            self.sha.update(arr.view(np.uint8).reshape(-1).data if arr.size else b"")
+            return
+        if depth > _MAX_DEPTH:
+            self.tag("deep", _qualname(type(obj)))
+            return
+        if id(obj) in self.seen:  # cycles and shared objects: refer to the first visit
+            self.tag("ref", self.seen[id(obj)])
+            return
+        self.seen[id(obj)] = len(self.seen)
+        self._keep.append(obj)
+        if isinstance(obj, types.ModuleType):
+            self.tag("module", obj.__name__)
+        elif isinstance(obj, type):
+            self.tag("class", _qualname(obj))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
+            self.tag(type(obj).__name__, len(items))
+            for item in items:
+                self.feed(item, depth + 1)
+        elif isinstance(obj, dict):
+            self.tag("dict", len(obj))
+            for key in sorted(obj, key=repr):
+                self.feed(key, depth + 1)
+                self.feed(obj[key], depth + 1)
+        elif _in_mro(obj, ("keras", "tf_keras")) and hasattr(obj, "get_weights"):
+            self._keras(obj, depth)
+        elif _in_mro(obj, ("torch",), "Module") and hasattr(obj, "state_dict"):
+            self._torch(obj, depth)
+        elif isinstance(obj, types.CodeType):
+            self._code(obj, depth)
+        elif isinstance(obj, (types.FunctionType, types.LambdaType)):
+            self._function(obj, depth)
+        elif isinstance(obj, types.MethodType):
+            self.tag("method")
+            self.feed(obj.__func__, depth + 1)
+            self.feed(obj.__self__, depth + 1)
+        elif isinstance(obj, functools.partial):
+            self.tag("partial")
+            self.feed(obj.func, depth + 1)
+            self.feed(obj.args, depth + 1)
+            self.feed(obj.keywords, depth + 1)
+        elif hasattr(obj, "python_function") and callable(obj.python_function):  # tf.function
+            self.tag("tf.function")
+            self.feed(obj.python_function, depth + 1)
+        elif getattr(obj, "__wrapped__", None) is not None and not isinstance(obj.__wrapped__, type):
+            self.tag("wrapper", _qualname(type(obj)))  # jax.jit, functools.wraps
+            self.feed(obj.__wrapped__, depth + 1)
+        elif _top_module(obj) in _LIBRARIES and not callable(obj):
+            self.tag("object", _qualname(type(obj)), _safe_repr(obj))
+        else:
+            self._object(obj, depth)
+
+    # -- kinds -----------------------------------------------------------------------------
+    def _keras(self, model: Any, depth: int) -> None:
+        self.tag("keras", _qualname(type(model)))
+        try:
+            config = model.get_config()
+            text = json.dumps(_canonical_names(config), sort_keys=True, default=_type_only)
+            self.tag("config", text)
+        except Exception:  # subclassed models without get_config: their code instead
+            call = getattr(type(model), "call", None)
+            if call is not None:
+                self.feed(call, depth + 1)
+        for w in model.get_weights():
+            self.feed(np.asarray(w), depth + 1)
+
+    def _torch(self, module: Any, depth: int) -> None:
+        self.tag("torch", _qualname(type(module)))
+        for name, sub in module.named_modules():
+            self.tag("submodule", name, _qualname(type(sub)))
+            code = getattr(sub, "code", None)  # TorchScript and torch.fx GraphModule
+            if isinstance(code, str):
+                self.tag("code", code)
+            else:
+                forward = getattr(type(sub), "forward", None)
+                if isinstance(forward, types.FunctionType) and not _is_library(forward):
+                    self.feed(forward, depth + 1)
+            with contextlib.suppress(Exception):
+                self.tag("extra", sub.extra_repr())
+        state = module.state_dict()
+        for key in sorted(state):
+            self.tag("state", key)
+            self.feed(state[key], depth + 1)
+
+    def _function(self, fn: Any, depth: int) -> None:
+        self.tag("function", fn.__module__, fn.__qualname__)
+        if _is_library(fn):
+            return
+        self._code(fn.__code__, depth)
+        self.feed(fn.__defaults__, depth + 1)
+        self.feed(fn.__kwdefaults__, depth + 1)
+        for cell in fn.__closure__ or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                value = None
+            self.feed(value, depth + 1)
+        glb = fn.__globals__
+        for name in _global_names(fn.__code__):
+            if name in glb:
+                self.tag("global", name)
+                self.feed(glb[name], depth + 1)
+
+    def _code(self, code: types.CodeType, depth: int) -> None:
+        self.tag("code", code.co_name, code.co_argcount, code.co_kwonlyargcount)
+        self.sha.update(code.co_code)
+        self.tag(code.co_names, code.co_varnames)
+        for const in code.co_consts:
+            self.feed(const, depth + 1)
+
+    def _object(self, obj: Any, depth: int) -> None:
+        cls = type(obj)
+        self.tag("object", _qualname(cls))
+        call = vars(cls).get("__call__") or next(
+            (vars(c)["__call__"] for c in cls.__mro__ if "__call__" in vars(c)), None)
+        if isinstance(call, types.FunctionType) and not _is_library(call):
+            self.feed(call, depth + 1)
+        state: dict[str, Any] = {}
+        if hasattr(obj, "__dict__"):
+            state.update(vars(obj))
+        for slot in getattr(cls, "__slots__", ()):
+            if isinstance(slot, str) and hasattr(obj, slot):
+                state[slot] = getattr(obj, slot)
+        if state:
+            self.feed(state, depth + 1)
+
+
+def _global_names(code: types.CodeType) -> list[str]:
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_global_names(const))
+    return sorted(set(names))
+
+
+def _is_library(fn: Any) -> bool:
+    return (getattr(fn, "__module__", "") or "").split(".", 1)[0] in _LIBRARIES
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _type_only(obj: Any) -> str:
+    return f"<{_qualname(type(obj))}>"
+
+
+def _safe_repr(obj: Any) -> str:
+    text = repr(obj)
+    return "" if " at 0x" in text else text[:200]
+
+
+def _canonical_names(config: Any) -> Any:
+    """A Keras config with the names of its layers replaced by their order of appearance."""
+    names: dict[str, str] = {}
+
+    def collect(node: Any) -> None:
+        if isinstance(node, dict):
+            if "class_name" in node and isinstance(node.get("config"), dict):
+                for name in (node["config"].get("name"), node.get("name")):
+                    if isinstance(name, str) and name not in names:
+                        names[name] = f"<layer {len(names)}>"
+            for value in node.values():
+                collect(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                collect(value)
+
+    def replace(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: replace(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [replace(v) for v in node]
+        if isinstance(node, str):
+            return names.get(node, node)
+        return node
+
+    if isinstance(config, dict) and isinstance(config.get("name"), str):
+        names[config["name"]] = "<model>"
+    collect(config)
+    return replace(config)

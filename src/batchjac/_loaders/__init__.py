@@ -1,0 +1,157 @@
+"""Loading models named on the command line.
+
+``MODEL`` may be a Keras file (``.keras``, ``.h5``), a TensorFlow SavedModel directory, a
+TorchScript file (``.pt``/``.pth``), a ``torch.export`` file (``.pt2``), or a Python callable as
+``package.module:attr`` or ``path/to/file.py:attr`` (the user's own code: it runs as given).
+
+Like the backends, only the modules of this package named after a framework import that
+framework, and only when a model of that kind is loaded. Each loader returns the model and a
+fingerprint for resumable stores: the hash of the model file's bytes (of every file of a
+SavedModel directory), or for Python callables the hash of the object itself
+(:func:`batchjac._fingerprint.model_fingerprint`) and of the ``.py`` file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._errors import ModelError
+from .._fingerprint import file_fingerprint, model_fingerprint
+from .._io import InputFileError
+
+KERAS_SUFFIXES = (".keras", ".h5", ".hdf5")
+TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".jit")
+EXPORT_SUFFIXES = (".pt2",)
+MODEL_FORMATS_HELP = ("a Keras .keras/.h5 file, a TensorFlow SavedModel directory, a TorchScript "
+                      ".pt file, a torch.export .pt2 file, or a Python callable as module:attr or "
+                      "file.py:attr")
+
+
+class ModelLoadError(ModelError):
+    """The model file exists but cannot be loaded (or is unsafe to load without trust)."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Any
+    backend: str | None  # None: detect from the model
+    fingerprint: str
+    description: str
+
+
+def load_model(ref: str, *, trust: bool = False) -> LoadedModel:
+    """Load the model named by ``ref`` (see the module docstring)."""
+    path = Path(ref)
+    if not path.exists() and ":" in ref:
+        target, attr = ref.rsplit(":", 1)
+        return _load_callable(target, attr)
+    if not path.exists():
+        raise InputFileError(f"The model {ref!r} does not exist (give {MODEL_FORMATS_HELP}).")
+    if path.is_dir():
+        if (path / "saved_model.pb").exists() or (path / "saved_model.pbtxt").exists():
+            from . import tensorflow as tf_loader
+
+            model = _guard(ref, lambda: tf_loader.load_saved_model(ref))
+            return LoadedModel(model, "tensorflow", file_fingerprint(ref), f"SavedModel {ref}")
+        raise InputFileError(f"The model directory {ref!r} is not a TensorFlow SavedModel (it has no "
+                             f"saved_model.pb); give {MODEL_FORMATS_HELP}.")
+    if not os.access(ref, os.R_OK):
+        raise InputFileError(f"The model file {ref!r} is not readable (permission denied).")
+    suffix = path.suffix.lower()
+    if suffix in KERAS_SUFFIXES:
+        from . import tensorflow as tf_loader
+
+        model = _guard(ref, lambda: tf_loader.load_keras(ref, trust=trust))
+        return LoadedModel(model, "tensorflow", file_fingerprint(ref), f"Keras model {ref}")
+    if suffix in TORCHSCRIPT_SUFFIXES:
+        from . import torch as torch_loader
+
+        model = _guard(ref, lambda: torch_loader.load_torchscript(ref, trust=trust))
+        return LoadedModel(model, "torch", file_fingerprint(ref), f"TorchScript model {ref}")
+    if suffix in EXPORT_SUFFIXES:
+        from . import torch as torch_loader
+
+        model = _guard(ref, lambda: torch_loader.load_exported(ref))
+        return LoadedModel(model, "torch", file_fingerprint(ref), f"torch.export model {ref}")
+    if suffix == ".py":
+        raise InputFileError(f"{ref!r} is Python code: name the model in it as {ref}:NAME.")
+    raise InputFileError(f"Unknown model format {suffix or '(no suffix)'!r} for {ref!r}; give "
+                         f"{MODEL_FORMATS_HELP}.")
+
+
+def _guard(ref: str, load: Any) -> Any:
+    """Framework errors while loading become one ModelLoadError naming the file."""
+    try:
+        return load()
+    except (ModelLoadError, InputFileError):
+        raise
+    except ImportError as e:
+        raise ModelLoadError(f"Loading {ref!r} needs a framework that is not installed: {e}. "
+                             f"Install the extra, e.g. pip install batchjac[tensorflow] or "
+                             f"batchjac[torch].") from e
+    except Exception as e:
+        raise ModelLoadError(f"Cannot load the model {ref!r}: {type(e).__name__}: "
+                             f"{_first_line(e)}") from e
+
+
+def _load_callable(target: str, attr: str) -> LoadedModel:
+    if not attr:
+        raise InputFileError(f"Name the callable after the colon: {target}:NAME.")
+    if target.endswith(".py"):
+        if not Path(target).is_file():
+            raise InputFileError(f"The model file {target!r} does not exist.")
+        module = _run_file(target)
+        extra = file_fingerprint(target)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            if e.name and (target == e.name or target.startswith(e.name + ".")):
+                raise InputFileError(f"There is no Python module {target!r} (from the model "
+                                     f"{target}:{attr}); is it installed, or on PYTHONPATH?") from None
+            raise ModelLoadError(f"Importing {target!r} failed: {type(e).__name__}: {e}") from e
+        except Exception as e:
+            raise ModelLoadError(f"Importing {target!r} failed: {type(e).__name__}: "
+                                 f"{_first_line(e)}") from e
+        extra = ""
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelLoadError(f"{target!r} has no attribute {attr!r}.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ModelLoadError(f"{target}:{attr} is a {type(obj).__name__}, not a callable model.")
+    fingerprint = model_fingerprint(obj) + (f"+{extra}" if extra else "")
+    return LoadedModel(obj, None, fingerprint, f"{target}:{attr}")
+
+
+def _run_file(path: str) -> Any:
+    """Import a .py file as a module (its directory first on sys.path, for its own imports)."""
+    full = os.path.abspath(path)
+    name = "batchjac_model_" + Path(full).stem.replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, full)
+    if spec is None or spec.loader is None:
+        raise InputFileError(f"Cannot import {path!r} as Python code.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    folder = os.path.dirname(full)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise ModelLoadError(f"Running {path!r} failed: {type(e).__name__}: {_first_line(e)} "
+                             f"(run `python {path}` to see the traceback).") from e
+    return module
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
