@@ -58,17 +58,21 @@ def test_dask_arrays_give_lazy_result(client: Any) -> None:
 
 
 def test_model_is_compiled_once_per_worker(client: Any) -> None:
-    from batchjac import _dask
-
     model = seed_model("tensorflow")
     unknown, known = workload_inputs("W1", 4000, seed=5)
-    client.run(_dask._WORKER_MODELS.clear)
+    def clear() -> None:  # runs on each worker, against that worker's module
+        import batchjac._dask
+
+        batchjac._dask._WORKER_MODELS.clear()
+
+    client.run(clear)
     batchjac.jacobian(model, unknown, known, client=client, rows_per_task=250, mode="reverse")
 
     def loaded_and_traced() -> tuple[int, int]:
+        import batchjac._dask
         from batchjac import _backends
 
-        models = list(_dask._WORKER_MODELS.values())
+        models = list(batchjac._dask._WORKER_MODELS.values())
         return len(models), sum(b.trace_count for m in models for b in _backends._bound.get(m, {}).values())
 
     per_worker = client.run(loaded_and_traced)
@@ -81,16 +85,97 @@ def test_worker_killed_mid_run_loses_nothing(client: Any) -> None:
     model = workload_model("W2", "tensorflow")
     x, _ = workload_inputs("W2", 6000, seed=6)
     local = batchjac.jacobian(model, x)
-    pids = client.run(os.getpid)
-    victim = next(iter(pids.values()))
+    victim = next(iter(client.run(os.getpid).values()))
 
-    def kill_later() -> None:
-        time.sleep(4.0)
+    def finished_blocks(dask_scheduler: Any) -> int:
+        return sum(ts.state == "memory" and "_block" in str(ts.key) for ts in dask_scheduler.tasks.values())
+
+    def kill_mid_run() -> None:  # once a few blocks are done, SIGKILL one worker process
+        deadline = time.time() + 60
+        while client.run_on_scheduler(finished_blocks) < 3 and time.time() < deadline:
+            time.sleep(0.05)
         os.kill(victim, signal.SIGKILL)
 
-    killer = threading.Thread(target=kill_later)
+    killer = threading.Thread(target=kill_mid_run)
     killer.start()
     remote = batchjac.jacobian(model, x, client=client, rows_per_task=200)
     killer.join()
-    assert victim not in client.run(os.getpid).values()  # the worker really died (and was replaced)
     np.testing.assert_allclose(remote, local, rtol=1e-5, atol=1e-6)
+    client.wait_for_workers(2, timeout=60)  # the nanny restarted it
+    assert victim not in client.run(os.getpid).values()  # it really died
+
+
+def test_workers_write_the_store(client: Any, tmp_path: Any) -> None:
+    import zarr
+
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 5000, seed=7)
+    res = batchjac.jacobian(model, unknown, known, out=str(tmp_path / "d.zarr"), chunk_size=1000,
+                            client=client, return_outputs=True)
+    assert (res.computed_chunks, res.resumed_chunks) == (5, 0)
+    stored = zarr.open_group(str(tmp_path / "d.zarr"), mode="r")
+    y, jac = batchjac.jacobian(model, unknown, known, return_outputs=True)
+    np.testing.assert_allclose(stored["jacobians"][:], jac, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stored["outputs"][:], y, rtol=1e-5, atol=1e-6)
+    # the same job again: nothing to do
+    again = batchjac.jacobian(model, unknown, known, out=str(tmp_path / "d.zarr"), chunk_size=1000,
+                              client=client, return_outputs=True)
+    assert again.computed_chunks == 0
+
+
+def test_interrupted_cluster_run_resumes(client: Any, tmp_path: Any) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    x, _ = workload_inputs("W2", 4000, seed=8)
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "j.zarr"
+    script = textwrap.dedent(f"""
+        import numpy as np, batchjac
+        from dask.distributed import Client
+        from batchjac.examples import workload_model
+        client = Client({client.scheduler.address!r})
+        x = np.load({str(tmp_path / "x.npy")!r})
+        batchjac.jacobian(workload_model("W2", "tensorflow"), x, out={str(out)!r}, chunk_size=100,
+                          client=client, rows_per_task=100)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done_dir = tmp_path / "j.zarr.partial" / "done"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if done_dir.exists() and len(list(done_dir.glob("*.json"))) >= 3:
+            break
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL the process that drove the run, mid-run
+    proc.wait()
+    assert not out.exists(), "the run finished before it could be interrupted"
+    model = workload_model("W2", "tensorflow")
+    res = batchjac.jacobian(model, x, out=str(out), chunk_size=100, client=client)
+    assert res.resumed_chunks >= 3
+    assert res.resumed_chunks + res.computed_chunks == 40
+    import zarr
+
+    stored = zarr.open_group(str(out), mode="r")["jacobians"][:]
+    np.testing.assert_allclose(stored, batchjac.jacobian(model, x), rtol=1e-5, atol=1e-6)
+
+
+def test_cli_compute_on_a_scheduler(client: Any, tmp_path: Any) -> None:
+    import zarr
+    from click.testing import CliRunner
+
+    from batchjac._cli import cli
+
+    model = seed_model("tensorflow")
+    model.save(tmp_path / "m.keras")
+    unknown, known = workload_inputs("W1", 3000, seed=9)
+    np.save(tmp_path / "u.npy", unknown)
+    np.save(tmp_path / "h.npy", known)
+    result = CliRunner().invoke(cli, [
+        "compute", str(tmp_path / "m.keras"), "--inputs", str(tmp_path / "u.npy"), "--known",
+        str(tmp_path / "h.npy"), "--out", str(tmp_path / "j.zarr"), "--chunk-size", "500", "--quiet",
+        "--scheduler", client.scheduler.address])
+    assert result.exit_code == 0, result.output
+    stored = zarr.open_group(str(tmp_path / "j.zarr"), mode="r")["jacobians"][:]
+    np.testing.assert_allclose(stored, batchjac.jacobian(model, unknown, known), rtol=1e-5, atol=1e-6)

@@ -36,7 +36,7 @@ def tune(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool) -> 
         bound.tuned[key] = (winner, ", ".join(f"{m} {t * 1e3:.2f} ms" for m, t in timings.items()))
     mode, measured = bound.tuned[key]
     return dataclasses.replace(
-        plan, mode=mode,
+        plan, mode="forward" if mode == "forward" else "reverse",
         reason=f"{mode} mode (unknowns and outputs of similar count; timed one chunk: {measured})"
                + plan.reason[plan.reason.index(";"):],
     )

@@ -110,12 +110,15 @@ def _exit_code(e: BaseException) -> int | None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 @click.option("--explain", is_flag=True, help="Print the chosen mode and chunk size, and why.")
+@click.option("--scheduler", metavar="ADDRESS|local:N",
+              help="Compute on Dask: a scheduler address, or local:N worker processes; "
+                   "the workers write the store.")
 @click.pass_context
 def compute(ctx: click.Context, model: str, inputs: str, known: str | None, wrt: str | None,
             out: str, with_outputs: bool, mode: str, chunk_size: int | None,
             max_memory: str | None, dtype: str | None, backend: str | None, nan_policy: str,
             output_names: str | None, overwrite: bool, trust_model: bool, quiet: bool,
-            as_json: bool, explain: bool) -> None:
+            as_json: bool, explain: bool, scheduler: str | None) -> None:
     """Jacobians of MODEL over the rows of --inputs, written to --out chunk by chunk.
 
     MODEL is a Keras .keras/.h5 file, a TensorFlow SavedModel directory, a TorchScript .pt
@@ -131,7 +134,7 @@ def compute(ctx: click.Context, model: str, inputs: str, known: str | None, wrt:
         result = _run(model, inputs, known, columns, out, with_outputs=with_outputs, mode=mode,
                       chunk_size=chunk_size, max_memory=max_memory, dtype=dtype, backend=backend,
                       nan_policy=nan_policy, output_names=names, overwrite=overwrite,
-                      trust=trust_model, quiet=quiet, explain=explain)
+                      trust=trust_model, quiet=quiet, explain=explain, scheduler=scheduler)
     except KeyboardInterrupt:
         click.echo("batchjac compute: interrupted; finished chunks are kept: run the same command "
                    "again to continue.", err=True)
@@ -153,7 +156,7 @@ def compute(ctx: click.Context, model: str, inputs: str, known: str | None, wrt:
 def _run(model_ref: str, inputs: str, known: str | None, wrt: list[int | str] | None, out: str, *,
          with_outputs: bool, mode: str, chunk_size: int | None, max_memory: str | None,
          dtype: str | None, backend: str | None, nan_policy: str, output_names: list[str] | None,
-         overwrite: bool, trust: bool, quiet: bool, explain: bool) -> Any:
+         overwrite: bool, trust: bool, quiet: bool, explain: bool, scheduler: str | None = None) -> Any:
     from ._errors import InputError
     from ._io import open_input
     from ._jacobian import jacobian
@@ -180,7 +183,7 @@ def _run(model_ref: str, inputs: str, known: str | None, wrt: list[int | str] | 
                                    "backend": backend or loaded.backend}
         return jacobian(loaded.model, *readers, wrt=wrt, chunk_size=chunk_size,
                         max_memory=max_memory, dtype=dtype, return_outputs=with_outputs,
-                        out=store, explain=explain, progress=not quiet, **options)
+                        out=store, explain=explain, progress=not quiet, scheduler=scheduler, **options)
     finally:
         for r in readers:
             r.close()

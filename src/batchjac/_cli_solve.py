@@ -114,8 +114,7 @@ def solve(model: str, targets: str, known: str | None, x0: str | None, out: str,
     import numpy as np
 
     from ._errors import BatchJacError
-    from ._solve import Status
-    from ._solve import solve as run_solve
+    from ._solve import Status, solve as run_solve
 
     try:
         out_dir = Path(out)

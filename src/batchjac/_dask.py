@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import InputError
+from ._errors import BatchJacError, InputError
 
 #: environment for worker processes: one thread each, so N workers use N cores
 SINGLE_THREAD_ENV = {
@@ -148,22 +148,31 @@ def dask_jacobian(model: Any, inputs: tuple[Any, ...], *, client: Any, rows_per_
         workers = max(1, len(client.scheduler_info().get("workers", {})))
         size = rows_per_task or max(1, math.ceil(n / (4 * workers)))
         row_chunks = tuple(min(size, n - lo) for lo in range(0, n, size)) or (0,)
-    darrs = [
-        (a.rechunk({0: row_chunks, **{i: -1 for i in range(1, a.ndim)}}) if is_dask_array(a)
-         else da.from_array(np.asarray(a), chunks=(row_chunks,) + tuple(-1 for _ in a.shape[1:])))
-        for a in arrays
-    ]
-
     # Validate and learn the output shape on the client, from two rows (also runs the probes).
-    head = [np.asarray(d[: min(n, 2)].compute()) for d in darrs]
+    head = [np.asarray(a[: min(n, 2)]) if not is_dask_array(a) else np.asarray(a[: min(n, 2)].compute())
+            for a in arrays]
     y_head, j_head = jacobian(model, *_pack(form, keys, head), return_outputs=True, **kw)
     y_tail, j_tail = y_head.shape[1:], j_head.shape[1:]
-
-    if client is not None:
-        model_ref: Any = client.scatter(ModelRef(model), broadcast=True, hash=False)
-    else:
-        model_ref = model
     block_kw = {**kw, "return_outputs": return_outputs, "chunk_size": kw.get("chunk_size") or max(row_chunks)}
+    bounds = list(zip(np.cumsum((0, *row_chunks[:-1])).tolist(), np.cumsum(row_chunks).tolist()))
+
+    if not lazy:  # numpy in: one task per block, numpy out
+        ref = client.scatter(ModelRef(model), broadcast=True, hash=False)
+        futures = []
+        for lo, hi in bounds:
+            # the block travels inside its task (not scattered): if the worker holding it dies,
+            # the scheduler still has it and reruns the task elsewhere
+            blocks = [np.ascontiguousarray(a[lo:hi]) for a in arrays]
+            futures.append(client.submit(_block, ref, form, keys, block_kw, *blocks, pure=False, retries=2))
+        parts = client.gather(futures)
+        if return_outputs:
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return np.concatenate(parts)
+
+    model_ref: Any = model if client is None else client.scatter(ModelRef(model), broadcast=True, hash=False)
+    darrs = [a.rechunk({0: row_chunks, **dict.fromkeys(range(1, a.ndim), -1)}) if is_dask_array(a)
+             else da.from_array(np.asarray(a), chunks=(row_chunks, *(-1 for _ in a.shape[1:])))
+             for a in arrays]
     ys, js = [], []
     for i, rows in enumerate(row_chunks):
         task = dask.delayed(_block, pure=True)(model_ref, form, keys, block_kw, *[d.blocks[i] for d in darrs])
@@ -173,8 +182,123 @@ def dask_jacobian(model: Any, inputs: tuple[Any, ...], *, client: Any, rows_per_
         else:
             js.append(da.from_delayed(task, shape=(rows, *j_tail), dtype=j_head.dtype))
     jac = da.concatenate(js, axis=0)
-    result: Any = (da.concatenate(ys, axis=0), jac) if return_outputs else jac
-    if lazy:
-        return result
-    computed = client.compute(result).result()
-    return tuple(np.asarray(r) for r in computed) if return_outputs else np.asarray(computed)
+    return (da.concatenate(ys, axis=0), jac) if return_outputs else jac
+
+
+def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: Any, dtype: Any,
+                unknown_shape: tuple[int, ...], names: tuple[str, ...], rows: list[np.ndarray],
+                index: int, lo: int, hi: int, chunk_size: int, mode: str, with_outputs: bool,
+                fmt_name: str, out: str, arrays: list[Any]) -> dict[str, Any]:
+    """On a worker: compute one chunk, write it into the store's data, fsync, record it.
+    The same steps, hashes and records as the local path (``_stores._compute_chunks``)."""
+    from pathlib import Path
+
+    from ._jacobian import prepare
+    from ._runner import pad_chunk
+    from ._spec import BatchSpec
+    from ._stores import _FORMATS, _input_hash, _WorkDir, hash_arrays
+
+    spec = BatchSpec(arrays=rows, layout=layout, dtype=dtype, n=hi - lo, unknown_shape=unknown_shape,
+                     names=names)
+    bound = prepare(ref.load(), spec, backend, options)
+    in_hash, _, _ = _input_hash(spec, 0, hi - lo)
+    y, jac = bound.kernel(mode, chunk_size, with_outputs)(*pad_chunk(spec, 0, hi - lo, chunk_size))  # type: ignore[arg-type]
+    values = {"jacobians": np.ascontiguousarray(jac[: hi - lo])}
+    if with_outputs:
+        assert y is not None
+        values["outputs"] = np.ascontiguousarray(y[: hi - lo])
+    result_hash = hash_arrays(list(values.values()))
+    work = _WorkDir(Path(out))
+    writer = _FORMATS[fmt_name].writer(work.data, arrays)
+    try:
+        writer.write(index, lo, hi, values)
+    finally:
+        writer.close()
+    work.record(index, lo, hi, in_hash, result_hash)
+    return {"lo": lo, "hi": hi, "input": in_hash, "result": result_hash}
+
+
+def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict[str, Any],
+                            bound: Any, spec: Any, fmt: Any, work: Any, out: Any, arrays: list[Any],
+                            plan: dict[str, Any], todo: list[int], with_outputs: bool, bar: Any,
+                            done: dict[int, dict[str, Any]]) -> None:
+    """The store's chunk loop on a Dask cluster: workers compute and write the chunks; this
+    process reads input rows, keeps a bounded number of tasks in flight, and collects the
+    records (which the workers have already written durably)."""
+    from dask.distributed import as_completed
+
+    from ._errors import ModelError
+    from ._stores import _chunk_bounds
+
+    del bound  # workers bind their own copy
+    ref = client.scatter(ModelRef(model), broadcast=True, hash=False)
+    cs, n = plan["chunk_size"], plan["rows"]
+    workers = max(1, len(client.scheduler_info().get("workers", {})))
+    window = 2 * workers  # enough to keep every worker busy, bounded input memory
+    queue = list(todo)
+    index_of: dict[Any, int] = {}
+
+    def submit(index: int) -> Any:
+        lo, hi = _chunk_bounds(index, cs, n)
+        rows = [np.asarray(a[lo:hi]) for a in spec.arrays]
+        fut = client.submit(_store_task, ref, backend, options, spec.layout, spec.dtype, spec.unknown_shape,
+                            spec.names, rows, index, lo, hi, cs, plan["mode"], with_outputs, fmt.name,
+                            str(out), arrays, pure=False, retries=2)
+        index_of[fut] = index
+        return fut
+
+    pending = as_completed([submit(queue.pop(0)) for _ in range(min(window, len(queue)))])
+    for fut in pending:
+        index = index_of.pop(fut)
+        try:
+            done[index] = fut.result()
+        except BatchJacError:
+            raise
+        except Exception as e:
+            raise ModelError(f"Chunk {index} failed on the cluster: {type(e).__name__}: {e}") from e
+        if bar is not None:
+            bar.update(done[index]["hi"] - done[index]["lo"])
+        if queue:
+            pending.add(submit(queue.pop(0)))
+
+
+def run(model: Any, inputs: tuple[Any, ...], *, client: Any, scheduler: str | None,
+        rows_per_task: int | None, out: Any, kw: dict[str, Any]) -> Any:
+    """Entry from :func:`batchjac.jacobian` when a client, a scheduler or Dask arrays are given."""
+    own = None
+    if client is None and scheduler is not None:
+        own = client = make_client(scheduler)
+    try:
+        from ._stores import is_store_target
+
+        if is_store_target(out):
+            if uses_dask(inputs):
+                raise InputError(
+                    "`out` is a store, but the inputs are Dask arrays: give numpy arrays or files "
+                    "(the workers write the store), or compute the lazy result yourself with "
+                    "da.to_zarr.")
+            if client is None:
+                raise InputError("Writing a store on Dask needs `client=` or `scheduler=`.")
+            from ._backends import detect
+            from ._stores import as_store, compute_to_store
+            from ._validate import normalize
+
+            spec = normalize(inputs, wrt=kw["wrt"], dtype=kw["dtype"], nan_policy=kw["nan_policy"])
+            return compute_to_store(
+                model, spec, kw["backend"] or detect(model), store=as_store(out), mode=kw["mode"],
+                chunk_size=kw["chunk_size"], max_memory=kw["max_memory"],
+                return_outputs=kw["return_outputs"], nan_policy=kw["nan_policy"],
+                options=kw["backend_options"] or {}, explain=kw["explain"], progress=kw["progress"],
+                client=client)
+        if out is not None:
+            raise InputError("On Dask, `out` must be a store path (e.g. 'jac.zarr') or None.")
+        return_outputs = kw.pop("return_outputs", False)
+        kw.pop("progress", None)
+        return dask_jacobian(model, inputs, client=client, rows_per_task=rows_per_task,
+                             return_outputs=return_outputs, kw=kw)
+    finally:
+        if own is not None:
+            cluster = getattr(own, "cluster", None)
+            own.close()
+            if cluster is not None and scheduler is not None and scheduler.startswith("local:"):
+                cluster.close()

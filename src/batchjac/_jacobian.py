@@ -13,6 +13,7 @@ import numpy as np
 from . import _backends
 from ._autotune import tune
 from ._config import default_max_memory, parse_bytes, probes_enabled
+from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._plan import ModeArg, Plan, make_plan
 from ._probes import run_probes
@@ -42,6 +43,9 @@ def jacobian(
     backend_options: dict[str, Any] | None = None,
     explain: bool = False,
     progress: bool | Callable[[int], None] = False,
+    client: Any = None,
+    scheduler: str | None = None,
+    rows_per_task: int | None = None,
 ) -> Any:
     """Per-instance Jacobians ``J[i] = d model(inputs_i) / d unknown_i``.
 
@@ -77,6 +81,12 @@ def jacobian(
     computed, time; ``.open()`` reads the stored array lazily). With ``return_outputs=True``
     the store holds the outputs too.
 
+    Scale-out on Dask: ``client=`` (a ``dask.distributed.Client``) or ``scheduler=`` (an
+    address, or ``"local:N"`` for N local single-threaded worker processes). Dask arrays as
+    inputs give a lazy Dask array of Jacobians with the same row chunks; numpy inputs are
+    split into ``rows_per_task`` blocks and computed on the cluster; with ``out=`` a store,
+    the workers write their chunks into it directly, with the same resume guarantees.
+
     >>> import numpy as np, batchjac
     >>> from batchjac.examples import seed_model
     >>> model = seed_model("tensorflow")          # 5 unknown + 3 known inputs -> 4 outputs
@@ -86,6 +96,15 @@ def jacobian(
     >>> J.shape
     (1000, 4, 5)
     """
+    if client is not None or scheduler is not None or uses_dask(inputs):
+        from ._dask import run as run_on_dask
+
+        kw = {"wrt": wrt, "mode": mode, "chunk_size": chunk_size, "max_memory": max_memory,
+              "dtype": dtype, "return_outputs": return_outputs, "nan_policy": nan_policy,
+              "backend": backend, "backend_options": backend_options, "explain": explain,
+              "progress": progress}
+        return run_on_dask(model, inputs, client=client, scheduler=scheduler,
+                           rows_per_task=rows_per_task, out=out, kw=kw)
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
     name = backend or _backends.detect(model)
     try:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import math
@@ -867,8 +868,11 @@ def compute_to_store(
     options: dict[str, Any],
     explain: bool,
     progress: bool | Callable[[int], None],
+    client: Any = None,
 ) -> StoreResult:
-    """Compute into a resumable store (see the module docstring for the guarantees)."""
+    """Compute into a resumable store (see the module docstring for the guarantees). With a
+    Dask ``client`` the chunks are computed and written by the workers (same records, same
+    guarantees); only input rows and small records pass through this process."""
     from ._jacobian import plan_for, prepare
 
     start = time.perf_counter()
@@ -923,9 +927,15 @@ def compute_to_store(
     except OSError as e:
         raise _write_error(e, out, "the work directory") from e
     try:
+        compute = _compute_chunks
+        if client is not None:
+            from ._dask import store_chunks_on_cluster
+
+            compute = functools.partial(store_chunks_on_cluster, client, model, backend, options)
         return _run(bound, spec, fmt, work, out, store, job, arrays_meta, probe, mode=mode,
                     chunk_size=chunk_size, max_memory=max_memory, return_outputs=return_outputs,
-                    explain=explain, progress=progress, start=start, plan_for=plan_for)
+                    explain=explain, progress=progress, start=start, plan_for=plan_for,
+                    compute=compute)
     finally:
         work.release()
 
@@ -1018,7 +1028,8 @@ def _arrays(plan: dict[str, Any], meta: dict[str, Any], spec: BatchSpec, with_ou
 def _run(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, out: Path, store: Store,
          job: dict[str, Any], meta: dict[str, Any], probe: dict[str, Any], *, mode: Any,
          chunk_size: int | None, max_memory: int | str | None, return_outputs: bool, explain: bool,
-         progress: bool | Callable[[int], None], start: float, plan_for: Any) -> StoreResult:
+         progress: bool | Callable[[int], None], start: float, plan_for: Any,
+         compute: Callable[..., None]) -> StoreResult:
     stored = work.manifest()
     if stored is not None:
         problem = _job_problem(stored, job, probe)
@@ -1074,13 +1085,13 @@ def _run(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, out: Path, st
             return _run(bound, spec, fmt, work, out, store, job, meta, probe, mode=mode,
                         chunk_size=chunk_size, max_memory=max_memory,
                         return_outputs=return_outputs, explain=explain, progress=progress,
-                        start=start, plan_for=plan_for)
+                        start=start, plan_for=plan_for, compute=compute)
 
     todo = [i for i in range(n_chunks) if i not in done]
     bar = progress_bar(progress, n, sum(done[i]["hi"] - done[i]["lo"] for i in done))
     try:
         if todo:
-            _compute_chunks(bound, spec, fmt, work, out, arrays, plan, todo, return_outputs, bar, done)
+            compute(bound, spec, fmt, work, out, arrays, plan, todo, return_outputs, bar, done)
         hashes = [done[i]["input"] for i in range(n_chunks)]
         results = [done[i]["result"] for i in range(n_chunks)]
         final = _jsonable(dict(manifest, complete=True,

@@ -20,7 +20,7 @@ __all__ = ["WORKLOADS", "Workload", "cnn_weights", "mlp_forward", "mlp_jacobian"
            "mlp_weights", "seed_model", "workload_inputs", "workload_model"]
 
 
-def workload_model(name: str, backend: Framework = "tensorflow", *, dtype: str = "float32") -> Any:
+def workload_model(name: str, backend: Framework | str = "tensorflow", *, dtype: str = "float32") -> Any:
     """The model of workload ``name`` ("W1".."W4") in ``backend``, with the shared weights."""
     if name not in WORKLOADS:
         raise InputError(f"Unknown workload {name!r}; choose one of {sorted(WORKLOADS)}.")

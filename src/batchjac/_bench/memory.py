@@ -43,7 +43,7 @@ def measure(backend: str, n: int, path: str) -> dict[str, Any]:
 def section() -> dict[str, Any]:
     from .run import installed_backends
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for backend in installed_backends():
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "jac.npy")

@@ -57,18 +57,18 @@ def build_cases(workload: str, backend: str, n: int, loop_rows: int) -> tuple[li
             Case("F forward (XLA)", lambda: fwd(unknown, known), "forward"),
         ]
     elif backend == "torch":
-        from . import torch_baselines as b  # type: ignore[no-redef]
+        from . import torch_baselines as tb
 
-        rev, fwdj, fwd = b.vmap_jac(model, "jacrev"), b.vmap_jac(model, "jacfwd"), b.forward(model)
+        rev, fwdj, fwd = tb.vmap_jac(model, "jacrev"), tb.vmap_jac(model, "jacfwd"), tb.forward(model)
         cases += [
             Case("B3 vmap(jacrev)", lambda: rev(unknown, known), "expert"),
             Case("B3 vmap(jacfwd)", lambda: fwdj(unknown, known), "expert"),
             Case("F forward", lambda: fwd(unknown, known), "forward"),
         ]
     elif backend == "jax":
-        from . import jax_baselines as b  # type: ignore[no-redef]
+        from . import jax_baselines as jb
 
-        rev, fwdj, fwd = b.vmap_jac(model, "jacrev"), b.vmap_jac(model, "jacfwd"), b.forward(model)
+        rev, fwdj, fwd = jb.vmap_jac(model, "jacrev"), jb.vmap_jac(model, "jacfwd"), jb.forward(model)
         cases += [
             Case("B4 jit(vmap(jacrev))", lambda: rev(unknown, known), "expert"),
             Case("B4 jit(vmap(jacfwd))", lambda: fwdj(unknown, known), "expert"),
