@@ -54,6 +54,9 @@ def main() -> None:
         sys.exit(130)
 
 
+_SECTIONS = {"memory": "memory", "w5": "w5", "solve": "solve_bench", "dask": "dask_bench"}
+
+
 @cli.command()
 @click.option("--quick", is_flag=True, help="Smaller batches and fewer repeats (about two minutes).")
 @click.option("--output", type=click.Path(dir_okay=False), default="BENCHMARKS.md", show_default=True,
@@ -62,16 +65,24 @@ def main() -> None:
               help="Only these backends (repeatable); default: every installed one.")
 @click.option("--workload", "workloads", multiple=True, type=click.Choice(["W1", "W2", "W3", "W4"]),
               help="Only these workloads (repeatable).")
-@click.option("--no-memory", is_flag=True, help="Skip the W2 N=100,000 out-of-core memory measurement.")
+@click.option("--skip", "skipped", multiple=True, type=click.Choice(list(_SECTIONS)),
+              help="Leave out an extra section of the full run (repeatable).")
 def bench(quick: bool, output: str, backends: tuple[str, ...], workloads: tuple[str, ...],
-          no_memory: bool) -> None:
-    """Time batchjac beside the hand-written baselines and write BENCHMARKS.md."""
+          skipped: tuple[str, ...]) -> None:
+    """Time batchjac beside the hand-written baselines and write BENCHMARKS.md.
+
+    The full run adds, after W1-W4: out-of-core memory (W2, N=100,000), W5 (10M rows streamed
+    to Zarr), the solver against scipy, and Dask against the local path. --quick runs W1-W4
+    only, on smaller batches."""
+    import importlib
     from pathlib import Path
 
-    from ._bench import memory
     from ._bench.run import main as run_bench
 
-    extras = [] if (no_memory or quick) else [memory.section]
+    extras = [] if quick else [
+        importlib.import_module(f"batchjac._bench.{module}").section
+        for name, module in _SECTIONS.items() if name not in skipped
+    ]
     run_bench(quick=quick, output=Path(output), backends=list(backends) or None,
               workloads=list(workloads) or None, log=lambda s: click.echo(s, err=True),
               command="batchjac " + " ".join(sys.argv[1:]), extras=extras)

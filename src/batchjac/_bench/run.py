@@ -230,7 +230,10 @@ def main(*, quick: bool, output: Path, backends: list[str] | None, workloads: li
                 log(f"  batchjac {_fmt_t(s['t'])}, best {s['best_name']} {_fmt_t(s['t_best'])}, "
                     f"ratio {s['ratio_best']:.2f}, bound {s['bound']:.2f}")
             results.append(res)
-    extra_blocks = [fn() for fn in (extras or [])]
+    extra_blocks = []
+    for fn in extras or []:
+        log(f"section {fn.__module__.rsplit('.', 1)[-1]} ...")
+        extra_blocks.append(fn())
     output.parent.mkdir(parents=True, exist_ok=True)
     chart = output.with_name(output.stem.lower() + "-ratios.png")
     has_chart = write_chart(chart, results)
