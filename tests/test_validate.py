@@ -133,3 +133,21 @@ def test_list_of_arrays_is_multi_input(x: np.ndarray) -> None:
     spec = normalize(([x, x[:, :2]],), wrt=1, dtype=None, nan_policy="raise")
     assert spec.layout.kind == "tuple"
     assert spec.unknown_shape == (2,)
+
+
+def test_repeated_calls_take_the_fast_path_with_fresh_data_and_checks() -> None:
+    pytest.importorskip("tensorflow")
+    from batchjac import _fastpath
+    from batchjac.examples import mlp_jacobian, mlp_weights, seed_model
+
+    model = seed_model("tensorflow")
+    rng = np.random.default_rng(40)
+    for _ in range(3):  # same shapes, new values each time: never a stale result
+        x = rng.normal(size=(64, 8)).astype(np.float32)
+        jac = batchjac.jacobian(model, x[:, :5], x[:, 5:])
+        ref = mlp_jacobian(mlp_weights((8, 64, 64, 4)), x)[:, :, :5]
+        assert np.abs(jac - ref).max() / np.abs(ref).max() < 1e-4
+    assert any(e.model() is model for e in _fastpath._entries.values() if e.model is not None)
+    x[5, 6] = np.nan
+    with pytest.raises(batchjac.InputError, match=r"`known` has a non-finite value \(nan\) in row 5"):
+        batchjac.jacobian(model, x[:, :5], x[:, 5:])

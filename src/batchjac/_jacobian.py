@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _backends
+from . import _backends, _fastpath
 from ._autotune import tune
 from ._config import default_max_memory, parse_bytes, probes_enabled
 from ._dask import uses_dask
@@ -105,6 +105,18 @@ def jacobian(
               "progress": progress}
         return run_on_dask(model, inputs, client=client, scheduler=scheduler,
                            rows_per_task=rows_per_task, out=out, kw=kw)
+    fast = None
+    if out is None and not explain and not progress and backend_options is None:
+        fast = _fastpath.key(model, inputs, (_wrt_key(wrt), mode, chunk_size, max_memory, str(dtype),
+                                             return_outputs, nan_policy, backend))
+        entry = _fastpath.lookup(fast, model) if fast is not None else None
+        if entry is not None:
+            spec = _fastpath.spec_for(entry, inputs)
+            if spec is not None:
+                entry.bound.refresh()
+                kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
+                y, jac = run_single(kernel, spec)
+                return (y, jac) if return_outputs else jac
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
     name = backend or _backends.detect(model)
     try:
@@ -116,7 +128,8 @@ def jacobian(
                                     progress=progress)
         return _compute(model, spec, name, mode=mode, chunk_size=chunk_size,
                         max_memory=max_memory, return_outputs=return_outputs, out=out,
-                        options=backend_options or {}, explain=explain, progress=progress)
+                        options=backend_options or {}, explain=explain, progress=progress,
+                        fast_key=fast)
     except StoreError:  # about the output, not the model or inputs: no context to add
         raise
     except BatchJacError as e:
@@ -157,7 +170,8 @@ def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
 def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
              chunk_size: int | None, max_memory: int | str | None, return_outputs: bool,
              out: Any, options: dict[str, Any], explain: bool,
-             progress: bool | Callable[[int], None] = False) -> Any:
+             progress: bool | Callable[[int], None] = False,
+             fast_key: tuple[Any, ...] | None = None) -> Any:
     bound = prepare(model, spec, backend, options)
     plan = plan_for(spec, bound, mode=mode, chunk_size=chunk_size, max_memory=max_memory)
     assert bound.output_shape is not None
@@ -177,6 +191,8 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
     kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
     if out is None and plan.n_chunks == 1:
         y, jac = run_single(kernel, spec)
+        if fast_key is not None:  # the next call with these shapes and options skips to here
+            _fastpath.remember(fast_key, model, bound, plan, spec)
         return (y, jac) if return_outputs else jac
     out_j = out if out is not None else np.empty(j_shape, spec.dtype)
     out_y = np.empty(y_shape, spec.dtype) if return_outputs else None
@@ -187,6 +203,15 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
         if bar is not None:
             bar.close()
     return (out_y, out_j) if return_outputs else out_j
+
+
+def _wrt_key(wrt: Any) -> Any:
+    """``wrt`` as a hashable value for the fast-path key (arrays and lists become tuples)."""
+    if isinstance(wrt, slice):
+        return ("slice", wrt.start, wrt.stop, wrt.step)
+    if isinstance(wrt, (list, np.ndarray)):
+        return ("cols", *np.asarray(wrt).ravel().tolist())
+    return wrt
 
 
 def _check_out(out: Any, shape: tuple[int, ...]) -> None:
