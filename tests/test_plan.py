@@ -36,9 +36,10 @@ def test_chunks_fit_budget_and_compile_few_shapes() -> None:
     assert small_budget.chunk_size * per_row <= 10**8
     padding = small_budget.chunk_size * small_budget.n_chunks - 100_000
     assert 0 <= padding < 0.02 * small_budget.chunk_size * small_budget.n_chunks  # balanced chunks
-    sizes = {plan(n=n).chunk_size for n in range(1024, 2048)}
-    assert len(sizes) <= 129  # multiples of 8 in one octave of N, plus its upper end
-    assert all(plan(n=n).chunk_size >= n and plan(n=n).chunk_size <= n * 1.01 for n in range(1, 3000, 7))
+    sizes = {plan(n=n).chunk_size for n in range(2**14, 2**15)}
+    assert len(sizes) <= 1025  # multiples of 16 in one octave of N, plus its upper end
+    assert all(n <= plan(n=n).chunk_size <= n * 1.001 for n in range(1, 30000, 7))
+    assert plan(n=10_000).chunk_size == 10_000  # round sizes need no padding
 
 
 def test_bad_plan_options() -> None:
