@@ -1,7 +1,7 @@
 """Configuration read from the environment, in one place, validated on first use.
 
 ``BATCHJAC_MAX_MEMORY``  default memory budget for one chunk, e.g. ``"512MB"``, ``"2GB"``
-                         (default: 1/8 of physical memory, between 512 MB and 4 GB).
+                         (default: 1/4 of physical memory, between 512 MB and 8 GB).
 ``BATCHJAC_PROBES``      ``"on"`` (default) or ``"off"``: the one-off checks that a model's
                          output is connected to the unknowns and that rows do not interact.
 """
@@ -60,7 +60,7 @@ def _physical_default() -> int:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not POSIX
         physical = 8 * 10**9
-    return int(min(4 * 10**9, max(512 * 10**6, physical // 8)))
+    return int(min(8 * 10**9, max(512 * 10**6, physical // 4)))
 
 
 def probes_enabled() -> bool:
