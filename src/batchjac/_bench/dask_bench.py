@@ -53,7 +53,9 @@ def _cluster(path: str, n: int) -> dict[str, Any]:
         from batchjac.examples import seed_model, workload_inputs as wi
 
         seed = seed_model("tensorflow")
-        u, h = wi("W1", TINY_TASKS * 10)
+        u, maybe_h = wi("W1", TINY_TASKS * 10)
+        assert maybe_h is not None  # W1 has known inputs
+        h = maybe_h
         batchjac.jacobian(seed, u[:40], h[:40], client=client, rows_per_task=10)  # warm-up
         t0 = time.perf_counter()
         batchjac.jacobian(seed, u, h, client=client, rows_per_task=10)
@@ -84,8 +86,8 @@ def section(n: int = N) -> dict[str, Any]:
         if all("error" not in r for r in results.values()):
             import zarr
 
-            a = zarr.open_group(os.path.join(tmp, "local.zarr"), mode="r")["jacobians"]
-            b = zarr.open_group(os.path.join(tmp, "cluster.zarr"), mode="r")["jacobians"]
+            a: Any = zarr.open_group(os.path.join(tmp, "local.zarr"), mode="r")["jacobians"]
+            b: Any = zarr.open_group(os.path.join(tmp, "cluster.zarr"), mode="r")["jacobians"]
             idx = np.linspace(0, n - 1, 200).astype(int)
             ra, rb = a.get_orthogonal_selection((idx,)), b.get_orthogonal_selection((idx,))
             results["max_rel_diff"] = float(np.abs(ra - rb).max() / np.abs(ra).max())
