@@ -149,8 +149,9 @@ def _cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-def check_finite_rows(a: np.ndarray, name: str, offset: int) -> None:
-    """Raise InputError naming the first row (counted from the start of the batch) with NaN/Inf."""
+def check_finite_rows(a: np.ndarray, name: str, offset: int, *, whole: bool = False) -> None:
+    """Raise InputError naming the first row (counted from the start of the batch) with NaN/Inf.
+    ``whole``: ``a`` is the whole input (checked up front), so the message can count the bad rows."""
     if a.dtype.kind != "f" or a.size == 0:
         return
     finite = np.isfinite(a)
@@ -163,10 +164,12 @@ def check_finite_rows(a: np.ndarray, name: str, offset: int) -> None:
     where = np.argwhere(~finite[row])
     pos = tuple(int(i) for i in where[0]) if where.size else ()
     val = a[row][pos] if pos else a[row]
+    where_found = (f"; {int(bad_rows.sum())} row(s) in all have NaN/Inf" if whole else
+                   f" (found while reading rows {offset}:{offset + a.shape[0]}; inputs read from disk "
+                   f"are checked chunk by chunk)")
     raise InputError(
         f"`{name}` has a non-finite value ({val}) in row {offset + row}"
-        f"{f' at {pos}' if pos else ''} (found while reading rows {offset}:{offset + a.shape[0]}; "
-        f"inputs read from disk are checked chunk by chunk). Clean or drop such rows, or pass "
+        f"{f' at {pos}' if pos else ''}{where_found}. Clean or drop such rows, or pass "
         f"nan_policy='propagate' to get NaN Jacobians for them."
     )
 

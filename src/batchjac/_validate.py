@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._errors import InputError, InputTypeError
-from ._spec import BatchSpec, InputKind, Layout
+from ._spec import BatchSpec, InputKind, Layout, check_finite_rows
 
 NanPolicy = Literal["raise", "propagate"]
 DTypeLike = Any
@@ -321,18 +321,4 @@ def _resolve_wrt(kind: str, wrt: Any, arrays: list[np.ndarray], names: tuple[str
 
 def _check_finite(arrays: list[np.ndarray], names: tuple[str, ...]) -> None:
     for a, name in zip(arrays, names):
-        if a.dtype.kind != "f" or a.size == 0:
-            continue
-        finite = np.isfinite(a)
-        if finite.all():
-            continue
-        bad_rows = ~finite.reshape(a.shape[0], -1).all(axis=1)
-        row = int(np.argmax(bad_rows))
-        where = np.argwhere(~finite[row])
-        pos = tuple(int(i) for i in where[0]) if where.size else ()
-        val = a[row][pos] if pos else a[row]
-        raise InputError(
-            f"`{name}` has a non-finite value ({val}) in row {row}"
-            f"{f' at {pos}' if pos else ''}; {int(bad_rows.sum())} row(s) in all have NaN/Inf. "
-            f"Clean or drop them, or pass nan_policy='propagate' to get NaN Jacobians for them."
-        )
+        check_finite_rows(a, name, 0, whole=True)
