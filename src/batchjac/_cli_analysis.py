@@ -23,49 +23,18 @@ class UserError(click.ClickException):
 
 
 def load_model(target: str) -> Any:
-    """``module:attr``, ``file.py:attr``, with ``attr`` dotted and an optional ``()`` call."""
-    import importlib
-    import importlib.util
+    """MODEL as ``batchjac compute`` takes it (:func:`batchjac._loaders.load_model`): model files,
+    ``module:attr`` or ``file.py:attr`` (dotted ``attr``, ``attr()`` for a factory)."""
+    from ._errors import BatchJacError
+    from ._loaders import load_model as load
 
-    path_part, sep, attr = target.rpartition(":")
-    if not sep or not path_part or not attr:
-        raise UserError(f"MODEL must be 'module:attr' or 'path/to/file.py:attr'; got {target!r}.")
-    call = attr.endswith("()")
-    attr = attr[:-2] if call else attr
-    if path_part.endswith(".py"):
-        file = Path(path_part)
-        if not file.is_file():
-            raise UserError(f"Model file {path_part!r} does not exist.")
-        spec = importlib.util.spec_from_file_location(f"_batchjac_model_{abs(hash(file.resolve()))}",
-                                                      file)
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(file.resolve().parent))  # sibling imports of the model file
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            raise UserError(f"Running {path_part!r} failed: {type(e).__name__}: {e}") from e
-        finally:
-            sys.path.pop(0)
-    else:
-        try:
-            module = importlib.import_module(path_part)
-        except ImportError as e:
-            raise UserError(f"Cannot import module {path_part!r}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UserError(f"{path_part!r} has no attribute {attr!r} (missing {part!r}).")
-        obj = getattr(obj, part)
-    if call:
-        try:
-            obj = obj()
-        except Exception as e:
-            raise UserError(f"Calling {attr}() failed: {type(e).__name__}: {e}") from e
-    if not callable(obj):
-        raise UserError(f"{target!r} is a {type(obj).__name__}, not a callable model.")
-    return obj
+    if ":" not in target and not Path(target).exists():
+        raise UserError(f"MODEL must be 'module:attr' or 'path/to/file.py:attr', or a model file; "
+                        f"got {target!r}.")
+    try:
+        return load(target, trust=True).model  # the user's own code, run as given
+    except BatchJacError as e:
+        raise UserError(str(e)) from e
 
 
 def load_array(path: str, what: str) -> Any:

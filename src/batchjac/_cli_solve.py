@@ -6,47 +6,22 @@ Heavy imports (numpy's friends, frameworks, the solver) happen inside the comman
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
 
 def load_model(ref: str) -> Any:
-    """``module:attr`` or ``path/to/file.py:attr`` (dotted attributes allowed); a trailing
-    ``()`` calls a zero-argument factory, e.g. ``batchjac.examples:seed_model()``."""
-    import importlib
-    import importlib.util
-    from pathlib import Path
-
+    """MODEL as ``batchjac compute`` takes it (:func:`batchjac._loaders.load_model`), e.g.
+    ``file.py:model`` or ``batchjac.examples:seed_model()`` (``()`` calls a factory)."""
     from ._errors import InputError
+    from ._loaders import load_model as load
 
-    where, sep, attr = ref.rpartition(":")
-    if not sep or not where or not attr:
-        raise InputError(f"MODEL must be 'module:attribute' or 'file.py:attribute'; got {ref!r}.")
-    call = attr.endswith("()")
-    attr = attr[:-2] if call else attr
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise InputError(f"MODEL file {where!r} does not exist.")
-        spec = importlib.util.spec_from_file_location(f"_batchjac_model_{path.stem}", path)
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise InputError(f"MODEL module {where!r} cannot be imported: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise InputError(f"MODEL: {where!r} has no attribute {attr!r}.")
-        obj = getattr(obj, part)
-    return obj() if call else obj
+    if ":" not in ref and not Path(ref).exists():
+        raise InputError(f"MODEL must be 'module:attribute' or 'file.py:attribute', or a model file; "
+                         f"got {ref!r}.")
+    return load(ref, trust=True).model
 
 
 def _array(value: str | None, what: str) -> Any:

@@ -2,7 +2,8 @@
 
 ``MODEL`` may be a Keras file (``.keras``, ``.h5``), a TensorFlow SavedModel directory, a
 TorchScript file (``.pt``/``.pth``), a ``torch.export`` file (``.pt2``), or a Python callable as
-``package.module:attr`` or ``path/to/file.py:attr`` (the user's own code: it runs as given).
+``package.module:attr`` or ``path/to/file.py:attr`` (the user's own code: it runs as given;
+``attr`` may be dotted, and ``attr()`` calls a zero-argument factory).
 
 Like the backends, only the modules of this package named after a framework import that
 framework, and only when a model of that kind is loaded. Each loader returns the model and a
@@ -101,6 +102,8 @@ def _guard(ref: str, load: Any) -> Any:
 
 
 def _load_callable(target: str, attr: str) -> LoadedModel:
+    call = attr.endswith("()")
+    attr = attr[:-2] if call else attr
     if not attr:
         raise InputFileError(f"Name the callable after the colon: {target}:NAME.")
     if target.endswith(".py"):
@@ -113,8 +116,9 @@ def _load_callable(target: str, attr: str) -> LoadedModel:
             module = importlib.import_module(target)
         except ModuleNotFoundError as e:
             if e.name and (target == e.name or target.startswith(e.name + ".")):
-                raise InputFileError(f"There is no Python module {target!r} (from the model "
-                                     f"{target}:{attr}); is it installed, or on PYTHONPATH?") from None
+                raise InputFileError(f"Cannot import module {target!r}: it cannot be imported, there is "
+                                     f"no such Python module (from the model {target}:{attr}); is it "
+                                     f"installed, or on PYTHONPATH?") from None
             raise ModelLoadError(f"Importing {target!r} failed: {type(e).__name__}: {e}") from e
         except Exception as e:
             raise ModelLoadError(f"Importing {target!r} failed: {type(e).__name__}: "
@@ -125,6 +129,12 @@ def _load_callable(target: str, attr: str) -> LoadedModel:
         if not hasattr(obj, part):
             raise ModelLoadError(f"{target!r} has no attribute {attr!r}.")
         obj = getattr(obj, part)
+    if call:
+        try:
+            obj = obj()
+        except Exception as e:
+            raise ModelLoadError(f"Calling {target}:{attr}() failed: {type(e).__name__}: "
+                                 f"{_first_line(e)}") from e
     if not callable(obj):
         raise ModelLoadError(f"{target}:{attr} is a {type(obj).__name__}, not a callable model.")
     fingerprint = model_fingerprint(obj) + (f"+{extra}" if extra else "")
