@@ -7,7 +7,6 @@ unless those are actually needed"), so ``import batchjac`` works with no framewo
 from __future__ import annotations
 
 import importlib
-import sys
 import types
 import weakref
 from typing import Any
@@ -149,9 +148,5 @@ def bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> 
     else:
         per_model[key].update(**options)
     return per_model[key]
-
-
-def loaded_frameworks() -> list[str]:
-    return [n for n, (_, fw, _) in REGISTRY.items() if fw in sys.modules]
 
 
