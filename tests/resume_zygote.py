@@ -1,4 +1,4 @@
-"""Start ``batchjac compute`` runs as real processes quickly, to kill them with SIGKILL.
+"""Start ``batchjac compute`` (or ``solve``) runs as real processes quickly, to kill them with SIGKILL.
 
 Importing TensorFlow takes seconds, so a *zygote* process imports it (and batchjac) once, runs
 nothing, and forks one child per run: each child is a separate process running
@@ -61,8 +61,10 @@ class Zygote:
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
-    def start(self, args: list[str], log: Path, kill_at: dict[str, Any] | None = None) -> Run:
-        reply = self._ask({"args": args, "log": str(log), "kill_at": kill_at})
+    def start(self, args: list[str], log: Path, kill_at: dict[str, Any] | None = None,
+              command: str = "compute") -> Run:
+        """Run ``batchjac COMMAND ARGS`` (compute or solve) in a forked child."""
+        reply = self._ask({"args": args, "log": str(log), "kill_at": kill_at, "command": command})
         return Run(reply["pid"], log, self)
 
     def wait(self, pid: int) -> int:
@@ -181,10 +183,13 @@ def _child(request: dict[str, Any]) -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         if request.get("kill_at"):
             _arm(request["kill_at"])
-        from batchjac._cli_compute import compute
+        if request.get("command") == "solve":
+            from batchjac._cli_solve import solve as command
+        else:
+            from batchjac._cli_compute import compute as command
 
         try:
-            compute.main(request["args"], prog_name="batchjac compute")
+            command.main(request["args"], prog_name=f"batchjac {command.name}")
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -8,7 +8,6 @@ solution and covariance have closed forms.
 from __future__ import annotations
 
 import importlib.util
-import json
 from typing import Any
 
 import numpy as np
@@ -527,54 +526,3 @@ def test_empty_batch() -> None:
     res = solve(linear, np.ones((0, 5)), x0=np.zeros((0, 3)))
     assert res.x.shape == (0, 3)
     assert res.status.shape == (0,)
-
-
-# -- command line ---------------------------------------------------------------------------------
-def test_cli_solve_writes_results(tmp_path: Any) -> None:
-    from click.testing import CliRunner
-
-    from batchjac._cli import cli
-
-    model_file = tmp_path / "lin.py"
-    model_file.write_text(
-        "import numpy as np, tensorflow as tf\n"
-        f"A = tf.constant(np.array({A_LIN.tolist()}))\n"
-        "def model(z):\n    return tf.matmul(z, tf.cast(A, z.dtype))\n")
-    rng = np.random.default_rng(6)
-    x_true = rng.normal(size=(N, 3))
-    np.save(tmp_path / "t.npy", x_true @ A_LIN)
-    t_bad = x_true @ A_LIN
-    t_bad[2] = np.nan
-    np.save(tmp_path / "t_bad.npy", t_bad)
-    out = tmp_path / "out"
-    args = ["solve", f"{model_file}:model", "--targets", str(tmp_path / "t.npy"), "--n-unknowns",
-            "3", "--out", str(out), "--covariance"]
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
-    assert f"{N}/{N} instances converged" in result.output
-    np.testing.assert_allclose(np.load(out / "x.npy"), x_true, atol=1e-8)
-    assert np.load(out / "covariance.npy").shape == (N, 3, 3)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["succeeded"] == N
-    assert summary["status_codes"]["max_iter"] == 0
-
-    again = CliRunner().invoke(cli, args)  # refuses to overwrite
-    assert again.exit_code != 0
-    assert "--overwrite" in again.output
-
-    bad = CliRunner().invoke(cli, ["solve", f"{model_file}:model", "--targets",
-                                   str(tmp_path / "t_bad.npy"), "--n-unknowns", "3", "--out",
-                                   str(tmp_path / "o2"), "--lower", "-10", "--upper", "10"])
-    assert bad.exit_code == 0, (bad.output, __import__("traceback").format_exception(bad.exc_info[1]))
-    assert np.load(tmp_path / "o2" / "status.npy")[2] == Status.INVALID_INPUT
-
-    err = CliRunner().invoke(cli, ["solve", f"{model_file}:model", "--targets",
-                                   str(tmp_path / "t.npy"), "--out", str(tmp_path / "o3"),
-                                   "--lower", "1", "--upper", "0", "--n-unknowns", "3"])
-    assert err.exit_code == 1
-    assert "lower >= upper" in err.output
-    assert "Traceback" not in err.output
-    err = CliRunner().invoke(cli, ["solve", "no_such_module_xyz:model", "--targets",
-                                   str(tmp_path / "t.npy"), "--out", str(tmp_path / "o4")])
-    assert err.exit_code == 1
-    assert "cannot be imported" in err.output

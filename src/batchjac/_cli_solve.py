@@ -1,4 +1,6 @@
-"""``batchjac solve``: find the unknowns for every row of a targets file.
+"""``batchjac solve``: find the unknowns for every row of a targets file, into a resumable
+output (:mod:`batchjac._solve_store`): streamed inputs, a progress bar, and the same command
+continues after a kill. Exit codes as ``batchjac compute`` (docs/cli.md).
 
 Heavy imports (numpy's friends, frameworks, the solver) happen inside the command, so
 ``batchjac --help`` stays fast.
@@ -6,130 +8,146 @@ Heavy imports (numpy's friends, frameworks, the solver) happen inside the comman
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
 from typing import Any
 
 import click
 
+from ._cli_compute import EXIT_INTERRUPTED, _exit_code, _one_line
 
-def load_model(ref: str) -> Any:
+
+def load_model(ref: str, trust: bool = True) -> Any:
     """MODEL as ``batchjac compute`` takes it (:func:`batchjac._loaders.load_model`), e.g.
     ``file.py:model`` or ``batchjac.examples:seed_model()`` (``()`` calls a factory)."""
+    return _load(ref, trust).model
+
+
+def _load(ref: str, trust: bool) -> Any:
+    from pathlib import Path
+
     from ._errors import InputError
     from ._loaders import load_model as load
 
     if ":" not in ref and not Path(ref).exists():
         raise InputError(f"MODEL must be 'module:attribute' or 'file.py:attribute', or a model file; "
                          f"got {ref!r}.")
-    return load(ref, trust=True).model
+    return load(ref, trust=trust)
 
 
-def _array(value: str | None, what: str) -> Any:
-    """A number, or an ``.npy`` file (memory-mapped)."""
+def _value(value: str | None, what: str, readers: list[Any]) -> Any:
+    """None, a number, or a file opened for reading rows (any format of ``compute``)."""
     if value is None:
         return None
-    import numpy as np
-
-    from ._errors import InputError
-
     try:
         return float(value)
     except ValueError:
         pass
-    if not value.endswith(".npy"):
-        raise InputError(f"{what}: give a number or an .npy file; got {value!r}. (Other formats "
-                         f"and streaming come with the shared readers of `batchjac compute`.)")
-    try:
-        return np.load(value, mmap_mode="r")
-    except (OSError, ValueError) as e:
-        raise InputError(f"{what}: cannot read {value!r}: {e}") from e
+    from ._io import open_input
+
+    reader = open_input(value, what=what)
+    readers.append(reader)
+    return reader
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model")
-@click.option("--targets", required=True, help="Observed outputs, (N, *output_shape), .npy.")
-@click.option("-k", "--known", help="Known inputs, (N, h), .npy; the model takes concat([x, known]).")
-@click.option("--x0", help="Starting points, (N, k) or (k,), .npy.")
-@click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False),
-              help="Directory for the results (.npy files and summary.json).")
-@click.option("--lower", help="Lower bounds: a number or an .npy file ((k,) or (N, k)).")
-@click.option("--upper", help="Upper bounds: a number or an .npy file ((k,) or (N, k)).")
+@click.option("--targets", required=True, metavar="FILE",
+              help="Observed outputs, (N, *output_shape): .npy, .npz:key, .csv, .parquet, "
+                   ".h5:/dataset or .zarr[:array].")
+@click.option("-k", "--known", metavar="FILE",
+              help="Known inputs, (N, h); the model takes concat([x, known]).")
+@click.option("--x0", metavar="FILE", help="Starting points, (N, k) or (k,).")
+@click.option("-o", "--out", "out", required=True, metavar="PATH",
+              help="Output: a directory of .npy files (no suffix), or .zarr / .h5 "
+                   "(resumed if it is unfinished).")
+@click.option("--lower", metavar="NUM|FILE", help="Lower bounds: a number, (k,) or (N, k).")
+@click.option("--upper", metavar="NUM|FILE", help="Upper bounds: a number, (k,) or (N, k).")
 @click.option("--method", type=click.Choice(["lm", "gn"]), default="lm", show_default=True,
               help="Levenberg-Marquardt or Gauss-Newton with a line search.")
 @click.option("--max-iter", type=click.IntRange(min=0), default=100, show_default=True)
 @click.option("--xtol", type=float, help="Default: 1e-8 in float64, 1e-6 in float32.")
 @click.option("--ftol", type=float)
 @click.option("--gtol", type=float)
-@click.option("--weights", help="Per-output weights: a number or .npy (output shape or (N, ...)).")
-@click.option("--sigma", help="Per-output standard deviations instead of weights.")
+@click.option("--weights", metavar="NUM|FILE",
+              help="Per-output weights: a number, the output shape, or one row per instance.")
+@click.option("--sigma", metavar="NUM|FILE", help="Per-output standard deviations instead of weights.")
 @click.option("--n-starts", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--seed", type=int, help="Seed of the random starts.")
+@click.option("--seed", type=int, help="Seed of the random starts (drawn and recorded if not given).")
 @click.option("--n-unknowns", type=click.IntRange(min=1),
               help="k, when neither --x0 nor bound files give it.")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), help="Compute dtype.")
 @click.option("--backend", type=click.Choice(["tensorflow", "torch", "jax"]))
-@click.option("--covariance", is_flag=True, help="Also write covariance.npy, (N, k, k).")
-@click.option("--jacobian", is_flag=True, help="Also write jacobian.npy at the solutions.")
-@click.option("--overwrite", is_flag=True, help="Replace existing result files in OUT.")
-def solve(model: str, targets: str, known: str | None, x0: str | None, out: str, lower: str | None,
-          upper: str | None, method: str, max_iter: int, xtol: float | None, ftol: float | None,
-          gtol: float | None, weights: str | None, sigma: str | None, n_starts: int,
-          seed: int | None, n_unknowns: int | None, dtype: str | None, backend: str | None,
-          covariance: bool, jacobian: bool, overwrite: bool) -> None:
+@click.option("--max-memory", metavar="SIZE", help="Memory budget, e.g. 512MB or 2GB.")
+@click.option("--block-size", type=click.IntRange(min=1), metavar="ROWS",
+              help="Instances per block (the unit of progress and resume).")
+@click.option("--covariance", is_flag=True, help="Also write the covariance of x, (N, k, k).")
+@click.option("--jacobian", is_flag=True, help="Also write the Jacobian at the solutions.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an output, or discard an unfinished one, made by a different job.")
+@click.option("--trust-model", is_flag=True,
+              help="Allow model files that run code while loading (Keras Lambda layers, pickles).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@click.option("--explain", is_flag=True, help="Print the blocks, mode and chunk size, and why.")
+@click.pass_context
+def solve(ctx: click.Context, model: str, targets: str, known: str | None, x0: str | None,
+          out: str, lower: str | None, upper: str | None, method: str, max_iter: int,
+          xtol: float | None, ftol: float | None, gtol: float | None, weights: str | None,
+          sigma: str | None, n_starts: int, seed: int | None, n_unknowns: int | None,
+          dtype: str | None, backend: str | None, max_memory: str | None,
+          block_size: int | None, covariance: bool, jacobian: bool, overwrite: bool,
+          trust_model: bool, quiet: bool, as_json: bool, explain: bool) -> None:
     """Solve MODEL(concat([x, known])) = targets for the unknowns x, row by row.
 
-    MODEL is 'module:attr' or 'file.py:attr' (append '()' to call a factory). Writes x.npy,
-    residual.npy, cost.npy, success.npy, status.npy, iterations.npy, rank.npy and start.npy to
-    OUT, and summary.json with the status counts and codes.
+    MODEL is a model file or 'module:attr' / 'file.py:attr' (append '()' to call a factory).
+    Writes x, residual, cost, success, status, iterations, rank, rank_deficient and start
+    (one row per instance) to OUT, with the status counts and codes in summary.json (or the
+    manifest of a .zarr/.h5 output). If the run stops, the same command continues.
     """
-    import json
-    import time
-    from pathlib import Path
-
-    import numpy as np
-
-    from ._errors import BatchJacError
-    from ._solve import Status, solve as run_solve
-
+    readers: list[Any] = []
     try:
-        out_dir = Path(out)
-        names = ["x", "residual", "cost", "success", "status", "iterations", "rank", "start"]
-        names += ["covariance"] * covariance + ["jacobian"] * jacobian
-        clash = [n for n in [*names, "summary"] if (out_dir / f"{n}.npy").exists()
-                 or (n == "summary" and (out_dir / "summary.json").exists())]
-        if clash and not overwrite:
-            raise click.ClickException(f"{out_dir} already holds results ({', '.join(clash)}); "
-                                       f"pass --overwrite or choose another --out.")
-        fitted = load_model(model)
-        t_arr = _array(targets, "--targets")
-        if isinstance(t_arr, float):
-            raise click.ClickException("--targets must be an .npy file with one row per instance.")
-        lo, hi = _array(lower, "--lower"), _array(upper, "--upper")
-        start = time.perf_counter()
-        res = run_solve(
-            fitted, t_arr, _array(known, "--known"), x0=_array(x0, "--x0"),
-            bounds=None if lo is None and hi is None else (lo, hi), method=method,  # type: ignore[arg-type]
-            max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol, weights=_array(weights, "--weights"),
-            sigma=_array(sigma, "--sigma"), n_starts=n_starts, seed=seed, n_unknowns=n_unknowns,
-            dtype=dtype, backend=backend, return_covariance=covariance,  # type: ignore[arg-type]
-            return_jacobian=jacobian)
-        seconds = time.perf_counter() - start
-    except BatchJacError as e:
-        raise click.ClickException(str(e)) from None
+        from ._solve_store import SolveInputs, output_format, solve_to_store
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        np.save(out_dir / f"{name}.npy", getattr(res, name))
-    summary = {
-        "instances": len(res.x), "succeeded": int(res.success.sum()), "status_counts": res.summary(),
-        "status_codes": {s.name.lower(): int(s.value) for s in Status},
-        "seconds": seconds, "model": model, "targets": targets, "known": known,
-        "options": {k: v for k, v in res.info.items() if k not in ("seconds",)},
-    }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    counts = ", ".join(f"{k} {v}" for k, v in res.summary().items())
-    click.echo(f"batchjac solve: {int(res.success.sum())}/{len(res.x)} instances converged "
-               f"({counts}) in {seconds:.2f} s; results in {out_dir}/", err=True)
+        output_format(out)  # the cheap checks first: loading a framework takes seconds
+        t = _value(targets, "--targets", readers)
+        if isinstance(t, float):
+            raise click.UsageError("--targets must be a file with one row per instance.")
+        inputs = SolveInputs(
+            targets=t, known=_value(known, "--known", readers), x0=_value(x0, "--x0", readers),
+            lower=_value(lower, "--lower", readers), upper=_value(upper, "--upper", readers),
+            weights=_value(weights, "--weights", readers), sigma=_value(sigma, "--sigma", readers))
+        loaded = _load(model, trust_model)
+        result = solve_to_store(
+            loaded.model, inputs, out, overwrite=overwrite, model_id=loaded.fingerprint,
+            method=method, max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
+            n_starts=n_starts, seed=seed, n_unknowns=n_unknowns, dtype=dtype,
+            backend=backend or loaded.backend, return_covariance=covariance,
+            return_jacobian=jacobian, max_memory=max_memory, block_size=block_size,
+            progress=not quiet, explain=explain)
+    except KeyboardInterrupt:
+        click.echo("batchjac solve: interrupted; finished blocks are kept: run the same command "
+                   "again to continue.", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    except click.ClickException:
+        raise
+    except Exception as e:
+        code = _exit_code(e)
+        if code is None:
+            raise  # a bug: keep the traceback
+        click.echo(f"batchjac solve: error: {_one_line(e)}", err=True)
+        ctx.exit(code)
+    finally:
+        for r in readers:
+            r.close()
+    if as_json:
+        click.echo(json.dumps(result.summary()))
+    if not quiet:
+        counts = ", ".join(f"{k} {v}" for k, v in result.status_counts.items())
+        resumed = (f"; {result.resumed_blocks} of {result.blocks} blocks were already done"
+                   if result.resumed_blocks else "")
+        click.echo(f"batchjac solve: {result.succeeded}/{result.instances} instances converged "
+                   f"({counts}) in {result.seconds:.2f} s{resumed}; results in {result.path}",
+                   err=True)
 
 
 COMMANDS = [solve]

@@ -197,6 +197,7 @@ def solve(
     backend: BackendName | None = None,
     backend_options: dict[str, Any] | None = None,
     callback: Callable[[IterationInfo], None] | None = None,
+    reproducible: bool = False,
 ) -> SolveResult:
     """Find the unknowns ``x_i`` with ``model(concat([x_i, known_i])) ≈ targets_i``, per instance.
 
@@ -227,6 +228,11 @@ def solve(
     - ``dtype``, ``mode``, ``chunk_size``, ``max_memory``, ``backend``, ``backend_options``: as
       in :func:`batchjac.jacobian`. Float64 is used when any of targets, known or x0 is float64.
     - ``callback(info)``: called after every batched evaluation with the points evaluated.
+    - ``reproducible``: choose the mode from the cost model and the padded chunk sizes from the
+      number of active instances alone, never from timings, so that the same call gives the
+      same bytes in every run (``batchjac solve``'s resumable output relies on it). It may
+      compile a few more chunk kernels than the default, which weighs padding against
+      measured compilation time.
 
     Returns a :class:`SolveResult`. ``success`` means the iterations converged (``status`` says
     on which test), as in ``scipy.optimize.least_squares``: a local minimum with a large
@@ -311,11 +317,11 @@ def solve(
     plan = make_plan(n=max(rows_total, 1), k=k, m=m, in_elems=k + (0 if h_arr is None else
                      h_arr.shape[1]), dtype=dt, mode=mode, chunk_size=chunk_size,
                      max_memory=budget)
-    if plan.uncertain and rows_total:
+    if plan.uncertain and rows_total and not reproducible:
         plan = tune(bound, spec, plan, True)
 
     ctx_all = spec.chunk(0, n)[1]  # known inputs in the compute dtype
-    evaluator = _Evaluator(bound, plan.mode, plan.chunk_size)
+    evaluator = _Evaluator(bound, plan.mode, plan.chunk_size, adaptive=not reproducible)
     t_flat = t_arr.reshape(n, m).astype(np.float64)
     drawn = None
     if n_starts > 1:  # drawn up front: the same starts whatever the chunk size (or a resume)
@@ -562,11 +568,12 @@ class _Evaluator:
     active set. A smaller size is compiled only when the time already spent on padded rows
     (by this model, over all solve calls) exceeds the measured cost of one compilation (ski
     rental: never more than twice the best choice in hindsight), unless the bound model has
-    it already.
+    it already. With ``adaptive=False`` the smallest size that holds the active set is always
+    used (compiled when first needed): the sizes then depend on the instances alone.
     """
 
-    def __init__(self, bound: Any, mode: Any, chunk_size: int) -> None:
-        self.bound, self.mode = bound, mode
+    def __init__(self, bound: Any, mode: Any, chunk_size: int, adaptive: bool = True) -> None:
+        self.bound, self.mode, self.adaptive = bound, mode, adaptive
         sizes = [chunk_size]
         while sizes[-1] // _BUCKET_FACTOR >= _MIN_BUCKET:
             sizes.append(sizes[-1] // _BUCKET_FACTOR)
@@ -586,6 +593,8 @@ class _Evaluator:
                      for lo in range(0, rows, full)]
             return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         ideal = min(s for s in self.sizes if s >= rows)
+        if not self.adaptive:
+            return self._run(ideal, u, ctx)
         usable = min(s for s in self.sizes if s >= rows and (s in self.compiled or s == full))
         waste = _waste.get(self.bound, 0.0)
         if usable != ideal and waste >= _compile_seconds.get(self.bound, 0.25):

@@ -199,6 +199,12 @@ class ArrayInfo:
         return math.prod(self.shape[1:]) * np.dtype(self.dtype).itemsize
 
 
+def _fill(dtype: str) -> Any:
+    """Fill value of unwritten elements: NaN for floats, 0 for integers and booleans."""
+    kind = np.dtype(dtype).kind
+    return float("nan") if kind == "f" else (False if kind == "b" else 0)
+
+
 def _dims(prefix: str, shape: tuple[int, ...]) -> list[str]:
     return [prefix] if len(shape) == 1 else [f"{prefix}_{i}" for i in range(len(shape))]
 
@@ -365,7 +371,7 @@ class ZarrFormat(Format):
                 a.name, shape=a.shape, dtype=a.dtype, chunks=(a.chunk_rows, *a.shape[1:]),
                 # measured on Jacobian chunks: faster than zstd, and a better ratio
                 compressors=[BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")],
-                fill_value=float("nan"), dimension_names=list(a.dims), attributes=a.attrs,
+                fill_value=_fill(a.dtype), dimension_names=list(a.dims), attributes=a.attrs,
                 # all-zero chunks are still written: the files do not depend on the values
                 config={"write_empty_chunks": True},
             )
@@ -472,7 +478,7 @@ class HDF5Format(Format):
                         a.name, shape=a.shape, dtype=np.dtype(a.dtype),
                         chunks=(max(1, a.chunk_rows), *a.shape[1:]) if a.shape[0] else None,
                         compression="gzip", compression_opts=1, shuffle=True,
-                        fillvalue=np.nan)
+                        fillvalue=_fill(a.dtype))
                     for key, value in a.attrs.items():  # names: datasets, attributes are small
                         if key not in f:
                             f.create_dataset(key, data=np.array(value, dtype=h5py.string_dtype()))
@@ -798,11 +804,13 @@ class _WorkDir:
             records[index] = rec
         return records
 
-    def record(self, index: int, lo: int, hi: int, input_hash: str, result_hash: str) -> None:
+    def record(self, index: int, lo: int, hi: int, input_hash: str, result_hash: str,
+               extra: dict[str, Any] | None = None) -> None:
+        """Mark chunk ``index`` done (atomic); ``extra`` is kept in the record (small, JSON)."""
         path = self.done / f"{index:08d}.json"
         tmp = self.done / f"{index:08d}.json.tmp"
-        data = json.dumps({"index": index, "lo": lo, "hi": hi, "input": input_hash,
-                           "result": result_hash})
+        data = json.dumps({**(extra or {}), "index": index, "lo": lo, "hi": hi,
+                           "input": input_hash, "result": result_hash}, sort_keys=True)
         try:
             with open(tmp, "w") as f:
                 f.write(data)
