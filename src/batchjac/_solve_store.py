@@ -12,10 +12,12 @@ to :func:`batchjac.solve`:
   counts) is made durable by an atomic rename. A kill loses at most the block in flight; the
   same command continues from the recorded blocks, after checking their input rows are
   unchanged. The finished output appears under ``OUT`` in one rename.
-- **Same command, same bytes.** Blocks are solved with ``reproducible=True`` (mode from the
-  cost model, padded chunk sizes from the active count alone), the random starts of a block
-  come from ``(seed, block start row)``, and the seed is drawn once and recorded when none is
-  given. A run killed and resumed writes the same bytes as one that was not.
+- **Same command, same bytes.** The mode is chosen once, when the output is created (timed
+  when the cost model is unsure), and recorded; blocks are solved in that mode with
+  ``reproducible=True`` (padded chunk sizes from the active count alone, no timing), the
+  random starts of a block come from ``(seed, block start row)``, and the seed is drawn once
+  and recorded when none is given. A run killed and resumed writes the same bytes as one that
+  was not.
 - Only the same job resumes (model fingerprint and probe outputs, inputs' shapes and dtypes,
   every option); another job is refused unless ``overwrite``.
 
@@ -238,13 +240,11 @@ def solve_to_store(
             "method": method, "max_iter": max_iter, "xtol": xtol, "ftol": ftol, "gtol": gtol,
             "n_starts": n_starts, "seed": seed, "n_unknowns": k, "dtype": dt.name,
             "backend": name, "backend_options": options, "covariance": return_covariance,
-            "jacobian": return_jacobian, "block_size": block_size, "mode": plan.mode,
-            "format": fmt.name,
+            "jacobian": return_jacobian, "block_size": block_size, "format": fmt.name,
         },
     })
     probe = _probe(bound, spec)
     arrays = _arrays(n, k, out_shape, dt, block_size, return_covariance, return_jacobian)
-    layout = {"rows": n, "chunk_size": block_size, "chunks": n_blocks, "mode": plan.mode}
 
     existing = fmt.read_manifest(out_path) if os.path.lexists(out_path) else None
     if os.path.lexists(out_path) and existing is None:
@@ -303,6 +303,15 @@ def solve_to_store(
             fmt.clean(work.data)
         else:
             work.reset()
+            if plan.uncertain and n:  # time both modes once; the winner is recorded for resumes
+                import dataclasses
+
+                from ._autotune import tune
+
+                plan = tune(bound, spec, dataclasses.replace(
+                    plan, chunk_size=min(block_size, n) * n_starts), True)
+            layout = {"rows": n, "chunk_size": block_size, "chunks": n_blocks,
+                      "mode": plan.mode, "mode_reason": plan.reason.split(";")[0]}
             manifest = _jsonable({
                 "store_version": STORE_VERSION, "complete": False, "job": job, "probe": probe,
                 "plan": layout,
@@ -322,13 +331,14 @@ def solve_to_store(
         if explain:
             import sys
 
-            mode_reason = plan.reason.split(";")[0]
+            mode_reason = manifest["plan"]["mode_reason"]
             sys.stderr.write(f"batchjac solve: {n} instances in {n_blocks} blocks of "
                              f"{block_size} (the unit of progress and resume; at most 1/"
                              f"{TARGET_BLOCKS} of the instances, at least {MIN_BLOCK}, within "
                              f"the memory budget); {mode_reason}\n")
 
         seed_used = manifest.get("seed")
+        mode = manifest["plan"]["mode"]
         done = work.done_records(n_blocks, block_size, n)
         for index in sorted(done):
             if hashes_of(index)[0] != done[index]["input"]:
@@ -366,7 +376,7 @@ def solve_to_store(
                             method=method, max_iter=max_iter, xtol=xtol, ftol=ftol,  # type: ignore[arg-type]
                             gtol=gtol, weights=rows["weights"], sigma=rows["sigma"],
                             n_starts=n_starts, seed=block_seed, n_unknowns=k, dtype=dt,
-                            mode=plan.mode, chunk_size=(hi - lo) * n_starts if n_blocks == 1
+                            mode=mode, chunk_size=(hi - lo) * n_starts if n_blocks == 1
                             else block_size * n_starts, backend=name,  # type: ignore[arg-type]
                             backend_options=options, return_covariance=return_covariance,
                             return_jacobian=return_jacobian, reproducible=True)
