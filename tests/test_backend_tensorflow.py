@@ -247,7 +247,9 @@ def test_100k_rows_trace_once_per_mode_and_dtype() -> None:
         jac = batchjac.jacobian(model, unknown, known, mode=mode, chunk_size=16384)
         bound = next(b for b in _backends._bound[model].values() if b.signature.dtype == np.float32)
         counts[mode] = bound.trace_count
-    assert counts == {"forward": 1, "reverse": 2}  # one trace per mode for 7 chunks each
+    # 7 chunks each: one trace per mode and implementation (XLA and the plain graph, timed
+    # against each other on the first chunk), none per chunk
+    assert counts == {"forward": 2, "reverse": 4}
     ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown[-500:], known[-500:]], 1))
     assert_jac_close(jac[-500:], ref[:, :, :5])
 
@@ -270,3 +272,33 @@ def test_tensor_inputs() -> None:
     assert_jac_close(jac, ref)
     jac_lists = batchjac.jacobian(model, unknown.tolist(), known.tolist())
     assert_jac_close(jac_lists, ref)
+
+
+def test_kernel_times_xla_against_the_plain_graph_and_both_are_right() -> None:
+    from batchjac import _backends
+    from batchjac._errors import InputError
+
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 300, seed=21)
+    jac = batchjac.jacobian(model, unknown, known, mode="reverse")
+    bound = next(b for b in _backends._bound[model].values() if b.signature.dtype == np.float32)
+    kernel = bound.kernel("reverse", 300, False)
+    assert kernel.variant in ("xla", "graph")
+    assert "timed one chunk: XLA" in kernel.note
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
+    assert_jac_close(jac, ref)
+    for variant in ("graph", "xla"):  # either implementation, fixed, gives the same Jacobians
+        got = bound.kernel("reverse", 300, False, variant=variant)(unknown, (known,))[1]
+        assert kernel.variant == variant
+        assert_jac_close(got, ref)
+    with pytest.raises(InputError, match="no variant 'cuda'"):
+        kernel.use("cuda")
+
+
+def test_explain_names_the_kernel_implementation(capsys: pytest.CaptureFixture[str]) -> None:
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 40, seed=22)
+    batchjac.jacobian(model, unknown, known, mode="forward", explain=True)
+    err = capsys.readouterr().err
+    assert "forward mode" in err
+    assert "batchjac: kernel: " in err

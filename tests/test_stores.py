@@ -134,6 +134,8 @@ class StoreConformance:
         assert manifest is not None
         assert manifest["complete"] is True
         assert manifest["plan"]["mode"] == "reverse"
+        # the kernel implementation is chosen once (timed) and recorded: resumes use it too
+        assert manifest["plan"]["variant"] in ("xla", "graph")
         assert not Path(str(out) + ".partial").exists()
 
     def test_second_run_computes_nothing(self, model: Any, files: tuple[str, str], out: Path) -> None:

@@ -188,7 +188,8 @@ def dask_jacobian(model: Any, inputs: tuple[Any, ...], *, client: Any, rows_per_
 def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: Any, dtype: Any,
                 unknown_shape: tuple[int, ...], names: tuple[str, ...], rows: list[np.ndarray],
                 index: int, lo: int, hi: int, chunk_size: int, mode: str, with_outputs: bool,
-                fmt_name: str, out: str, arrays: list[Any]) -> dict[str, Any]:
+                fmt_name: str, out: str, arrays: list[Any], variant: str | None = None
+                ) -> dict[str, Any]:
     """On a worker: compute one chunk, write it into the store's data, fsync, record it.
     The same steps, hashes and records as the local path (``_stores._compute_chunks``)."""
     from pathlib import Path
@@ -202,7 +203,8 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
                      names=names)
     bound = prepare(ref.load(), spec, backend, options)
     in_hash, _, _ = _input_hash(spec, 0, hi - lo)
-    y, jac = bound.kernel(mode, chunk_size, with_outputs)(*pad_chunk(spec, 0, hi - lo, chunk_size))  # type: ignore[arg-type]
+    kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant)  # type: ignore[arg-type]
+    y, jac = kernel(*pad_chunk(spec, 0, hi - lo, chunk_size))
     values = {"jacobians": np.ascontiguousarray(jac[: hi - lo])}
     if with_outputs:
         assert y is not None
@@ -243,7 +245,7 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
         rows = [np.asarray(a[lo:hi]) for a in spec.arrays]
         fut = client.submit(_store_task, ref, backend, options, spec.layout, spec.dtype, spec.unknown_shape,
                             spec.names, rows, index, lo, hi, cs, plan["mode"], with_outputs, fmt.name,
-                            str(out), arrays, pure=False, retries=2)
+                            str(out), arrays, plan.get("variant"), pure=False, retries=2)
         index_of[fut] = index
         return fut
 

@@ -59,7 +59,9 @@ def jacobian(
 
     Returns a numpy array of shape ``(N, *output_shape, *unknown_shape)`` (the per-instance
     convention of ``torch.func.jacrev``/``jax.jacrev``), or ``(outputs, jacobians)`` with
-    ``return_outputs=True`` (the outputs come from the same pass).
+    ``return_outputs=True`` (the outputs come from the same pass). A result computed in one
+    chunk by TensorFlow or JAX is a read-only view of the framework's buffer (no copy of what
+    may be gigabytes): ``.copy()`` it to write into it, or pass ``out=``.
 
     Options: ``mode`` ("auto" picks forward mode when the unknowns are fewer than the
     outputs), ``chunk_size`` or ``max_memory`` (bytes or "1GB"; default from
@@ -191,6 +193,7 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
     kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
     if out is None and plan.n_chunks == 1:
         y, jac = run_single(kernel, spec)
+        _explain_kernel(kernel, explain)
         if fast_key is not None:  # the next call with these shapes and options skips to here
             _fastpath.remember(fast_key, model, bound, plan, spec)
         return (y, jac) if return_outputs else jac
@@ -202,7 +205,16 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
     finally:
         if bar is not None:
             bar.close()
+    _explain_kernel(kernel, explain)
     return (out_y, out_j) if return_outputs else out_j
+
+
+def _explain_kernel(kernel: Any, explain: bool) -> None:
+    """Which implementation of the kernel ran, and why (chosen on its first call)."""
+    if kernel.note:
+        if explain:
+            sys.stderr.write(f"batchjac: kernel: {kernel.note}\n")
+        log.debug("batchjac kernel: %s", kernel.note)
 
 
 def _wrt_key(wrt: Any) -> Any:

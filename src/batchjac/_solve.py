@@ -612,6 +612,8 @@ class _Evaluator:
         new = size not in self.compiled and not self._exists(size)
         start = time.perf_counter()
         kernel = self.bound.kernel(self.mode, size, True)
+        if not self.adaptive and kernel.variant != kernel.variants[0]:
+            kernel.use(kernel.variants[0])  # no timing-based choice of implementation either
         try:
             y, jac = kernel(_pad(u, size), tuple(_pad(c, size) for c in ctx))
         except BatchJacError as e:

@@ -999,6 +999,19 @@ def _job_problem(stored: dict[str, Any], job: dict[str, Any], probe: dict[str, A
     return None
 
 
+def _settle_variant(bound: Any, spec: BatchSpec, mode: str, chunk_size: int,
+                    with_outputs: bool) -> str | None:
+    """The kernel implementation the store is computed with, chosen now (on the first chunk,
+    by timing, where the backend has a choice) and recorded in the plan, so that every chunk,
+    resumed or computed on a Dask worker, comes from the same one: same bits."""
+    from ._runner import pad_chunk
+
+    kernel = bound.kernel(mode, chunk_size, with_outputs)
+    if kernel.variant is None and spec.n:
+        kernel(*pad_chunk(spec, 0, min(chunk_size, spec.n), chunk_size))
+    return kernel.variant
+
+
 def _chunk_bounds(index: int, chunk_size: int, n: int) -> tuple[int, int]:
     return index * chunk_size, min(n, (index + 1) * chunk_size)
 
@@ -1053,7 +1066,9 @@ def _run(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, out: Path, st
         work.reset()
         planned = plan_for(spec, bound, mode=mode, chunk_size=chunk_size, max_memory=max_memory)
         plan = {"mode": planned.mode, "chunk_size": planned.chunk_size,
-                "chunks": planned.n_chunks, "rows": spec.n, "reason": planned.reason}
+                "chunks": planned.n_chunks, "rows": spec.n, "reason": planned.reason,
+                "variant": _settle_variant(bound, spec, planned.mode, planned.chunk_size,
+                                           return_outputs)}
         arrays = _arrays(plan, meta, spec, return_outputs)
         manifest: dict[str, Any] = {
             "store_version": STORE_VERSION, "complete": False, "job": job, "plan": plan,
@@ -1133,7 +1148,7 @@ def _compute_chunks(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, ou
     from ._runner import _pad
 
     cs, n = plan["chunk_size"], plan["rows"]
-    kernel = bound.kernel(plan["mode"], cs, with_outputs)
+    kernel = bound.kernel(plan["mode"], cs, with_outputs, variant=plan.get("variant"))
     try:
         writer = fmt.writer(work.data, arrays)
     except OSError as e:

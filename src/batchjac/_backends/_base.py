@@ -32,11 +32,29 @@ class Signature:
 
 
 class Kernel(ABC):
-    """One compiled, pure function over chunks of exactly ``chunk_size`` rows."""
+    """One compiled, pure function over chunks of exactly ``chunk_size`` rows.
+
+    A backend may compile a kernel in more than one way (``variants``, e.g. TensorFlow with
+    and without XLA). Such a kernel picks the faster on its first call, by timing, unless a
+    variant was set with :meth:`use` (resumable stores record the variant, so that a resumed
+    run computes the same bits); ``variant`` and ``note`` then say which and why.
+    """
 
     mode: Mode
     chunk_size: int
     with_outputs: bool
+    variants: tuple[str, ...] = ("default",)
+    #: the implementation in use; None until the first call has chosen one
+    variant: str | None = "default"
+    #: why that variant (for explain=True), empty when there was no choice
+    note: str = ""
+
+    def use(self, variant: str) -> None:
+        """Run as ``variant`` from now on (one of ``variants``)."""
+        if variant not in self.variants:
+            from .._errors import InputError
+
+            raise InputError(f"This kernel has no variant {variant!r}; it has {self.variants}.")
 
     @abstractmethod
     def __call__(
@@ -72,11 +90,16 @@ class BoundModel(ABC):
     def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
         """Compile the chunk kernel (called once per mode, chunk size and outputs flag)."""
 
-    def kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
+    def kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
+               variant: str | None = None) -> Kernel:
+        """The cached kernel; ``variant`` fixes its implementation (see :class:`Kernel`)."""
         key = (mode, chunk_size, with_outputs)
         if key not in self._kernels:
             self._kernels[key] = self.build_kernel(mode, chunk_size, with_outputs)
-        return self._kernels[key]
+        kernel = self._kernels[key]
+        if variant is not None and kernel.variant != variant:
+            kernel.use(variant)
+        return kernel
 
     def refresh(self) -> None:  # noqa: B027 - optional hook
         """Called before each use; e.g. re-sync weights of a float64 copy of the model."""

@@ -3,13 +3,15 @@
 Reverse mode is ``GradientTape.batch_jacobian`` (one vectorised backward pass per output);
 forward mode pushes one batched tangent per unknown feature through
 ``tf.autodiff.ForwardAccumulator``, vectorised with ``tf.vectorized_map``. Both are compiled
-once per chunk shape with XLA (``jit_compile=True``) and called through their concrete
+once per chunk shape, with XLA (``jit_compile=True``) and as a plain graph, and the faster of
+the two on one chunk is kept (:class:`TFKernel`); they are called through their concrete
 function, which skips tf.function's per-call argument matching (~0.2 ms on a small CPU).
 """
 
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -231,6 +233,20 @@ class TFBound(BoundModel):
 
 
 class TFKernel(Kernel):
+    """XLA (``jit_compile=True``) or a plain TensorFlow graph, whichever is faster here.
+
+    Neither always wins on a CPU: XLA removes per-op dispatch, which dominates small chunks,
+    while TensorFlow's own (oneDNN) kernels for large matrix products and convolutions beat
+    XLA's: measured here, W4's reverse-mode chunk takes 610 ms with XLA and 295 ms as a graph,
+    W2's 400 and 285 ms, W1's (1,000 rows) is faster with XLA. So the first call compiles
+    both and times one chunk in each (interleaved, the minimum of a few), unless a variant
+    was fixed with :meth:`use`.
+    """
+
+    variants: tuple[str, ...] = ("xla", "graph")
+    #: below this ratio graph/XLA time, the graph is chosen
+    GRAPH_MARGIN = 0.95
+
     def __init__(self, bound: TFBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
         self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
         self._bound = bound
@@ -243,11 +259,27 @@ class TFKernel(Kernel):
 
         self._traced = traced
         self._specs = bound._specs(chunk_size)
-        self._use(tf.function(traced, jit_compile=True, autograph=False).get_concrete_function(*self._specs))
-        self._checked = False
+        self._fns: dict[str, Any] = {
+            "xla": tf.function(traced, jit_compile=True, autograph=False)
+            .get_concrete_function(*self._specs)}
+        self._forced: str | None = None
+        self.variant = None
+        self.note = ""
 
-    def _use(self, fn: Any) -> None:
-        self._fn = fn
+    def _fn(self, variant: str) -> Any:
+        if variant not in self._fns:
+            self._fns[variant] = tf.function(self._traced, jit_compile=False, autograph=False) \
+                .get_concrete_function(*self._specs)
+        return self._fns[variant]
+
+    def use(self, variant: str) -> None:
+        super().use(variant)
+        self._forced = variant
+        if self.variant is not None:  # already running: switch now
+            self._select(variant, f"{variant} (fixed)")
+
+    def _select(self, variant: str, note: str) -> None:
+        fn = self._fn(variant)
         # ConcreteFunction._call_flat skips re-binding the arguments to the signature (~0.15 ms
         # per call, a quarter of a small chunk); fall back to the public call if it goes away.
         flat = getattr(fn, "_call_flat", None)
@@ -256,36 +288,63 @@ class TFKernel(Kernel):
             self._call = lambda *args: fn(*args)
         else:
             self._call = lambda *args: flat([tf.constant(a) for a in args], captured)
+        self.variant, self.note = variant, note
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[np.ndarray | None, np.ndarray]:
-        if not self._checked:
+        if self.variant is None:
             self._first_call(u, ctx)
         out = self._call(u, *ctx)
+        # The Jacobians as a read-only view of TensorFlow's buffer: ``.numpy()`` would copy
+        # them (78 ms of W2's 370 ms). Read-only because TensorFlow may hand out one buffer
+        # twice (a constant-folded Jacobian); the runner copies chunks into the result anyway.
         if self.with_outputs:
-            return out[0].numpy(), out[1].numpy()
-        return None, out.numpy()
+            return out[0].numpy(), np.asarray(out[1])
+        return None, np.asarray(out)
+
+    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float:
+        start = time.perf_counter()
+        out = self._fns[variant](u, *ctx)
+        np.asarray(out[1] if self.with_outputs else out)
+        return time.perf_counter() - start
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         try:
-            self._fn(u, *ctx)
+            first = self._run("xla", u, ctx)
         except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
                 tf.errors.InternalError) as xla_error:
-            graph = tf.function(self._traced, jit_compile=False, autograph=False)
-            graph_fn = graph.get_concrete_function(*self._specs)
             try:
-                graph_fn(u, *ctx)
+                self._fn("graph")
+                self._run("graph", u, ctx)
             except tf.errors.OpError as e:
                 raise ModelError(f"The model failed while computing the Jacobian: {e.message}") from e
             if not self._bound._xla_warned:
                 self._bound._xla_warned = True
-                first = str(getattr(xla_error, "message", xla_error)).strip().splitlines()[0][:300]
+                text = str(getattr(xla_error, "message", xla_error)).strip().splitlines()[0][:300]
                 warnings.warn(
-                    f"XLA could not compile this model ({first}); batchjac runs it as a plain "
+                    f"XLA could not compile this model ({text}); batchjac runs it as a plain "
                     f"TensorFlow graph instead, which is correct but can be slower.",
                     XLAFallbackWarning, stacklevel=4,
                 )
-            self._use(graph_fn)
-        self._checked = True
+            self.variants = ("graph",)
+            self._select("graph", "graph (XLA could not compile the model)")
+            return
+        if self._forced is not None:
+            self._select(self._forced, f"{self._forced} (fixed)")
+            return
+        self._fn("graph")
+        try:
+            self._run("graph", u, ctx)  # trace and warm up
+        except tf.errors.OpError:  # XLA runs it but the graph does not: keep XLA
+            self._select("xla", "xla (the plain graph failed)")
+            return
+        rounds = 2 if first < 1.0 else 1
+        best = {"xla": float("inf"), "graph": float("inf")}
+        for _ in range(rounds):  # interleaved, minimum: robust to a busy machine
+            for variant in best:
+                best[variant] = min(best[variant], self._run(variant, u, ctx))
+        winner = "graph" if best["graph"] < self.GRAPH_MARGIN * best["xla"] else "xla"
+        self._select(winner, f"{winner} (timed one chunk: XLA {best['xla'] * 1e3:.1f} ms, "
+                             f"graph {best['graph'] * 1e3:.1f} ms)")
 
 
 def _explain_model_failure(e: Exception, sig: Signature) -> ModelError:
