@@ -53,3 +53,82 @@ def test_bad_plan_options() -> None:
     with pytest.raises(batchjac.InputError, match="`max_memory` must be a number of bytes or a string"):
         parse_bytes("lots")
     assert parse_bytes("512MiB") == 512 * 2**20
+
+
+# -- chunk sizes by timing (_autotune.tune_rows) --------------------------------------------------
+class _SlowKernel:
+    """Sleeps ``rows * cost(rows)``: a kernel whose time per row we choose."""
+
+    variants = ("default",)
+    variant = "default"
+    note = ""
+
+    def __init__(self, size: int, cost: float) -> None:
+        self.chunk_size, self.cost = size, cost
+
+    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[None, np.ndarray]:
+        import time
+
+        time.sleep(self.chunk_size * self.cost)
+        return None, np.zeros((self.chunk_size, 1, 1), np.float32)
+
+
+class _FakeBound:
+    def __init__(self, cost_of: dict[int, float]) -> None:
+        self.cost_of, self.built = cost_of, []
+        self.tuned_rows: dict = {}
+
+    def kernel(self, mode: str, size: int, with_outputs: bool) -> _SlowKernel:
+        self.built.append(size)
+        return _SlowKernel(size, self.cost_of[size])
+
+
+def _spec(n: int) -> object:
+    from batchjac._validate import normalize
+
+    return normalize((np.random.default_rng(0).normal(size=(n, 1)).astype("f4"),), wrt=None,
+                     dtype=None, nan_policy="raise")
+
+
+def test_tune_rows_takes_a_smaller_chunk_only_when_clearly_faster() -> None:
+    from batchjac._autotune import tune_rows
+
+    base = plan(n=4096, chunk_size=4096)
+    us = 1e-6
+    # 1,024 rows 30% faster per row than 4,096: taken; 256 rows slower: the descent stops there
+    fake = _FakeBound({4096: 10 * us, 1024: 7 * us, 256: 30 * us, 64: 1 * us})
+    tuned = tune_rows(fake, _spec(4096), base, False)
+    assert (tuned.chunk_size, tuned.n_chunks) == (1024, 4)
+    assert "timed per row" in tuned.reason
+    assert 64 not in fake.built  # stopped after the clearly slower 256
+    # 5% faster is within the noise: the planned chunk stays
+    fake = _FakeBound({4096: 10 * us, 1024: 9.5 * us, 256: 9.6 * us, 64: 9.7 * us})
+    kept = tune_rows(fake, _spec(4096), base, False)
+    assert kept.chunk_size == 4096
+    assert "kept after timing" in kept.reason
+    # below TUNE_MIN_ROWS nothing is timed
+    small = _FakeBound({})
+    assert tune_rows(small, _spec(500), plan(n=500), False).chunk_size == 500
+    assert small.built == []
+
+
+def test_tuned_chunks_give_the_same_jacobians(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("jax")
+    from batchjac.examples import mlp_jacobian, mlp_weights, workload_inputs, workload_model
+
+    model = workload_model("W1", "jax")
+    unknown, known = workload_inputs("W1", 5000, seed=3)
+    jac = batchjac.jacobian(model, unknown, known, explain=True)
+    err = capsys.readouterr().err
+    assert "kept after timing 5000 rows" in err or "timed per row: 5000 rows" in err
+    ref = mlp_jacobian(mlp_weights((8, 64, 64, 4)), np.concatenate([unknown, known], 1))[:, :, :5]
+    np.testing.assert_allclose(jac, ref, rtol=2e-4, atol=2e-5 * np.abs(ref).max())
+    monkeypatch.setenv("BATCHJAC_AUTOTUNE", "off")
+    batchjac.jacobian(model, unknown[:4000], known[:4000], explain=True)
+    err = capsys.readouterr().err
+    assert "timed" not in err
+    assert "chunks of 4000 rows" in err
+    monkeypatch.setenv("BATCHJAC_AUTOTUNE", "maybe")
+    with pytest.raises(batchjac.InputError, match="BATCHJAC_AUTOTUNE must be 'on' or 'off'"):
+        batchjac.jacobian(model, unknown[:3000], known[:3000])

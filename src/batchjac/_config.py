@@ -4,6 +4,8 @@
                          (default: 1/4 of physical memory, between 512 MB and 8 GB).
 ``BATCHJAC_PROBES``      ``"on"`` (default) or ``"off"``: the one-off checks that a model's
                          output is connected to the unknowns and that rows do not interact.
+``BATCHJAC_AUTOTUNE``    ``"on"`` (default) or ``"off"``: time chunk sizes (and forward against
+                         reverse mode when the shapes cannot tell) once per model and shape.
 """
 
 from __future__ import annotations
@@ -67,4 +69,11 @@ def probes_enabled() -> bool:
     raw = os.environ.get("BATCHJAC_PROBES", "on").strip().lower()
     if raw not in ("on", "off"):
         raise InputError(f"BATCHJAC_PROBES must be 'on' or 'off'; got {raw!r}.")
+    return raw == "on"
+
+
+def autotune_enabled() -> bool:
+    raw = os.environ.get("BATCHJAC_AUTOTUNE", "on").strip().lower()
+    if raw not in ("on", "off"):
+        raise InputError(f"BATCHJAC_AUTOTUNE must be 'on' or 'off'; got {raw!r}.")
     return raw == "on"

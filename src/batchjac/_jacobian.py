@@ -11,8 +11,8 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _backends, _fastpath
-from ._autotune import tune
-from ._config import default_max_memory, parse_bytes, probes_enabled
+from ._autotune import tune, tune_rows
+from ._config import autotune_enabled, default_max_memory, parse_bytes, probes_enabled
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._plan import ModeArg, Plan, make_plan
@@ -117,8 +117,10 @@ def jacobian(
             if spec is not None:
                 entry.bound.refresh()
                 kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
-                y, jac = run_single(kernel, spec)
-                return (y, jac) if return_outputs else jac
+                if entry.plan.n_chunks == 1:
+                    y, jac = run_single(kernel, spec)
+                    return (y, jac) if return_outputs else jac
+                return _run_in_memory(kernel, spec, entry.bound, return_outputs, None, False)
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
     name = backend or _backends.detect(model)
     try:
@@ -185,19 +187,32 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
         jac = out if out is not None else np.empty(j_shape, spec.dtype)
         return (np.empty(y_shape, spec.dtype), jac) if return_outputs else jac
 
-    if plan.uncertain:
-        plan = tune(bound, spec, plan, return_outputs)
+    if autotune_enabled():
+        if plan.uncertain:
+            plan = tune(bound, spec, plan, return_outputs)
+        if chunk_size is None:
+            plan = tune_rows(bound, spec, plan, return_outputs)
     if explain:
         sys.stderr.write(f"batchjac: {plan.reason}\n")
     log.debug("batchjac plan: %s", plan.reason)
     kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
+    if out is None and fast_key is not None:  # the next call with these shapes skips to here
+        _fastpath.remember(fast_key, model, bound, plan, spec)
     if out is None and plan.n_chunks == 1:
         y, jac = run_single(kernel, spec)
         _explain_kernel(kernel, explain)
-        if fast_key is not None:  # the next call with these shapes and options skips to here
-            _fastpath.remember(fast_key, model, bound, plan, spec)
         return (y, jac) if return_outputs else jac
-    out_j = out if out is not None else np.empty(j_shape, spec.dtype)
+    result = _run_in_memory(kernel, spec, bound, return_outputs, out, progress)
+    _explain_kernel(kernel, explain)
+    return result
+
+
+def _run_in_memory(kernel: Any, spec: BatchSpec, bound: _backends.BoundModel,
+                   return_outputs: bool, out: Any, progress: bool | Callable[[int], None]) -> Any:
+    """Several chunks into ``out`` (or a new array) and, if asked, a new outputs array."""
+    assert bound.output_shape is not None
+    y_shape = (spec.n, *bound.output_shape)
+    out_j = out if out is not None else np.empty((*y_shape, *spec.unknown_shape), spec.dtype)
     out_y = np.empty(y_shape, spec.dtype) if return_outputs else None
     bar = progress_bar(progress, spec.n)
     try:
@@ -205,7 +220,6 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
     finally:
         if bar is not None:
             bar.close()
-    _explain_kernel(kernel, explain)
     return (out_y, out_j) if return_outputs else out_j
 
 

@@ -77,6 +77,8 @@ class BoundModel(ABC):
         self._kernels: dict[tuple[str, int, bool], Kernel] = {}
         #: (chunk size, with outputs) -> (mode, measured timings), from _autotune
         self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
+        #: ("rows", mode, planned chunk size, with outputs) -> (fastest rows, timings)
+        self.tuned_rows: dict[tuple[str, str, int, bool], tuple[int, str]] = {}
 
     @abstractmethod
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:

@@ -55,12 +55,15 @@ def xla_batch_jacobian(model: Any) -> Callable[[np.ndarray, np.ndarray | None], 
     return lambda unknown, known: jac(unknown, known).numpy()
 
 
-def xla_forward(model: Any) -> Callable[[np.ndarray, np.ndarray | None], np.ndarray]:
-    """F: one compiled forward pass, the cost unit of the autodiff-bound ratio."""
+def xla_forward(model: Any, jit_compile: bool = True
+                ) -> Callable[[np.ndarray, np.ndarray | None], np.ndarray]:
+    """F: one compiled forward pass, the cost unit of the autodiff-bound ratio; with XLA, or
+    as a plain graph (``jit_compile=False``), which is faster for convolutions here: the
+    report takes the faster of the two."""
 
-    @tf.function(jit_compile=True)
     def fwd(u: tf.Tensor, known: tf.Tensor | None) -> tf.Tensor:
         x = u if known is None else tf.concat([u, known], axis=-1)
         return _call(model, x)
 
-    return lambda unknown, known: fwd(unknown, known).numpy()
+    compiled = tf.function(fwd, jit_compile=jit_compile, autograph=False)
+    return lambda unknown, known: compiled(unknown, known).numpy()
