@@ -285,6 +285,36 @@ def test_rebound_closure_values_are_not_stale() -> None:
     assert_jac_close(batchjac.jacobian(f, x), -3 * base)
 
 
+def test_rebound_globals_attributes_and_grown_lists_are_not_stale() -> None:
+    """The cheap per-call check (re-reading where each baked-in value was found) must see
+    every change a full walk would: a rebound global, a new attribute value, a longer list."""
+    x = data((8, 3), seed=19)
+    base = np.einsum("ni,ij->nij", np.cos(x.astype(np.float64)), np.eye(3))
+    glb: dict[str, Any] = {"jnp": jnp, "W": jnp.eye(3, dtype=jnp.float32)}
+    exec("def f(v):\n    return jnp.sin(v) @ W\n", glb)  # a module-level function
+    assert_jac_close(batchjac.jacobian(glb["f"], x), base)
+    glb["W"] = 2 * glb["W"]
+    assert_jac_close(batchjac.jacobian(glb["f"], x), 2 * base)
+
+    class Scaled:
+        def __init__(self) -> None:
+            self.w = jnp.eye(3, dtype=jnp.float32)
+            self.extra: list[Any] = []
+
+        def __call__(self, v: Any) -> Any:
+            out = jnp.sin(v) @ self.w
+            for e in self.extra:
+                out = out * e
+            return out
+
+    g = Scaled()
+    assert_jac_close(batchjac.jacobian(g, x, backend="jax"), base)
+    g.w = -g.w
+    assert_jac_close(batchjac.jacobian(g, x, backend="jax"), -base)
+    g.extra.append(jnp.float32(5.0))
+    assert_jac_close(batchjac.jacobian(g, x, backend="jax"), -5 * base)
+
+
 def test_unused_unknowns_get_zero_columns() -> None:
     model = jax_examples.mlp((3, 16, 2))
     x = data((20, 5), seed=18)

@@ -113,7 +113,8 @@ class JaxBound(BoundModel):
         self._params_split = _Split(self._params)
         self._forward: Any = None
         self._x64 = x64_enabled()
-        self._captured = _captured_values(model)
+        self._sites = _Sites()
+        self._captured = _captured_values(model, self._sites)
 
     # -- options and state -------------------------------------------------------------------
     @property
@@ -135,7 +136,11 @@ class JaxBound(BoundModel):
 
     def refresh(self) -> None:
         _require_x64(self.signature.dtype)
-        captured = _captured_values(self.model)
+        if self._x64 == x64_enabled() and self._sites.unchanged():
+            return  # every value the traces baked in is still where it was read
+        sites = _Sites()
+        captured = _captured_values(self.model, sites)
+        self._sites = sites
         if self._x64 != x64_enabled() or not _same_values(captured, self._captured):
             # the x64 mode changes the dtypes of traced arrays; rebound closure values would
             # be stale constants in the compiled kernels: trace everything again
@@ -333,12 +338,51 @@ _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _MAX_VISITS = 2000
 
 
-def _captured_values(fn: Any) -> list[Any]:
+class _Sites:
+    """Where :func:`_captured_values` found each value: (container, key, value) triples and
+    container sizes. Re-reading them (:meth:`unchanged`, a few microseconds) tells whether a
+    new walk could find anything else: the walk follows the same keys, so if every key holds
+    the same object and no walked container changed size, it would find the same values."""
+
+    _MISSING = object()
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[Any, Any, Any]] = []  # (getter target, key, value)
+        self.sizes: list[tuple[Any, int]] = []
+
+    def read(self, target: Any, key: Any, value: Any) -> Any:
+        self.reads.append((target, key, value))
+        return value
+
+    def unchanged(self) -> bool:
+        missing = self._MISSING
+        for target, key, value in self.reads:
+            if isinstance(key, str) and not isinstance(target, dict):
+                try:  # function attributes, cell contents
+                    now = getattr(target, key, missing)
+                except ValueError:  # a cell emptied since
+                    return False
+            elif isinstance(target, dict):
+                now = target.get(key, missing)  # a global may be missing, and stay so
+            else:
+                try:
+                    now = target[key]
+                except (IndexError, TypeError):
+                    return False
+            if now is not value and not (isinstance(value, _SCALARS) and type(now) is type(value)
+                                         and now == value):
+                return False
+        return all(len(c) == n for c, n in self.sizes)
+
+
+def _captured_values(fn: Any, sites: _Sites | None = None) -> list[Any]:
     """Arrays ``fn`` reads from closures, referenced globals, defaults, partial arguments and
     callable objects' attributes (a few levels deep), and the plain scalars among its
-    closure cells, globals and defaults: the values jax.jit bakes into a trace."""
+    closure cells, globals and defaults: the values jax.jit bakes into a trace. ``sites``
+    collects where each was read (see :class:`_Sites`)."""
     found: list[Any] = []
     seen: set[int] = set()
+    log = sites if sites is not None else _Sites()
 
     def visit(obj: Any, depth: int, scalars: bool) -> None:
         if _is_array(obj) or isinstance(obj, _SCALARS):
@@ -350,18 +394,21 @@ def _captured_values(fn: Any) -> list[Any]:
             return
         seen.add(id(obj))
         if isinstance(obj, dict):
-            for v in list(obj.values())[:256]:
-                visit(v, depth + 1, scalars)
+            log.sizes.append((obj, len(obj)))
+            for key in list(obj)[:256]:
+                visit(log.read(obj, key, obj[key]), depth + 1, scalars)
         elif isinstance(obj, (list, tuple)):
-            for v in obj[:256]:
-                visit(v, depth + 1, scalars)
+            log.sizes.append((obj, len(obj)))
+            for i, v in enumerate(obj[:256]):
+                visit(log.read(obj, i, v), depth + 1, scalars)
         elif isinstance(obj, types.FunctionType):
-            visit_code(obj.__code__, obj.__globals__, depth)
-            for cell in obj.__closure__ or ():
+            code = log.read(obj, "__code__", obj.__code__)
+            visit_code(code, obj.__globals__, depth)
+            for cell in log.read(obj, "__closure__", obj.__closure__) or ():
                 with contextlib.suppress(ValueError):  # an empty cell has no contents
-                    visit(cell.cell_contents, depth + 1, True)
-            visit(obj.__defaults__ or (), depth + 1, True)
-            visit(obj.__kwdefaults__ or {}, depth + 1, True)
+                    visit(log.read(cell, "cell_contents", cell.cell_contents), depth + 1, True)
+            visit(log.read(obj, "__defaults__", obj.__defaults__) or (), depth + 1, True)
+            visit(log.read(obj, "__kwdefaults__", obj.__kwdefaults__) or {}, depth + 1, True)
         elif isinstance(obj, types.MethodType):
             visit(obj.__self__, depth + 1, False)
             visit(obj.__func__, depth + 1, False)
@@ -373,15 +420,24 @@ def _captured_values(fn: Any) -> list[Any]:
             visit(vars(obj), depth + 1, False)  # arrays only: other attributes may be counters
 
     def visit_code(code: types.CodeType, glb: dict[str, Any], depth: int) -> None:
-        for name in code.co_names:
-            if name in glb:
-                visit(glb[name], depth + 1, True)
-        for const in code.co_consts:  # nested functions and lambdas
-            if isinstance(const, types.CodeType):
-                visit_code(const, glb, depth)
+        for name in _global_names(code):
+            value = glb.get(name, _Sites._MISSING)
+            log.read(glb, name, value)
+            if value is not _Sites._MISSING:
+                visit(value, depth + 1, True)
 
     visit(fn, 0, False)
     return found
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names ``code`` and the functions nested in it may look up as globals."""
+    names = dict.fromkeys(code.co_names)
+    for const in code.co_consts:  # nested functions and lambdas
+        if isinstance(const, types.CodeType):
+            names.update(dict.fromkeys(_global_names(const)))
+    return tuple(names)
 
 
 def _same_values(a: list[Any], b: list[Any]) -> bool:
