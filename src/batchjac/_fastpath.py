@@ -30,6 +30,10 @@ class Entry:
     bound: BoundModel
     plan: Plan
     template: BatchSpec
+    #: the arrays are the kernel's arguments as they are: ``(unknown, known)`` in the concat
+    #: layout (or ``x`` alone, all unknown), C-contiguous, in the compute dtype, and exactly
+    #: one chunk of rows. Then a call skips cutting chunks, and the kernel gets them directly.
+    direct: bool = False
 
 
 _entries: OrderedDict[tuple[Any, ...], Entry] = OrderedDict()
@@ -68,18 +72,34 @@ def remember(k: tuple[Any, ...], model: Any, bound: BoundModel, plan: Plan, spec
         strong = None
     except TypeError:
         ref, strong = None, model
-    _entries[k] = Entry(ref, strong, bound, plan, spec)
+    lay = spec.layout
+    direct = (plan.n_chunks == 1 and plan.chunk_size == spec.n
+              and (lay.kind == "concat" or (lay.kind == "single" and lay.columns is None))
+              and all(type(a) is np.ndarray and a.dtype == spec.dtype and a.flags.c_contiguous
+                      for a in spec.arrays))
+    _entries[k] = Entry(ref, strong, bound, plan, spec, direct)
     _entries.move_to_end(k)
     while len(_entries) > _MAX_ENTRIES:
         _entries.popitem(last=False)
+
+
+def finite(inputs: tuple[np.ndarray, ...]) -> bool:
+    """No NaN/Inf (a False may be an overflow of finite values: the full path then checks
+    element by element): the sum is ~5x cheaper than ``isfinite().all()``."""
+    return all(a.dtype.kind != "f" or bool(np.isfinite(a.sum(dtype=np.float64))) for a in inputs)
+
+
+def same_layout(entry: Entry, inputs: tuple[np.ndarray, ...]) -> bool:
+    """For a ``direct`` entry: the arrays can be the kernel's ``(u, ctx)`` as they are (the
+    key already matched shapes and dtypes; contiguity is not in it)."""
+    return all(a.flags.c_contiguous for a in inputs)
 
 
 def spec_for(entry: Entry, inputs: tuple[np.ndarray, ...]) -> BatchSpec | None:
     """The cached spec with these arrays, or None if a NaN/Inf check fails (the full path then
     raises the detailed error)."""
     t = entry.template
-    for a in inputs:
-        if a.dtype.kind == "f" and not np.isfinite(a).all():
-            return None
+    if not finite(inputs):
+        return None
     return BatchSpec(arrays=list(inputs), layout=t.layout, dtype=t.dtype, n=t.n,
                      unknown_shape=t.unknown_shape, names=t.names)

@@ -12,9 +12,9 @@ to :func:`batchjac.solve`:
   counts) is made durable by an atomic rename. A kill loses at most the block in flight; the
   same command continues from the recorded blocks, after checking their input rows are
   unchanged. The finished output appears under ``OUT`` in one rename.
-- **Same command, same bytes.** The mode is chosen once, when the output is created (timed
-  when the cost model is unsure), and recorded; blocks are solved in that mode with
-  ``reproducible=True`` (padded chunk sizes from the active count alone, no timing), the
+- **Same command, same bytes.** The mode comes from the cost model (never from timing) and
+  is recorded; blocks are solved in that mode with ``reproducible=True`` (padded chunk sizes
+  from the active count alone, the backend's first kernel implementation, no timing), the
   random starts of a block come from ``(seed, block start row)``, and the seed is drawn once
   and recorded when none is given. A run killed and resumed writes the same bytes as one that
   was not.
@@ -303,13 +303,6 @@ def solve_to_store(
             fmt.clean(work.data)
         else:
             work.reset()
-            if plan.uncertain and n:  # time both modes once; the winner is recorded for resumes
-                import dataclasses
-
-                from ._autotune import tune
-
-                plan = tune(bound, spec, dataclasses.replace(
-                    plan, chunk_size=min(block_size, n) * n_starts), True)
             layout = {"rows": n, "chunk_size": block_size, "chunks": n_blocks,
                       "mode": plan.mode, "mode_reason": plan.reason.split(";")[0]}
             manifest = _jsonable({

@@ -13,8 +13,9 @@ crash-safe and resumable.
   constant and lets several writers (Dask workers) record chunks without a lock.
 - **Same command, same bytes.** Chunk boundaries, the mode and the chunk size are fixed when
   the store is created and read back when it is resumed (``mode="auto"`` is decided by the cost
-  model, never by timing, for stores), every chunk is computed with the same compiled kernel,
-  and the store's metadata holds no times. A run that was killed and resumed writes a store
+  model and the kernel is the backend's first implementation, XLA for TensorFlow, never by
+  timing, for stores), every chunk is computed with the same compiled kernel, and the store's
+  metadata holds no times. A run that was killed and resumed writes a store
   bitwise identical to one that was not.
 - **Only the same job may resume.** The manifest records the job: the model's fingerprint
   (:mod:`batchjac._fingerprint`, or a file's hash from the command line), the batchjac and
@@ -1001,15 +1002,15 @@ def _job_problem(stored: dict[str, Any], job: dict[str, Any], probe: dict[str, A
 
 def _settle_variant(bound: Any, spec: BatchSpec, mode: str, chunk_size: int,
                     with_outputs: bool) -> str | None:
-    """The kernel implementation the store is computed with, chosen now (on the first chunk,
-    by timing, where the backend has a choice) and recorded in the plan, so that every chunk,
-    resumed or computed on a Dask worker, comes from the same one: same bits."""
-    from ._runner import pad_chunk
-
+    """The kernel implementation every chunk of the store is computed with, recorded in the
+    plan so that resumed chunks and chunks computed on Dask workers use it too: the backend's
+    first variant (XLA for TensorFlow), never a timed choice, because two uninterrupted runs
+    of the same command must write the same bytes as well."""
+    del spec
     kernel = bound.kernel(mode, chunk_size, with_outputs)
-    if kernel.variant is None and spec.n:
-        kernel(*pad_chunk(spec, 0, min(chunk_size, spec.n), chunk_size))
-    return kernel.variant
+    variant: str = kernel.variants[0]
+    kernel.use(variant)
+    return variant
 
 
 def _chunk_bounds(index: int, chunk_size: int, n: int) -> tuple[int, int]:

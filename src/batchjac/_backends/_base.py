@@ -10,7 +10,7 @@ Nothing outside ``batchjac._backends`` imports a framework.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -48,6 +48,16 @@ class Kernel(ABC):
     variant: str | None = "default"
     #: why that variant (for explain=True), empty when there was no choice
     note: str = ""
+
+    #: whether :meth:`launch` returns before the computation ends (JAX dispatches
+    #: asynchronously): the caller's checks can then run while it computes
+    asynchronous: bool = False
+
+    def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+               ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+        """Start the computation; the returned function waits for it and gives ``(y, J)``."""
+        result = self(u, ctx)
+        return lambda: result
 
     def use(self, variant: str) -> None:
         """Run as ``variant`` from now on (one of ``variants``)."""
@@ -103,8 +113,10 @@ class BoundModel(ABC):
             kernel.use(variant)
         return kernel
 
-    def refresh(self) -> None:  # noqa: B027 - optional hook
-        """Called before each use; e.g. re-sync weights of a float64 copy of the model."""
+    def refresh(self) -> bool:
+        """Called before each use; e.g. re-sync weights of a float64 copy of the model.
+        Returns True when the compiled kernels were dropped (the model changed under them)."""
+        return False
 
     def update(self, **options: Any) -> None:  # noqa: B027 - optional hook
         """Called when this cached bound model serves a call whose options have the same

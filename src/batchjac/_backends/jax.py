@@ -134,10 +134,10 @@ class JaxBound(BoundModel):
             raise InputError("`params` changed structure; bind the model again.")
         self._params, self._params_split = params, new
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
         _require_x64(self.signature.dtype)
         if self._x64 == x64_enabled() and self._sites.unchanged():
-            return  # every value the traces baked in is still where it was read
+            return False  # every value the traces baked in is still where it was read
         sites = _Sites()
         captured = _captured_values(self.model, sites)
         self._sites = sites
@@ -151,6 +151,8 @@ class JaxBound(BoundModel):
             self.probed = False
             self._x64 = x64_enabled()
             self._captured = captured
+            return True
+        return False
 
     # -- model call --------------------------------------------------------------------------
     def _call(self, args: tuple[list[Any], list[Any]], u: Any, ctx: tuple[Any, ...]) -> Any:
@@ -325,12 +327,18 @@ class JaxKernel(Kernel):
         except Exception as e:
             raise bound._explain(e) from e
 
+    asynchronous = True
+
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                  ) -> tuple[np.ndarray | None, np.ndarray]:
-        out = self._fn(self._bound.args, u, tuple(ctx))
+        return self.launch(u, ctx)()
+
+    def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+               ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+        out = self._fn(self._bound.args, u, tuple(ctx))  # dispatched; runs in the background
         if self.with_outputs:
-            return np.asarray(out[0]), np.asarray(out[1])
-        return None, np.asarray(out)
+            return lambda: (np.asarray(out[0]), np.asarray(out[1]))
+        return lambda: (None, np.asarray(out))
 
 
 # -- values a traced function bakes in -------------------------------------------------------

@@ -135,10 +135,11 @@ class TFBound(BoundModel):
         finally:
             self.model = model
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
         if self.synced:  # keep the float64 copy in step with the user's (trained) weights
             for dst, src in zip(self.model.weights, self.original.weights):
                 dst.assign(tf.cast(src, dst.dtype))
+        return False  # the kernels read the variables: none is stale
 
     # -- model call --------------------------------------------------------------------------
     def apply(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]) -> tf.Tensor:

@@ -184,15 +184,15 @@ class TorchBound(BoundModel):
         self.refresh()
 
     # -- state -------------------------------------------------------------------------------
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
         """Keep the cast copies of the weights in step with the user's module: re-cast only
         tensors that were replaced or changed in place (their version counter moved)."""
         model = self.model
         if not isinstance(model, torch.nn.Module):
-            return
+            return False
         if not self._cast and all(not t.is_floating_point() or t.dtype == self.dtype
                                   for t in (*model.parameters(), *model.buffers())):
-            return  # the common case, checked without building names
+            return False  # the common case, checked without building names
         named = [*model.named_parameters(), *model.named_buffers()]
         wanted = {n: t for n, t in named if t.is_floating_point() and t.dtype != self.dtype}
         with torch.no_grad():
@@ -203,6 +203,7 @@ class TorchBound(BoundModel):
                     self._cast_src[name] = (src, src._version)
         for name in set(self._cast) - set(wanted):
             del self._cast[name], self._cast_src[name]
+        return False  # the kernels take the cast weights as arguments: none is stale
 
     @contextlib.contextmanager
     def calling(self) -> Iterator[None]:
