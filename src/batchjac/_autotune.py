@@ -101,7 +101,7 @@ def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: 
         kernel = bound.kernel(plan.mode, size, with_outputs)
         # several chunks are copied into the result, one chunk of all the rows is not: the
         # copy (and the fresh pages it writes) is part of the price of a smaller chunk
-        copies = size < spec.n
+        copies = size < spec.n and plan.n_chunks == 1  # (several planned chunks: all copy)
         _, jac = kernel(u, ctx)  # compile and warm up
         dst = np.empty_like(jac) if copies else None
         best = math.inf

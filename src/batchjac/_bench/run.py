@@ -121,7 +121,9 @@ def write_markdown(path: Path, results: list[dict[str, Any]], extra: list[dict[s
         "",
         "Method: each (workload, backend) runs in its own process. Every case is called once to "
         "compile and warm up (that first call minus the steady median is the compile time), then "
-        "all cases are timed in interleaved rounds; figures are medians. Every case takes numpy "
+        "all cases are timed in interleaved rounds; figures are medians of the rounds, and a "
+        "round of a fast case is the mean of as many back-to-back calls as fill ~20 ms (at most "
+        "50), as timeit does. Every case takes numpy "
         "inputs and returns a numpy Jacobian. B0 (the per-instance loop) is timed on a subset of "
         "rows and scaled to N. The best baseline is the fastest of B1-B4 in the same framework; "
         "errors are max |J - J_best| / max |J_best| against it. Forward-mode baselines (jacfwd) are left out "

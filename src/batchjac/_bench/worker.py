@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import statistics
 import sys
@@ -27,6 +28,11 @@ class Case:
     role: str  # "batchjac" | "expert" | "user" | "forward"
     scale: float = 1.0  # time multiplier (B0 is timed on a subset of rows)
     rows: int | None = None  # rows the result covers, when a subset
+
+
+#: a timing sample of a fast case lasts at least about this long (several calls)
+SAMPLE_SECONDS = 0.02
+MAX_INNER = 50
 
 
 def _peak_rss_mb() -> float:
@@ -102,14 +108,27 @@ def measure(workload: str, backend: str, n: int, repeats: int, loop_rows: int,
         first[case.name] = time.perf_counter() - start
         if case.role == "batchjac":
             rss_batchjac = _peak_rss_mb()
+    # a sample of a fast case is the mean of several back-to-back calls (at least ~20 ms in
+    # all), as timeit does: single millisecond calls on a shared 2-core machine jitter by
+    # +-50%, which medians of 11 do not tame
+    inner: dict[str, int] = {}
+    for case in cases:
+        if case.role == "user" and first[case.name] > slow_seconds:
+            inner[case.name] = 1
+            continue
+        start = time.perf_counter()
+        case.fn()
+        inner[case.name] = int(min(MAX_INNER, max(1, math.ceil(SAMPLE_SECONDS /
+                                                              (time.perf_counter() - start)))))
     times: dict[str, list[float]] = {c.name: [] for c in cases}
     for r in range(repeats):  # interleaved, so drifting machine load hits every case alike
         for case in cases:
             if r >= 2 and case.role == "user" and first[case.name] > slow_seconds:
                 continue  # what users write is slow: two timed repeats are enough
             start = time.perf_counter()
-            case.fn()
-            times[case.name].append(time.perf_counter() - start)
+            for _ in range(inner[case.name]):
+                case.fn()
+            times[case.name].append((time.perf_counter() - start) / inner[case.name])
     med = {c.name: statistics.median(times[c.name]) * c.scale for c in cases}
     # the best baseline of the framework: the fastest of B1-B4 (B1, eager batch_jacobian, is
     # a baseline too, and beats XLA on convolutions here); B0, the per-instance loop, never is
@@ -130,7 +149,7 @@ def measure(workload: str, backend: str, n: int, repeats: int, loop_rows: int,
         "m": m,
         "repeats": repeats,
         "cases": [
-            {"name": c.name, "role": c.role, "median_s": med[c.name],
+            {"name": c.name, "role": c.role, "median_s": med[c.name], "calls_per_sample": inner[c.name],
              "compile_s": max(0.0, first[c.name] * c.scale - med[c.name]) if c.scale == 1 else None,
              "n_timed": len(times[c.name]), "max_rel_err_vs_best": errors.get(c.name),
              "all_s": times[c.name]}
