@@ -116,9 +116,9 @@ def _model(framework: str) -> Any:
     return impl.mlp(SIZES, seed=SEED, dtype="float64")
 
 
-def run_batchjac(backend: str, sets: dict[str, dict[str, Any]], repeats: int = 9
+def run_batchjac(backend: str, sets: dict[str, dict[str, Any]], repeats: int = 19
                  ) -> list[dict[str, Any]]:
-    """Cold (first) call, second call, and the steady state: the median of the last three of
+    """Cold (first) call, second call, and the steady state: the median of the last eleven of
     ``repeats`` calls, once the ski rental of ``_Evaluator`` has compiled the smaller chunk
     kernels the tail of slow instances wants (as in a session that solves batch after batch)."""
     if backend == "jax":
@@ -143,7 +143,7 @@ def run_batchjac(backend: str, sets: dict[str, dict[str, Any]], repeats: int = 9
             res = call()
             times.append(time.perf_counter() - start)
         rows.append(_score(f"batchjac-{backend}", name, p, res.x, res.success,
-                           float(np.median(times[-3:])), second_seconds=times[0],
+                           float(np.median(times[-11:])), second_seconds=times[0],
                            **({"cold_seconds": cold} if first == 0 else {}),
                            compiled_chunk_sizes=res.info["compiled_chunk_sizes"],
                            iterations_max=int(res.iterations.max()),
@@ -316,7 +316,7 @@ def _markdown(rows: list[dict[str, Any]], n: int, load: float) -> list[str]:
           "higher than the truth's (noisy set), judged by the numpy reference at the returned x. "
           "*False conv.*: flagged converged but not recovered. *cold*: the first call in a fresh "
           "process, with compilation (and batchjac's mode autotuning), on the first set only; "
-          "*2nd call*: the next one; *time*: for batchjac the steady state (median of calls 8-10: "
+          "*2nd call*: the next one; *time*: for batchjac the steady state (median of calls 10-20: "
           "by then the smaller chunk kernels for the tail of slow instances have paid for their "
           "compilation and exist), for Optimistix the median of 3 warm calls. The scipy loops run "
           "one instance at a time, single-threaded; the compiled solvers may use every core. "
