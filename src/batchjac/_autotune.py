@@ -11,12 +11,13 @@
   of sizes (the planned one, then a quarter of it each step) on the call's own rows, counting
   the copy of each chunk into the result that one whole chunk does not need, and takes a
   smaller size only when it is faster per row by more than ``MARGIN``. It runs for chunks of
-  at least ``TUNE_MIN_ROWS`` rows (smaller ones
-  are dispatch-bound: one chunk is best) and stops descending once a size is clearly slower
-  than the best so far. Its cost (a few chunks, and one compilation per size tried) is paid
-  once per model and shape and reported as compile time; ``BATCHJAC_AUTOTUNE=off`` or an
-  explicit ``chunk_size`` skip it. Stores do not tune chunk sizes (their plan is fixed by the
-  cost model and recorded).
+  at least ``TUNE_MIN_ROWS`` rows (smaller ones are dispatch-bound: one chunk is best) and
+  stops descending once a size is clearly slower than the best so far. Its cost (a few
+  chunks, and one compilation per size tried) is paid once per model and shape and reported
+  as compile time; ``BATCHJAC_AUTOTUNE=off``, an explicit ``chunk_size`` or an ``out=``
+  array (results larger than memory: the budget is what matters there, and trying sizes
+  would hold more than one chunk's buffers) skip it. Stores do not tune chunk sizes (their
+  plan is fixed by the cost model and recorded).
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
     if autotune_enabled():
         if plan.uncertain:
             plan = tune(bound, spec, plan, return_outputs)
-        if chunk_size is None:
+        if chunk_size is None and out is None:  # with out=, memory is the constraint
             plan = tune_rows(bound, spec, plan, return_outputs)
     if explain:
         sys.stderr.write(f"batchjac: {plan.reason}\n")

@@ -50,6 +50,7 @@ def run_chunks(
                 f"The model failed on chunk {index} (rows {lo}:{hi}): {type(e).__name__}: {e}"
             ) from e
         sink.write(lo, hi, jac[: hi - lo], None if y is None else y[: hi - lo])
+        del y, jac, args  # the next chunk's buffers then take this one's place, not join it
         if on_chunk is not None:
             on_chunk(hi - lo)
 

@@ -332,6 +332,11 @@ class TFKernel(Kernel):
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} (fixed)")
             return
+        from .._config import autotune_enabled
+
+        if not autotune_enabled():
+            self._select("xla", "xla (BATCHJAC_AUTOTUNE=off: not timed)")
+            return
         self._fn("graph")
         try:
             self._run("graph", u, ctx)  # trace and warm up
