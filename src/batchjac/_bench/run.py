@@ -24,7 +24,7 @@ class Job:
 
 
 FULL = [Job("W1", 1000), Job("W1", 100_000), Job("W2", 10_000), Job("W3", 1000), Job("W4", 2000)]
-QUICK = [Job("W1", 1000), Job("W2", 2000), Job("W3", 1000), Job("W4", 500)]
+QUICK = [Job("W1", 1000), Job("W2", 1000), Job("W3", 250), Job("W4", 500)]
 BACKENDS = ("tensorflow", "torch", "jax")
 
 
