@@ -309,6 +309,9 @@ class TFKernel(Kernel):
         return time.perf_counter() - start
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if self._forced == "graph":  # no need to compile XLA at all
+            self._select("graph", "graph (fixed)")
+            return
         try:
             first = self._run("xla", u, ctx)
         except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
