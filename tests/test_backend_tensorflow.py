@@ -302,3 +302,21 @@ def test_explain_names_the_kernel_implementation(capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert "forward mode" in err
     assert "batchjac: kernel: " in err
+
+
+def test_recorded_xla_variant_after_a_fallback_keeps_the_graph() -> None:
+    from batchjac import _backends
+
+    def f(x: Any) -> Any:  # string ops have no XLA kernel
+        two = tf.strings.to_number(tf.strings.as_string(tf.round(x) * 0 + 2))
+        return tf.sin(x) * two
+
+    x = np.random.default_rng(23).normal(size=(12, 3)).astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", XLAFallbackWarning)
+        batchjac.jacobian(f, x, mode="forward")
+    bound = next(iter(_backends._bound[f].values()))
+    kernel = bound.kernel("forward", 12, False, variant="xla")  # as a store records it
+    assert kernel.variant == "graph"
+    ref = np.einsum("ni,ij->nij", np.cos(x.astype(np.float64)) * 2, np.eye(3))
+    assert_jac_close(kernel(x, ())[1], ref)

@@ -109,7 +109,9 @@ class BoundModel(ABC):
         if key not in self._kernels:
             self._kernels[key] = self.build_kernel(mode, chunk_size, with_outputs)
         kernel = self._kernels[key]
-        if variant is not None and kernel.variant != variant:
+        # a variant the kernel no longer offers (XLA failed to compile this model, here and in
+        # the run that recorded "xla") is left as it is: the fallback is the same every time
+        if variant is not None and kernel.variant != variant and variant in kernel.variants:
             kernel.use(variant)
         return kernel
 
