@@ -16,13 +16,9 @@ import click
 from ._cli_compute import EXIT_INTERRUPTED, _exit_code, _one_line
 
 
-def load_model(ref: str, trust: bool = True) -> Any:
+def _load(ref: str, trust: bool) -> Any:
     """MODEL as ``batchjac compute`` takes it (:func:`batchjac._loaders.load_model`), e.g.
     ``file.py:model`` or ``batchjac.examples:seed_model()`` (``()`` calls a factory)."""
-    return _load(ref, trust).model
-
-
-def _load(ref: str, trust: bool) -> Any:
     from pathlib import Path
 
     from ._errors import InputError
