@@ -19,15 +19,9 @@ from ._cli_compute import EXIT_INTERRUPTED, _exit_code, _one_line
 def _load(ref: str, trust: bool) -> Any:
     """MODEL as ``batchjac compute`` takes it (:func:`batchjac._loaders.load_model`), e.g.
     ``file.py:model`` or ``batchjac.examples:seed_model()`` (``()`` calls a factory)."""
-    from pathlib import Path
+    from ._loaders import load_model
 
-    from ._errors import InputError
-    from ._loaders import load_model as load
-
-    if ":" not in ref and not Path(ref).exists():
-        raise InputError(f"MODEL must be 'module:attribute' or 'file.py:attribute', or a model file; "
-                         f"got {ref!r}.")
-    return load(ref, trust=trust)
+    return load_model(ref, trust=trust)
 
 
 def _value(value: str | None, what: str, readers: list[Any]) -> Any:
