@@ -36,6 +36,8 @@ from batchjac._stores import (  # noqa: E402
 )
 from batchjac.examples import seed_model, workload_inputs  # noqa: E402
 
+from .resume_zygote import tree  # noqa: E402
+
 N, CS = 600, 64  # 10 chunks, the last one partial
 U_NAMES = ["p", "q", "r", "s", "t"]
 Y_NAMES = ["y_a", "y_b", "y_c", "y_d"]
@@ -70,19 +72,7 @@ def reference(model: Any, arrays: tuple[np.ndarray, np.ndarray]) -> tuple[np.nda
     return y, jac
 
 
-def snapshot(out: Path) -> dict[str, bytes]:
-    """Every file of a finished output (relative names → bytes)."""
-    fmt = _stores._FORMATS[_stores.format_of(out)]
-    found: dict[str, bytes] = {}
-    for p in fmt.final_paths(out):
-        if p.is_dir():
-            for root, _, names in os.walk(p):
-                for name in names:
-                    full = Path(root, name)
-                    found[str(full.relative_to(out.parent))] = full.read_bytes()
-        elif p.exists():
-            found[p.name] = p.read_bytes()
-    return found
+snapshot = tree  # every file of a finished output (relative names -> bytes)
 
 
 def renamed(snap: dict[str, bytes], old: str, new: str) -> dict[str, bytes]:

@@ -50,7 +50,6 @@ from ._stores import (
     ChunkWriter,
     Format,
     NpyFormat,
-    StoreExistsError,
     StoreMismatchError,
     _digest,
     _dims,
@@ -62,6 +61,7 @@ from ._stores import (
     _probe,
     _WorkDir,
     _write_error,
+    check_target,
     fsync_dir,
     hash_arrays,
     progress_bar,
@@ -246,20 +246,7 @@ def solve_to_store(
     probe = _probe(bound, spec)
     arrays = _arrays(n, k, out_shape, dt, block_size, return_covariance, return_jacobian)
 
-    existing = fmt.read_manifest(out_path) if os.path.lexists(out_path) else None
-    if os.path.lexists(out_path) and existing is None:
-        if not overwrite:
-            raise StoreExistsError(
-                f"The output {os.fspath(out_path)!r} exists and is not a finished batchjac solve "
-                f"output. Choose another --out, or pass --overwrite to replace it.")
-        if not fmt.removable(out_path):
-            raise StoreExistsError(
-                f"The output {os.fspath(out_path)!r} is a directory batchjac did not make; it will "
-                f"not delete it, even with --overwrite. Remove it yourself or choose another --out.")
-    if not work.ours():
-        raise StoreExistsError(
-            f"{os.fspath(work.path)!r} exists but was not made by batchjac (batchjac keeps "
-            f"unfinished outputs there). Move it away, or choose another --out.")
+    existing = check_target(out_path, fmt, work, overwrite, "batchjac solve output")
 
     def hashes_of(index: int) -> tuple[str, dict[str, Any]]:
         lo, hi = index * block_size, min(n, (index + 1) * block_size)

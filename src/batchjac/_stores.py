@@ -890,23 +890,7 @@ def compute_to_store(
     work = _WorkDir(out)
 
     work.sweep()
-    existing = fmt.read_manifest(out) if out.exists() else None
-    if out.exists() and existing is None:
-        if not store.overwrite:
-            raise StoreExistsError(
-                f"The output {os.fspath(out)!r} exists and is not a finished batchjac output. "
-                f"Choose another output path, or pass overwrite=True (--overwrite) to replace it."
-            )
-        if not fmt.removable(out):
-            raise StoreExistsError(
-                f"The output {os.fspath(out)!r} is a directory that is not a Zarr store; batchjac "
-                f"will not delete it, even with overwrite. Remove it yourself or choose another path."
-            )
-    if not work.ours():
-        raise StoreExistsError(
-            f"{os.fspath(work.path)!r} exists but was not made by batchjac (batchjac keeps unfinished "
-            f"outputs there). Move it away, or choose another output path."
-        )
+    existing = check_target(out, fmt, work, store.overwrite)
 
     bound = prepare(model, spec, backend, options)
     assert bound.output_shape is not None
@@ -947,6 +931,29 @@ def compute_to_store(
                     compute=compute)
     finally:
         work.release()
+
+
+def check_target(out: Path, fmt: Format, work: _WorkDir, overwrite: bool,
+                 what: str = "batchjac output") -> dict[str, Any] | None:
+    """The manifest of the finished output at ``out`` (None if there is none), after refusing
+    what batchjac may not replace: a file or directory that is not a finished output (unless
+    ``overwrite``, and never a directory batchjac did not make) and a work directory that is
+    not batchjac's."""
+    existing = fmt.read_manifest(out) if os.path.lexists(out) else None
+    if os.path.lexists(out) and existing is None:
+        if not overwrite:
+            raise StoreExistsError(
+                f"The output {os.fspath(out)!r} exists and is not a finished {what}. Choose "
+                f"another output path, or pass overwrite=True (--overwrite) to replace it.")
+        if not fmt.removable(out):
+            raise StoreExistsError(
+                f"The output {os.fspath(out)!r} is a directory batchjac did not make; it will not "
+                f"delete it, even with overwrite. Remove it yourself or choose another path.")
+    if not work.ours():
+        raise StoreExistsError(
+            f"{os.fspath(work.path)!r} exists but was not made by batchjac (batchjac keeps "
+            f"unfinished outputs there). Move it away, or choose another output path.")
+    return existing
 
 
 def _ensure_parent(out: Path) -> None:
