@@ -10,8 +10,9 @@ Kernel: ``jit(vmap(jacfwd | jacrev))`` over instances, each instance pushed thro
 batch function as a one-row batch (``f(x_i[None])[0]``; for a per-instance model, ``f(x_i)``).
 That is what people write by hand, and on a 2-core CPU it was the faster of the two shapes
 tried: the alternative, vmapping ``jvp``/``vjp`` of the whole batch over the basis (rows are
-independent), was 1.4-1.6x slower on W1 and 1.15x slower on W2 in reverse mode, because its
-``(basis, N, ...)`` result needs a transpose. Each kernel is compiled ahead of time for its
+independent), was 1.27x slower on W1 at 4,096 rows and 1.1x on W2 in reverse mode, and at
+1,000 rows of W1 it timed 5-10% faster as a bare kernel but no faster within batchjac in
+the benchmark (re-measured 2026-11-30). Each kernel is compiled ahead of time for its
 fixed chunk shape (``jit(...).lower(...).compile()``): exactly one compilation, and calling
 the compiled executable skips jit's argument matching.
 

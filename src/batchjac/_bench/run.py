@@ -172,6 +172,9 @@ def write_markdown(path: Path, results: list[dict[str, Any]], extra: list[dict[s
                          f"{c['median_s'] / t_ours:.2f} | {'-' if err is None else f'{err:.1e}'} | "
                          f"{c['n_timed']} |")
         lines.append("")
+        if res.get("batchjac_plan"):
+            lines += ["batchjac's choices (its debug log): " +
+                      "; ".join(res["batchjac_plan"]), ""]
     for block in extra:
         lines += block["markdown"]
     path.write_text("\n".join(lines) + "\n")

@@ -8,13 +8,15 @@ Prints one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,24 @@ def _forward_hopeless(unknown: np.ndarray, w: Any) -> bool:
     k = int(np.prod(unknown.shape[1:]))
     m = w.sizes[-1] if w.kind == "mlp" else 10
     return k >= 8 * m
+
+
+@contextlib.contextmanager
+def _plan_log(lines: list[str]) -> Iterator[None]:
+    """Collect what batchjac logs about its choices (mode, chunk size, kernel) meanwhile."""
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage().removeprefix("batchjac "))
+
+    log = logging.getLogger("batchjac")
+    handler, level = Collect(logging.DEBUG), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def build_cases(workload: str, backend: str, n: int, loop_rows: int) -> tuple[list[Case], dict[str, Any]]:
@@ -102,9 +122,11 @@ def measure(workload: str, backend: str, n: int, repeats: int, loop_rows: int,
     first: dict[str, float] = {}
     results: dict[str, np.ndarray] = {}
     rss_batchjac = None
+    plan: list[str] = []
     for case in cases:  # warm-up: compile, and keep each result for the correctness check
         start = time.perf_counter()
-        results[case.name] = np.asarray(case.fn())
+        with _plan_log(plan) if case.role == "batchjac" else contextlib.nullcontext():
+            results[case.name] = np.asarray(case.fn())
         first[case.name] = time.perf_counter() - start
         if case.role == "batchjac":
             rss_batchjac = _peak_rss_mb()
@@ -156,6 +178,7 @@ def measure(workload: str, backend: str, n: int, repeats: int, loop_rows: int,
             for c in cases
         ],
         "best_expert": best.name,
+        "batchjac_plan": plan,
         "peak_rss_mb_after_batchjac": rss_batchjac,
         "peak_rss_mb_end": _peak_rss_mb(),
     }
