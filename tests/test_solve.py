@@ -8,6 +8,7 @@ solution and covariance have closed forms.
 from __future__ import annotations
 
 import importlib.util
+import time
 from typing import Any
 
 import numpy as np
@@ -391,6 +392,77 @@ def test_evaluator_shrinks_the_chunk_once_padding_costs_more_than_compiling() ->
     ev(u[:40], ())
     assert bound.log[-1] == 64
     assert ev.compiled == {512, 64, 8}
+
+
+class _ModeKernel(_FakeKernel):
+    """A kernel whose forward mode costs 3 ms a call below 512 rows (as PyTorch's does in
+    Python whatever the rows), its reverse mode nothing."""
+
+    def __init__(self, mode: str, size: int, log: list[int]) -> None:
+        super().__init__(size, log)
+        self.mode = mode
+
+    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+        if self.mode == "forward" and self.chunk_size < 512:
+            time.sleep(0.003)
+        return super().__call__(u, ctx)
+
+
+class _EagerBound(_FakeBound):
+    compiles_kernels = False  # as PyTorch: a kernel of a new size costs nothing to make
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
+
+    def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
+        return self._kernels.setdefault((mode, size, with_outputs),
+                                        _ModeKernel(mode, size, self.log))
+
+
+def test_evaluator_times_the_modes_again_for_each_smaller_size() -> None:
+    from batchjac._solve import _Evaluator
+
+    bound = _EagerBound()
+    ev = _Evaluator(bound, "forward", 512, tune_modes=True)
+    u = np.random.default_rng(9).normal(size=(512, 3))
+    ev(u, ())
+    assert ev.modes == {512: "forward"}  # the full size keeps the plan's mode
+    y, jac = ev(u[:5], ())  # no compilation to amortise: the ideal size at once, timed
+    np.testing.assert_allclose(y, u[:5] @ A_LIN)
+    assert jac.shape == (5, 5, 3)
+    assert ev.modes[8] == "reverse"
+    assert bound.tuned[(8, True)][0] == "reverse"
+    assert "forward" in bound.tuned[(8, True)][1]  # the timings are kept with the choice
+    ev(u[:40], ())
+    assert ev.modes[64] == "reverse"
+    assert bound.log[-1] == 64
+    assert ev.compiled == {512, 64, 8}
+    # without tuning (mode given, or reproducible solves) every size keeps the plan's mode
+    fixed = _Evaluator(_EagerBound(), "forward", 512)
+    fixed(u[:5], ())
+    assert fixed.modes == {512: "forward", 8: "forward"}
+
+
+def test_solve_with_torch_uses_small_chunks_from_the_first_call() -> None:
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    net = net.double()
+    rng = np.random.default_rng(10)
+    x_true = rng.uniform(-2, 2, size=(1000, 3))
+    with torch.no_grad():
+        targets = net(torch.from_numpy(x_true)).numpy()
+    rows: list[int] = []
+    res = solve(net, targets, x0=np.zeros((1000, 3)), dtype="float64",
+                callback=lambda info: rows.append(len(info.x)))
+    ok = res.success
+    assert ok.mean() > 0.95
+    np.testing.assert_allclose(net(torch.from_numpy(res.x[ok])).detach().numpy(), targets[ok],
+                               atol=1e-8)
+    # the few slow instances at the end ran through small chunks, not padded to 1000 rows
+    assert rows[-1] < 125
+    assert min(res.info["compiled_chunk_sizes"]) < 125
 
 
 def test_small_chunks_and_blocks_give_the_same_answer() -> None:

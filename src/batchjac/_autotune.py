@@ -28,12 +28,15 @@ import time
 
 import numpy as np
 
-from ._backends import BoundModel
+from ._backends import BoundModel, Mode
 from ._plan import Plan
 from ._runner import pad_chunk
 from ._spec import BatchSpec
 
 REPEATS = 5
+#: fast kernels: more repeats of the mode timing, up to this many or this long in all
+MAX_MODE_REPEATS = 25
+MODE_SECONDS = 0.1
 MARGIN = 0.1
 #: chunks smaller than this are not tuned
 TUNE_MIN_ROWS = 1024
@@ -46,29 +49,45 @@ STOP_RATIO = 1.15
 
 
 def tune(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool) -> Plan:
-    key = (plan.chunk_size, with_outputs)
+    u, ctx = pad_chunk(spec, 0, min(plan.chunk_size, spec.n), plan.chunk_size)
+    mode, measured = time_modes(bound, u, ctx, with_outputs, plan.mode)
+    return dataclasses.replace(
+        plan, mode=mode,
+        reason=f"{mode} mode (unknowns and outputs of similar count; timed one chunk: {measured})"
+               + plan.reason[plan.reason.index(";"):],
+    )
+
+
+def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], with_outputs: bool,
+               prior: Mode) -> tuple[Mode, str]:
+    """The faster mode for chunks of ``len(u)`` rows, timed on ``(u, ctx)`` once per bound
+    model and chunk size (cached in ``bound.tuned``), and the timings. ``prior`` (the cost
+    model's choice) stays unless the other mode is faster by more than ``MARGIN``. Fast
+    kernels are timed more often (up to ``MODE_SECONDS`` in all): a single millisecond call
+    jitters by tens of percent on a shared machine."""
+    key = (u.shape[0], with_outputs)
     if key not in bound.tuned:
-        u, ctx = pad_chunk(spec, 0, min(plan.chunk_size, spec.n), plan.chunk_size)
-        kernels = {mode: bound.kernel(mode, plan.chunk_size, with_outputs)  # type: ignore[arg-type]
+        kernels = {mode: bound.kernel(mode, u.shape[0], with_outputs)  # type: ignore[arg-type]
                    for mode in ("forward", "reverse")}
-        for kernel in kernels.values():
+        first = {}
+        for mode, kernel in kernels.items():
             kernel(u, ctx)  # compile and warm up
-        timings = {mode: float("inf") for mode in kernels}
-        for _ in range(REPEATS):  # interleaved, minimum: robust to a busy machine
+            start = time.perf_counter()
+            kernel(u, ctx)
+            first[mode] = time.perf_counter() - start
+        timings = dict(first)
+        repeats = max(REPEATS, min(MAX_MODE_REPEATS,
+                                   int(MODE_SECONDS / max(sum(first.values()), 1e-9))))
+        for _ in range(repeats - 1):  # interleaved, minimum: robust to a busy machine
             for mode, kernel in kernels.items():
                 start = time.perf_counter()
                 kernel(u, ctx)
                 timings[mode] = min(timings[mode], time.perf_counter() - start)
-        other = "reverse" if plan.mode == "forward" else "forward"
-        # keep the cost model's choice unless the other mode is clearly faster
-        winner = other if timings[other] < (1 - MARGIN) * timings[plan.mode] else plan.mode
+        other: Mode = "reverse" if prior == "forward" else "forward"
+        winner = other if timings[other] < (1 - MARGIN) * timings[prior] else prior
         bound.tuned[key] = (winner, ", ".join(f"{m} {t * 1e3:.2f} ms" for m, t in timings.items()))
     mode, measured = bound.tuned[key]
-    return dataclasses.replace(
-        plan, mode="forward" if mode == "forward" else "reverse",
-        reason=f"{mode} mode (unknowns and outputs of similar count; timed one chunk: {measured})"
-               + plan.reason[plan.reason.index(";"):],
-    )
+    return ("forward" if mode == "forward" else "reverse"), measured
 
 
 def tune_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool) -> Plan:

@@ -55,8 +55,8 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _backends
-from ._autotune import tune
-from ._config import default_max_memory, parse_bytes
+from ._autotune import time_modes, tune
+from ._config import autotune_enabled, default_max_memory, parse_bytes
 from ._errors import BatchJacError, InputError, InputTypeError, ModelError, add_context
 from ._jacobian import BackendName, prepare
 from ._plan import ModeArg, make_plan
@@ -317,11 +317,13 @@ def solve(
     plan = make_plan(n=max(rows_total, 1), k=k, m=m, in_elems=k + (0 if h_arr is None else
                      h_arr.shape[1]), dtype=dt, mode=mode, chunk_size=chunk_size,
                      max_memory=budget)
-    if plan.uncertain and rows_total and not reproducible:
+    timed = plan.uncertain and not reproducible and autotune_enabled()
+    if timed and rows_total:
         plan = tune(bound, spec, plan, True)
 
     ctx_all = spec.chunk(0, n)[1]  # known inputs in the compute dtype
-    evaluator = _Evaluator(bound, plan.mode, plan.chunk_size, adaptive=not reproducible)
+    evaluator = _Evaluator(bound, plan.mode, plan.chunk_size, adaptive=not reproducible,
+                           tune_modes=timed)
     t_flat = t_arr.reshape(n, m).astype(np.float64)
     drawn = None
     if n_starts > 1:  # drawn up front: the same starts whatever the chunk size (or a resume)
@@ -572,18 +574,34 @@ class _Evaluator:
     used (compiled when first needed): the sizes then depend on the instances alone.
     """
 
-    def __init__(self, bound: Any, mode: Any, chunk_size: int, adaptive: bool = True) -> None:
-        self.bound, self.mode, self.adaptive = bound, mode, adaptive
+    def __init__(self, bound: Any, mode: Any, chunk_size: int, adaptive: bool = True,
+                 tune_modes: bool = False) -> None:
+        self.bound, self.mode, self.adaptive, self.tune_modes = bound, mode, adaptive, tune_modes
         sizes = [chunk_size]
         while sizes[-1] // _BUCKET_FACTOR >= _MIN_BUCKET:
             sizes.append(sizes[-1] // _BUCKET_FACTOR)
         self.sizes = sizes  # descending
+        #: the mode of each size's kernel: the plan's for the full size; with ``tune_modes``
+        #: (the cost model could not tell the modes apart) each smaller size is timed in both
+        #: when first used, since the faster mode can change with the rows (PyTorch's forward
+        #: mode costs ~1 ms a call in Python however small the chunk, its reverse mode ~0.4 ms)
+        self.modes: dict[int, Any] = {chunk_size: mode}
         self.compiled = {s for s in sizes if self._exists(s)}
         self.calls = 0
         self.seconds = 0.0
 
+    def _known_mode(self, size: int) -> Any:
+        """The mode for ``size``, or None while it still has to be timed."""
+        if size in self.modes:
+            return self.modes[size]
+        if not self.tune_modes:
+            return self.mode
+        tuned = getattr(self.bound, "tuned", {}).get((size, True))
+        return None if tuned is None else tuned[0]
+
     def _exists(self, size: int) -> bool:
-        return (self.mode, size, True) in getattr(self.bound, "_kernels", {})
+        mode = self._known_mode(size)
+        return mode is not None and (mode, size, True) in getattr(self.bound, "_kernels", {})
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
         rows = u.shape[0]
@@ -593,7 +611,7 @@ class _Evaluator:
                      for lo in range(0, rows, full)]
             return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         ideal = min(s for s in self.sizes if s >= rows)
-        if not self.adaptive:
+        if not self.adaptive or not getattr(self.bound, "compiles_kernels", True):
             return self._run(ideal, u, ctx)
         usable = min(s for s in self.sizes if s >= rows and (s in self.compiled or s == full))
         waste = _waste.get(self.bound, 0.0)
@@ -611,11 +629,16 @@ class _Evaluator:
         rows = u.shape[0]
         new = size not in self.compiled and not self._exists(size)
         start = time.perf_counter()
-        kernel = self.bound.kernel(self.mode, size, True)
+        u_pad, ctx_pad = _pad(u, size), tuple(_pad(c, size) for c in ctx)
+        mode = self._known_mode(size)
+        if mode is None:
+            mode = time_modes(self.bound, u_pad, ctx_pad, True, self.mode)[0]
+        self.modes[size] = mode
+        kernel = self.bound.kernel(mode, size, True)
         if not self.adaptive and kernel.variant != kernel.variants[0]:
             kernel.use(kernel.variants[0])  # no timing-based choice of implementation either
         try:
-            y, jac = kernel(_pad(u, size), tuple(_pad(c, size) for c in ctx))
+            y, jac = kernel(u_pad, ctx_pad)
         except BatchJacError as e:
             raise add_context(e, f"solve: {rows} active instances") from e
         except Exception as e:  # framework errors at run time
@@ -708,21 +731,29 @@ def _iterate(p: _Problem, evaluate: _Evaluator, dt: np.dtype, *, method: str, ma
 
     def store(idx: np.ndarray, jac: np.ndarray, r: np.ndarray, jw: np.ndarray, c: np.ndarray
               ) -> None:
-        jac_store[idx] = jac
+        at: Any = slice(None) if idx.size == rows else idx  # every row: no gather/scatter
+        jac_store[at] = jac
         # JᵀJ from a contiguous copy of Jᵀ: ~3x faster than matmul on the transposed view
         a = np.matmul(np.ascontiguousarray(jw.transpose(0, 2, 1)), jw)
-        jtj[idx] = a
-        grad[idx] = np.einsum("imk,im->ik", jw, r)
+        jtj[at] = a
+        grad[at] = np.matmul(r[:, None, :], jw)[:, 0]
         diag = np.einsum("ikk->ik", a)
-        colnorm[idx] = np.sqrt(diag)
-        scale[idx] = np.maximum(scale[idx], diag)
-        cost[idx] = c
+        colnorm[at] = np.sqrt(diag)
+        scale[at] = np.maximum(scale[at], diag)
+        cost[at] = c
+
+    def store_some(idx: np.ndarray, keep: np.ndarray, jac: np.ndarray, r: np.ndarray,
+                   jw: np.ndarray, c: np.ndarray) -> None:
+        if keep.all():  # the usual case: no copies of the kept rows
+            store(idx, jac, r, jw, c)
+        else:
+            store(idx[keep], jac[keep], r[keep], jw[keep], c[keep])
 
     idx = np.arange(rows)
     jac, r, jw, c0, finite = call(idx, x, 0)
     status[~finite] = Status.NON_FINITE
     ok = idx[finite]
-    store(ok, jac[finite], r[finite], jw[finite], c0[finite])
+    store_some(idx, finite, jac, r, jw, c0)
     conv, flat = _gtol_test(x[ok], p.lo[ok], p.hi[ok], grad[ok], colnorm[ok], cost[ok], gtol)
     status[ok[conv]] = Status.GTOL
     status[ok[flat]] = Status.STALLED
@@ -761,7 +792,7 @@ def _iterate(p: _Problem, evaluate: _Evaluator, dt: np.dtype, *, method: str, ma
 
         old_cost = cost[act].copy()
         acc = act[accept]
-        store(acc, jac[accept], r[accept], jw[accept], ct[accept])
+        store_some(act, accept, jac, r, jw, ct)
         x[acc] = xt[accept]
         nonfinite_run[act] = np.where(finite, 0, nonfinite_run[act] + 1)
         if gn:

@@ -79,6 +79,9 @@ class BoundModel(ABC):
 
     #: how many times a function was traced/compiled (tests count this)
     trace_count: int = 0
+    #: whether a kernel for a new chunk size costs a compilation (XLA, a traced graph); an
+    #: eager framework's kernels are free to make, so callers may use any size they like
+    compiles_kernels: bool = True
 
     def __init__(self, signature: Signature) -> None:
         self.signature = signature

@@ -159,6 +159,8 @@ def _model_device(module: torch.nn.Module | None) -> torch.device:
 
 
 class TorchBound(BoundModel):
+    compiles_kernels = False  # eager: a kernel of another chunk size costs nothing to make
+
     def __init__(self, model: Any, signature: Signature, *, train_mode: bool = False,
                  device: Any = None) -> None:
         super().__init__(signature)
