@@ -95,6 +95,30 @@ def test_propagate_writes_memmapped_results(files: dict[str, str]) -> None:
     assert "instance 0: output std" in res.output
 
 
+def test_propagate_failure_leaves_no_partial_files(files: dict[str, str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchjac import _propagate
+    from batchjac._errors import ModelError
+
+    out = Path(files["dir"]) / "prop_fail"
+    args = ("propagate", f"{files['model']}:good", "--inputs", files["x"], "--cov", files["cov"],
+            "-o", str(out))
+    assert run(*args).exit_code == 0
+    before = {name: (out / name).read_bytes() for name in ("mean.npy", "cov.npy")}
+
+    def half_then_fail(*a: Any, out: Any, **kw: Any) -> Any:
+        out[0][:10] = 1.0  # some instances written, then the model fails
+        raise ModelError("the model failed on instance 10")
+
+    monkeypatch.setattr(_propagate, "propagate", half_then_fail)
+    res = run(*args)
+    assert res.exit_code != 0
+    assert "instance 10" in res.output
+    # the earlier results are intact, and nothing half-written is left
+    assert {name: (out / name).read_bytes() for name in ("mean.npy", "cov.npy")} == before
+    assert sorted(p.name for p in out.iterdir()) == ["cov.npy", "mean.npy"]
+
+
 def test_propagate_std_forms(files: dict[str, str]) -> None:
     import batchjac
     from batchjac._cli_analysis import load_model

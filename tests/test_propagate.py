@@ -158,6 +158,43 @@ def test_unscented_beats_linear_on_a_strongly_nonlinear_model() -> None:
                                rtol=1e-5)
 
 
+def sum_of_squares(x: Any) -> Any:  # 5 unknowns -> [sum x^2, x0]
+    return tf.stack([tf.reduce_sum(x**2, axis=-1), x[:, 0]], axis=-1)
+
+
+def test_unscented_covariance_with_negative_centre_weight_is_projected_to_psd() -> None:
+    # k=5 and the defaults (kappa = 3 - k): centre weight -2/3, side weights 1/6, points at
+    # +-sqrt(3) sigma. For sum x^2 the raw transform gives a variance of
+    # -2/3 (0 - 5)^2 + 10/6 (3 - 5)^2 = -10 sigma^4 around mu = 0 (the truth is 10 sigma^4).
+    mu = np.zeros((3, 5))
+    mu[1:] = RNG.normal(size=(2, 5)) * [[0.01], [3.0]]  # near 0 (clipped); far out (fine)
+    with pytest.warns(batchjac.CovarianceClippedWarning, match="negative eigenvalues"):
+        res = batchjac.propagate(sum_of_squares, mu, std=1.0, method="unscented")
+    assert res.clipped == 2
+    # the raw unscented covariance, from its definition
+    k, c = 5, 3.0
+    pts = np.concatenate([mu[:, None], mu[:, None] + np.sqrt(c) * np.eye(k),
+                          mu[:, None] - np.sqrt(c) * np.eye(k)], axis=1)  # (3, 11, 5)
+    y = np.stack([(pts**2).sum(-1), pts[..., 0]], axis=-1)
+    w = np.full(2 * k + 1, 1 / (2 * c))
+    w[0] = (c - k) / c
+    d = y - np.einsum("p,rpm->rm", w, y)[:, None]
+    raw = np.einsum("p,rpm,rpn->rmn", w, d, d)
+    np.testing.assert_allclose(raw[0], [[-10.0, 0.0], [0.0, 1.0]], atol=1e-9)
+    # clipped instances: the nearest PSD matrix (negative eigenvalues set to zero)
+    for i in (0, 1):
+        lam, vec = np.linalg.eigh(raw[i])
+        assert lam.min() < 0
+        np.testing.assert_allclose(res.cov[i], (vec * np.clip(lam, 0, None)) @ vec.T, atol=1e-9)
+    # far from 0 the linear term dominates: already PSD, returned unchanged
+    assert np.linalg.eigvalsh(raw[2]).min() > 0
+    np.testing.assert_allclose(res.cov[2], raw[2], rtol=1e-9)
+    assert np.linalg.eigvalsh(res.cov).min() > -1e-9
+    # nonnegative weights (alpha=1, kappa=0): a sum of outer products, no projection needed
+    ok = batchjac.propagate(sum_of_squares, mu, std=1.0, method="unscented", kappa=0.0)
+    assert ok.clipped == 0
+
+
 def test_monte_carlo_is_seeded_and_independent_of_chunking() -> None:
     mu = RNG.normal(size=(5, 3)).astype("f4")
     a = batchjac.propagate(near_linear, mu, std=0.1, method="monte_carlo", n_samples=3000, seed=7)

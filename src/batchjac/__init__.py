@@ -15,7 +15,11 @@ from ._errors import (
     RowInteractionError as RowInteractionError,
 )
 from ._jacobian import jacobian as jacobian
-from ._propagate import Propagation as Propagation, propagate as propagate
+from ._propagate import (
+    CovarianceClippedWarning as CovarianceClippedWarning,
+    Propagation as Propagation,
+    propagate as propagate,
+)
 from ._report import write_report as write_report
 from ._sensitivity import Sensitivity as Sensitivity, elasticities as elasticities, sensitivity as sensitivity
 from ._solve import SolveResult as SolveResult, Status as Status, solve as solve
@@ -27,6 +31,7 @@ __all__ = [
     "CheckReport",
     "propagate",
     "Propagation",
+    "CovarianceClippedWarning",
     "sensitivity",
     "elasticities",
     "Sensitivity",

@@ -207,20 +207,31 @@ def propagate(model: str, inputs: tuple[str, ...], known: str | None, wrt: str |
     m = output_size(bound)
     out_dir = Path(output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    mean_out = np.lib.format.open_memmap(out_dir / "mean.npy", mode="w+", dtype=np.float64,
-                                         shape=(spec.n, *bound.output_shape))
-    cov_out = np.lib.format.open_memmap(out_dir / "cov.npy", mode="w+", dtype=np.float64,
-                                        shape=(spec.n, m, m))
-    mean_in, known_in = (args[0], args[1]) if len(args) == 2 else (args[0], None)
-    result = _guard(run_propagate, fn, mean_in, known_in, cov=cov_arr, std=std_arr,
-                    method=method, wrt=wrt_arg, n_samples=samples, seed=seed, dtype=dtype,
-                    backend=backend, out=(mean_out, cov_out))
-    mean_out.flush()
-    cov_out.flush()
-    first = np.sqrt(np.clip(np.diagonal(result.cov[0]), 0, None)) if spec.n else np.array([])
-    click.echo(f"{method}: wrote {out_dir / 'mean.npy'} {mean_out.shape} and "
-               f"{out_dir / 'cov.npy'} {cov_out.shape}")
-    if spec.n:
+    # written under temporary names and renamed at the end: a failed or interrupted run never
+    # leaves half-filled mean.npy/cov.npy behind (nor replaces those of an earlier run)
+    final = {"mean": out_dir / "mean.npy", "cov": out_dir / "cov.npy"}
+    partial = {key: out_dir / f".{path.name}.partial" for key, path in final.items()}
+    try:
+        mean_out = np.lib.format.open_memmap(partial["mean"], mode="w+", dtype=np.float64,
+                                             shape=(spec.n, *bound.output_shape))
+        cov_out = np.lib.format.open_memmap(partial["cov"], mode="w+", dtype=np.float64,
+                                            shape=(spec.n, m, m))
+        mean_in, known_in = (args[0], args[1]) if len(args) == 2 else (args[0], None)
+        result = _guard(run_propagate, fn, mean_in, known_in, cov=cov_arr, std=std_arr,
+                        method=method, wrt=wrt_arg, n_samples=samples, seed=seed, dtype=dtype,
+                        backend=backend, out=(mean_out, cov_out))
+        first = np.sqrt(np.clip(np.diagonal(result.cov[0]), 0, None)) if spec.n else None
+        shapes = mean_out.shape, cov_out.shape
+        mean_out.flush()
+        cov_out.flush()
+        del mean_out, cov_out, result  # closed before the rename
+        for key in ("mean", "cov"):
+            partial[key].replace(final[key])
+    finally:
+        for path in partial.values():
+            path.unlink(missing_ok=True)
+    click.echo(f"{method}: wrote {final['mean']} {shapes[0]} and {final['cov']} {shapes[1]}")
+    if first is not None:
         click.echo(f"instance 0: output std {np.array2string(first, precision=4)}")
 
 

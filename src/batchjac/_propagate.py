@@ -15,6 +15,7 @@ Instances are processed in chunks and written into ``out`` arrays when given (e.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,6 +43,10 @@ Method = Literal["linear", "unscented", "monte_carlo"]
 _METHODS = ("linear", "unscented", "monte_carlo")
 
 
+class CovarianceClippedWarning(UserWarning):
+    """The unscented transform gave covariances that were not positive semi-definite."""
+
+
 @dataclass
 class Propagation:
     """Per-instance output mean ``(N, *output_shape)`` and covariance ``(N, m, m)``, with
@@ -52,6 +57,9 @@ class Propagation:
     method: str
     output_shape: tuple[int, ...]
     n_samples: int | None = None
+    #: unscented only: instances whose covariance had negative eigenvalues (negative centre
+    #: weight) and was projected onto the nearest positive semi-definite matrix
+    clipped: int = 0
 
     @property
     def std(self) -> np.ndarray:
@@ -259,7 +267,9 @@ def propagate(
       covariance for sums of squares along those axes (products such as ``x0 x1`` need points
       off the axes; in general the axis fourth moment needs ``beta = 2 - alpha^2 (k + kappa) +
       alpha^2``). For ``k > 3`` the centre weights are negative, so a strongly curved output
-      can get a covariance that is not PSD. The common ``alpha=1e-3, beta=2, kappa=0`` keeps
+      can get a covariance that is not PSD: its negative eigenvalues are then set to zero
+      (the nearest PSD matrix; counted in ``clipped``, with a
+      :class:`CovarianceClippedWarning`). The common ``alpha=1e-3, beta=2, kappa=0`` keeps
       the points close, but weights of ~1e6 amplify a float32 model's rounding error a
       million times: use it only in float64;
     - ``"monte_carlo"``: ``n_samples`` draws per instance from ``N(mu_i, Sigma_i)`` (seeded by
@@ -310,6 +320,7 @@ def propagate(
     else:
         mean_out, cov_out = np.empty(mean_shape), np.empty(cov_shape)
     sink = ArraySink(cov_out, mean_out)
+    clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
         if method == "linear":
             _linear(bound, spec, unc, sink, m, mode=mode, chunk_size=chunk_size,
@@ -318,14 +329,25 @@ def propagate(
             evaluator = Evaluator(bound, _block(spec, m, method, n_samples, max_memory))
             for lo, hi in _instance_chunks(spec, m, chunk_size, max_memory):
                 if method == "unscented":
-                    y, c = _unscented(evaluator, spec, unc, lo, hi, alpha, beta, kappa)
+                    y, c = _unscented(evaluator, spec, unc, lo, hi, alpha, beta, kappa, clipped)
                 else:
                     y, c = _monte_carlo(evaluator, spec, unc, lo, hi, n_samples, seed)
                 sink.write(lo, hi, c, y.reshape(hi - lo, *out_shape))
     except BatchJacError as e:
         raise add_context(e, context(spec, name)) from e
+    if clipped[0]:
+        warnings.warn(
+            f"The unscented transform gave {clipped[0]} of {spec.n} instances a covariance with "
+            f"negative eigenvalues (its centre weight is negative: k={spec.k} unknowns, "
+            f"alpha={alpha}, beta={beta}, kappa={kappa}); batchjac set them to zero, the "
+            f"nearest valid covariance, which still understates a strongly curved output. "
+            f"Use method='monte_carlo' for such outputs, or weights that are all >= 0 "
+            f"(alpha=1 with kappa >= 0 and beta >= 0).",
+            CovarianceClippedWarning, stacklevel=2,
+        )
     return Propagation(mean=mean_out, cov=cov_out, method=method, output_shape=out_shape,
-                       n_samples=int(n_samples) if method == "monte_carlo" else None)
+                       n_samples=int(n_samples) if method == "monte_carlo" else None,
+                       clipped=clipped[0])
 
 
 def _linear(bound: Any, spec: BatchSpec, unc: _Uncertainty, sink: ArraySink, m: int, *,
@@ -363,7 +385,8 @@ def _instance_chunks(spec: BatchSpec, m: int, chunk_size: int | None,
 
 
 def _unscented(evaluator: Evaluator, spec: BatchSpec, unc: _Uncertainty, lo: int, hi: int,
-               alpha: float, beta: float, kappa: float) -> tuple[np.ndarray, np.ndarray]:
+               alpha: float, beta: float, kappa: float, clipped: list[int]
+               ) -> tuple[np.ndarray, np.ndarray]:
     k = spec.k
     lam = alpha**2 * (k + kappa) - k
     c = k + lam
@@ -387,8 +410,29 @@ def _unscented(evaluator: Evaluator, spec: BatchSpec, unc: _Uncertainty, lo: int
         ybar = np.einsum("p,rpm->rm", wm, y)
         d = y - ybar[:, None, :]
         ys.append(ybar)
-        covs.append((d * wc[None, :, None]).transpose(0, 2, 1) @ d)
+        if wc.min() >= 0:  # a sum of outer products with weights >= 0: PSD as it is
+            covs.append((d * wc[None, :, None]).transpose(0, 2, 1) @ d)
+        else:
+            c_psd, bad = _psd_weighted_cov(d, wc)
+            covs.append(c_psd)
+            clipped[0] += int(bad.sum())
     return np.concatenate(ys), np.concatenate(covs)
+
+
+def _psd_weighted_cov(d: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``sum_p w_p d_p d_p^T`` per instance (``d``: ``(R, P, m)``) with its negative
+    eigenvalues set to zero: the nearest PSD matrix in the Frobenius norm (Higham 1988), and
+    which instances had any beyond rounding. The matrix is ``Q (R W R^T) Q^T`` with ``d^T =
+    Q R`` (``P`` columns at most), so only a ``P x P`` eigenproblem per instance is solved,
+    however many outputs there are."""
+    q, r = np.linalg.qr(d.transpose(0, 2, 1))  # q (R, m, p), r (R, p, P), p = min(m, P)
+    small = (r * w[None, None, :]) @ r.transpose(0, 2, 1)
+    small = 0.5 * (small + small.transpose(0, 2, 1))
+    lam, u = np.linalg.eigh(small)
+    scale = np.abs(lam).max(axis=1, keepdims=True)
+    bad = (lam < -1e-12 * scale).any(axis=1)
+    v = q @ u
+    return (v * np.clip(lam, 0.0, None)[:, None, :]) @ v.transpose(0, 2, 1), bad
 
 
 def _monte_carlo(evaluator: Evaluator, spec: BatchSpec, unc: _Uncertainty, lo: int, hi: int,
