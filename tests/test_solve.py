@@ -360,12 +360,18 @@ class _FakeKernel:
 
 
 class _FakeBound:
+    compiles_kernels = True
+
     def __init__(self) -> None:
         self._kernels: dict[tuple[str, int, bool], _FakeKernel] = {}
+        self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
         self.log: list[int] = []
 
     def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
         return self._kernels.setdefault((mode, size, with_outputs), _FakeKernel(size, self.log))
+
+    def has_kernel(self, mode: str, size: int, with_outputs: bool) -> bool:
+        return (mode, size, with_outputs) in self._kernels
 
 
 def test_evaluator_shrinks_the_chunk_once_padding_costs_more_than_compiling() -> None:
@@ -410,10 +416,6 @@ class _ModeKernel(_FakeKernel):
 
 class _EagerBound(_FakeBound):
     compiles_kernels = False  # as PyTorch: a kernel of a new size costs nothing to make
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
 
     def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
         return self._kernels.setdefault((mode, size, with_outputs),

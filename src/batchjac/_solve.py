@@ -596,12 +596,12 @@ class _Evaluator:
             return self.modes[size]
         if not self.tune_modes:
             return self.mode
-        tuned = getattr(self.bound, "tuned", {}).get((size, True))
+        tuned = self.bound.tuned.get((size, True))
         return None if tuned is None else tuned[0]
 
     def _exists(self, size: int) -> bool:
         mode = self._known_mode(size)
-        return mode is not None and (mode, size, True) in getattr(self.bound, "_kernels", {})
+        return mode is not None and self.bound.has_kernel(mode, size, True)
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
         rows = u.shape[0]
@@ -611,7 +611,7 @@ class _Evaluator:
                      for lo in range(0, rows, full)]
             return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         ideal = min(s for s in self.sizes if s >= rows)
-        if not self.adaptive or not getattr(self.bound, "compiles_kernels", True):
+        if not self.adaptive or not self.bound.compiles_kernels:
             return self._run(ideal, u, ctx)
         usable = min(s for s in self.sizes if s >= rows and (s in self.compiled or s == full))
         waste = _waste.get(self.bound, 0.0)

@@ -118,6 +118,10 @@ class BoundModel(ABC):
             kernel.use(variant)
         return kernel
 
+    def has_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> bool:
+        """Whether that kernel exists already (using it costs no compilation)."""
+        return (mode, chunk_size, with_outputs) in self._kernels
+
     def refresh(self) -> bool:
         """Called before each use; e.g. re-sync weights of a float64 copy of the model.
         Returns True when the compiled kernels were dropped (the model changed under them)."""
