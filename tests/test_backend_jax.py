@@ -110,6 +110,37 @@ def test_float64_against_finite_differences(mode: str, chunk_size: int | None) -
 
 
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_both_kernel_builds_agree_with_finite_differences(mode: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's two CPU builds (YNNPACK dots or XLA's own) compute the same Jacobians from
+    one trace; the first call times them unless BATCHJAC_AUTOTUNE=off (then "default")."""
+    w = data((4, 6), seed=5)
+    x = data((40, 4), seed=6)
+
+    def model(v: Any) -> Any:
+        return _smooth(v, jnp.asarray(w), jnp)
+
+    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    batchjac.jacobian(model, x, mode=mode)
+    bound = bound_of(model)
+    kernel = bound.kernel(mode, 40, False)
+    assert kernel.variants == ("default", "no-ynnpack")
+    assert kernel.variant in kernel.variants
+    assert "timed one chunk" in kernel.note
+    traces = bound.trace_count
+    for variant in kernel.variants:
+        kernel.use(variant)
+        _, jac = kernel(x, ())
+        assert_jac_close(jac, ref)  # 1e-4
+    assert bound.trace_count == traces  # both builds compile the one trace
+    monkeypatch.setenv("BATCHJAC_AUTOTUNE", "off")
+    fresh = bound.kernel(mode, 20, False)
+    fresh(x[:20], ())
+    assert fresh.variant == "default"
+    assert "not timed" in fresh.note
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
 def test_float32_against_finite_differences(mode: str) -> None:
     w = data((4, 6), seed=3)
     x = data((25, 4), seed=4)

@@ -127,8 +127,10 @@ def test_tuned_chunks_give_the_same_jacobians(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("BATCHJAC_AUTOTUNE", "off")
     batchjac.jacobian(model, unknown[:4000], known[:4000], explain=True)
     err = capsys.readouterr().err
-    assert "timed" not in err
+    assert "timed one chunk" not in err
+    assert "timed per row" not in err
     assert "chunks of 4000 rows" in err
+    assert "kernel: default (BATCHJAC_AUTOTUNE=off: not timed)" in err
     monkeypatch.setenv("BATCHJAC_AUTOTUNE", "maybe")
     with pytest.raises(batchjac.InputError, match="BATCHJAC_AUTOTUNE must be 'on' or 'off'"):
         batchjac.jacobian(model, unknown[:3000], known[:3000])

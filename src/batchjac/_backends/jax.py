@@ -12,9 +12,10 @@ That is what people write by hand, and on a 2-core CPU it was the faster of the 
 tried: the alternative, vmapping ``jvp``/``vjp`` of the whole batch over the basis (rows are
 independent), was 1.27x slower on W1 at 4,096 rows and 1.1x on W2 in reverse mode, and at
 1,000 rows of W1 it timed 5-10% faster as a bare kernel but no faster within batchjac in
-the benchmark (re-measured 2026-11-30). Each kernel is compiled ahead of time for its
-fixed chunk shape (``jit(...).lower(...).compile()``): exactly one compilation, and calling
-the compiled executable skips jit's argument matching.
+the benchmark (re-measured 2026-11-30). Each kernel is traced once and compiled ahead of
+time for its fixed chunk shape (``jit(...).lower(...).compile()``; calling the compiled
+executable skips jit's argument matching), on the CPU in two builds that the first call
+times against each other (see :class:`JaxKernel`).
 
 Array leaves of the model (an Equinox module is a pytree) and of ``params`` are arguments of
 the compiled kernel, not constants: floating ones are cast to the compute dtype inside it (so
@@ -40,9 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import types
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -307,6 +309,30 @@ class JaxBound(BoundModel):
 
 
 class JaxKernel(Kernel):
+    """The compiled chunk kernel, in one of two builds of the same trace: XLA's defaults
+    ("default"), whose matrix products are YNNPACK library calls on the CPU, or XLA's own dot
+    emitter ("no-ynnpack", the ``xla_cpu_experimental_ynn_fusion_type`` option emptied).
+    Neither always wins: measured on this 2-core CPU, the second takes 0.77x the time on a W2
+    chunk (2,500 rows), 0.90x on W3, 0.94x on W1 at 1,000 rows, 0.97x on W4, but 1.07x on W1
+    at 6,252 rows. So the first call compiles both and times them (interleaved rounds of
+    back-to-back runs, the median of the rounds' means), unless a variant was fixed with
+    :meth:`use` (stores, reproducible solves) or ``BATCHJAC_AUTOTUNE=off``: then "default".
+    On a GPU, or a JAX without that option, there is only "default".
+    """
+
+    variants: tuple[str, ...] = ("default", "no-ynnpack")
+    _OPTIONS: ClassVar[dict[str, dict[str, str]]] = {
+        "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+    #: below this ratio of times, "no-ynnpack" is chosen
+    MARGIN = 0.97
+    #: each timing round lasts about this long (several runs of a fast kernel)
+    ROUND_SECONDS = 0.005
+    #: timing stops after about this long (at least 2 rounds)
+    TIMING_SECONDS = 0.25
+    MAX_ROUNDS = 7
+
+    asynchronous = True
+
     def __init__(self, bound: JaxBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
         self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
         self._bound = bound
@@ -321,14 +347,34 @@ class JaxKernel(Kernel):
             return jax.vmap(jac(one))(u, ctx)
 
         u_spec, ctx_spec = bound._specs(chunk_size)
-        try:
-            self._fn = jax.jit(traced).lower(bound.args, u_spec, ctx_spec).compile()
+        try:  # traced once; each variant compiles the same lowering
+            self._lowered = jax.jit(traced).lower(bound.args, u_spec, ctx_spec)
+            self._compiled = {"default": self._lowered.compile()}
         except (ModelError, InputError):
             raise
         except Exception as e:
             raise bound._explain(e) from e
+        if jax.default_backend() != "cpu":
+            self.variants = ("default",)
+        self._fn = self._compiled["default"]
+        self._forced: str | None = None
+        self.variant, self.note = None, ""
 
-    asynchronous = True
+    def _compile(self, variant: str) -> Any:
+        if variant not in self._compiled:
+            self._compiled[variant] = self._lowered.compile(
+                compiler_options=self._OPTIONS[variant])  # type: ignore[arg-type]
+        return self._compiled[variant]
+
+    def use(self, variant: str) -> None:
+        super().use(variant)
+        self._forced = variant
+        if self.variant is not None:  # already running: switch now
+            self._select(variant, f"{variant} (fixed)")
+
+    def _select(self, variant: str, note: str) -> None:
+        self._fn = self._compile(variant)
+        self.variant, self.note = variant, note
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                  ) -> tuple[np.ndarray | None, np.ndarray]:
@@ -336,10 +382,49 @@ class JaxKernel(Kernel):
 
     def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+        if self.variant is None:
+            self._first_call(u, ctx)
         out = self._fn(self._bound.args, u, tuple(ctx))  # dispatched; runs in the background
         if self.with_outputs:
             return lambda: (np.asarray(out[0]), np.asarray(out[1]))
         return lambda: (None, np.asarray(out))
+
+    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(self._compiled[variant](self._bound.args, u, tuple(ctx)))
+        return time.perf_counter() - start
+
+    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        from .._config import autotune_enabled
+
+        if self._forced is not None:
+            self._select(self._forced, f"{self._forced} (fixed)")
+            return
+        if len(self.variants) == 1:
+            self._select("default", "")
+            return
+        if not autotune_enabled():
+            self._select("default", "default (BATCHJAC_AUTOTUNE=off: not timed)")
+            return
+        try:
+            self._compile("no-ynnpack")
+        except Exception:  # e.g. a JAX whose XLA has no such option: one build only
+            self.variants = ("default",)
+            self._select("default", "default (the other build is not available here)")
+            return
+        first = {v: min(self._run(v, u, ctx), self._run(v, u, ctx)) for v in self.variants}
+        slow = max(first.values())
+        inner = max(1, int(self.ROUND_SECONDS / max(slow, 1e-9)))
+        rounds = int(min(self.MAX_ROUNDS, max(2, self.TIMING_SECONDS / (2 * inner * slow))))
+        means: dict[str, list[float]] = {v: [] for v in self.variants}
+        for _ in range(rounds):  # interleaved rounds: drifting load hits both alike
+            for variant in self.variants:
+                means[variant].append(sum(self._run(variant, u, ctx) for _ in range(inner)) / inner)
+        # the median of the rounds' means: what a loop of calls gets, thread wake-ups and all
+        best = {v: float(np.median(t)) for v, t in means.items()}
+        winner = "no-ynnpack" if best["no-ynnpack"] < self.MARGIN * best["default"] else "default"
+        self._select(winner, f"{winner} (timed one chunk: default {best['default'] * 1e3:.2f} "
+                             f"ms, no-ynnpack {best['no-ynnpack'] * 1e3:.2f} ms)")
 
 
 # -- values a traced function bakes in -------------------------------------------------------
