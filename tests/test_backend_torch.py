@@ -201,6 +201,34 @@ def test_against_finite_differences(mode: str, dtype: str, chunk_size: int | Non
     assert_jac_close(jac, central_differences(float64_forward(model), x))
 
 
+def test_both_reverse_implementations_agree_with_finite_differences(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.func's vmap of vjp and the replicated single backward pass (2-d output, two
+    inputs of which one is known) give the same Jacobians; the first call times them unless
+    BATCHJAC_AUTOTUNE=off, and a fixed variant is kept."""
+    model = _smooth_module(torch.float64)
+    x = data((12, 4), seed=7, dtype="float64")
+    ref = central_differences(float64_forward(model), x)
+    jac = batchjac.jacobian(model, x[:, :3], x[:, 3:], mode="reverse")
+    assert_jac_close(jac, ref[..., :3])
+    bound = bound_of(model, np.float64)
+    kernel = bound.kernel("reverse", 12, False)
+    assert kernel.variants == ("vmap", "replicated")
+    assert "timed one chunk" in kernel.note
+    for variant in kernel.variants:
+        kernel.use(variant)
+        assert kernel.variant == variant
+        _, j = kernel(x[:, :3], (x[:, 3:],))
+        assert_jac_close(j, ref[..., :3])
+    monkeypatch.setenv("BATCHJAC_AUTOTUNE", "off")
+    fresh = bound.kernel("reverse", 5, False)
+    fresh(x[:5, :3], (x[:5, 3:],))
+    assert fresh.variant == "vmap"
+    assert "not timed" in fresh.note
+    forward = bound.kernel("forward", 12, False)
+    assert forward.variants == ("vmap",)
+
+
 # ---- call forms -------------------------------------------------------------------------------
 
 
