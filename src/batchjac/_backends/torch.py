@@ -435,12 +435,16 @@ class TorchKernel(Kernel):
     backward pass through the chunk repeated once per output ("replicated", see
     ``TorchBound._jac_replicated``). Measured here on an 8-output MLP (5-32-32-8, float64),
     "replicated" takes 0.22 ms for 15 rows against 0.39 ms, but 2.2 against 1.6 ms for 1,000
-    rows; so the first call times both (interleaved rounds of back-to-back runs, the median
-    of the rounds' means) unless a variant was fixed with :meth:`use` (stores, reproducible
-    solves) or ``BATCHJAC_AUTOTUNE=off``: then "vmap".
+    rows; so the first call times both when a chunk takes less than ``REPLICATED_BELOW``
+    (interleaved rounds of back-to-back runs, the median of the rounds' means) unless a
+    variant was fixed with :meth:`use` (stores, reproducible solves) or
+    ``BATCHJAC_AUTOTUNE=off``: then "vmap".
     """
 
     MARGIN = 0.95
+    #: "replicated" is timed only against chunks faster than this (where the Python work
+    #: around torch.func matters), never on large chunks (it holds m copies of the chunk)
+    REPLICATED_BELOW = 0.005
     ROUND_SECONDS = 0.005
     TIMING_SECONDS = 0.1
     MAX_ROUNDS = 7
@@ -531,18 +535,23 @@ class TorchKernel(Kernel):
             return
         paths: dict[str, tuple[Mode, Engine]] = {"vmap": ("reverse", "func"),
                                                   "replicated": ("reverse", "replicated")}
-        try:
-            self._run(paths["replicated"], u, ctx)  # warm up
-        except Exception:  # e.g. a model that keeps state across rows: torch.func only
-            self.variants = ("vmap",)
-            self.note = "vmap (the replicated pass failed)"
-            return
 
         def once(variant: str) -> float:
             start = time.perf_counter()
             self._run(paths[variant], u, ctx)
             return time.perf_counter() - start
 
+        took = once("vmap")
+        if took >= self.REPLICATED_BELOW:  # the replicated pass holds m copies of the chunk
+            self.note = (f"vmap (a chunk takes {took * 1e3:.0f} ms; the replicated pass only "
+                         f"pays off for chunks under {self.REPLICATED_BELOW * 1e3:.0f} ms)")
+            return
+        try:
+            self._run(paths["replicated"], u, ctx)  # warm up
+        except Exception:  # e.g. a model that keeps state across rows: torch.func only
+            self.variants = ("vmap",)
+            self.note = "vmap (the replicated pass failed)"
+            return
         first = max(min(once(v), once(v)) for v in paths)
         inner = max(1, int(self.ROUND_SECONDS / max(first, 1e-9)))
         rounds = int(min(self.MAX_ROUNDS, max(2, self.TIMING_SECONDS / (2 * inner * first))))
