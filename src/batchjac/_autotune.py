@@ -9,10 +9,13 @@
   chunk on W2 and W4. Which size wins depends on the framework, the layers and the machine's
   caches and allocator, not on anything the shapes tell, so :func:`tune_rows` times a ladder
   of sizes (the planned one, then a quarter of it each step) on the call's own rows, counting
-  the copy of each chunk into the result that one whole chunk does not need, and takes a
-  smaller size only when it is faster per row by more than ``MARGIN``. It runs for chunks of
-  at least ``TUNE_MIN_ROWS`` rows (smaller ones are dispatch-bound: one chunk is best) and
-  stops descending once a size is clearly slower than the best so far. Its cost (a few
+  the copy of each chunk into the result that one whole chunk does not need, and takes the
+  fastest size tried when it is faster per row than the planned one by more than ``MARGIN``
+  (``COPY_MARGIN`` when the plan was one chunk: the copies then go to fresh pages of a new
+  result, which costs more than the timing shows). It runs for chunks of at least
+  ``TUNE_MIN_ROWS`` rows (smaller ones are dispatch-bound: one chunk is best) and stops
+  descending once a size is ``STOP_RATIO`` times slower than the best so far (the per-row
+  cost is not monotonic in the size). Its cost (a few
   chunks, and one compilation per size tried) is paid once per model and shape and reported
   as compile time; ``BATCHJAC_AUTOTUNE=off``, an explicit ``chunk_size`` or an ``out=``
   array (results larger than memory: the budget is what matters there, and trying sizes

@@ -570,8 +570,9 @@ class _Evaluator:
     active set. A smaller size is compiled only when the time already spent on padded rows
     (by this model, over all solve calls) exceeds the measured cost of one compilation (ski
     rental: never more than twice the best choice in hindsight), unless the bound model has
-    it already. With ``adaptive=False`` the smallest size that holds the active set is always
-    used (compiled when first needed): the sizes then depend on the instances alone.
+    it already; a backend whose kernels cost no compilation (PyTorch) uses the smallest size
+    that holds the active set at once. With ``adaptive=False`` that smallest size is always
+    used too (compiled when first needed): the sizes then depend on the instances alone.
     """
 
     def __init__(self, bound: Any, mode: Any, chunk_size: int, adaptive: bool = True,
