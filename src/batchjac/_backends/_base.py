@@ -59,12 +59,22 @@ class Kernel(ABC):
         result = self(u, ctx)
         return lambda: result
 
+    #: the variant fixed with :meth:`use`, which the first call then takes without timing
+    _forced: str | None = None
+
     def use(self, variant: str) -> None:
         """Run as ``variant`` from now on (one of ``variants``)."""
         if variant not in self.variants:
             from .._errors import InputError
 
             raise InputError(f"This kernel has no variant {variant!r}; it has {self.variants}.")
+        self._forced = variant
+        if self.variant is not None:  # already running: switch now
+            self._select(variant, f"{variant} (fixed)")
+
+    def _select(self, variant: str, note: str) -> None:
+        """Make ``variant`` the implementation in use (backends with variants extend this)."""
+        self.variant, self.note = variant, note
 
     @abstractmethod
     def __call__(

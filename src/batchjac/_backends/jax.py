@@ -357,7 +357,6 @@ class JaxKernel(Kernel):
         if jax.default_backend() != "cpu":
             self.variants = ("default",)
         self._fn = self._compiled["default"]
-        self._forced: str | None = None
         self.variant, self.note = None, ""
 
     def _compile(self, variant: str) -> Any:
@@ -365,12 +364,6 @@ class JaxKernel(Kernel):
             self._compiled[variant] = self._lowered.compile(
                 compiler_options=self._OPTIONS[variant])  # type: ignore[arg-type]
         return self._compiled[variant]
-
-    def use(self, variant: str) -> None:
-        super().use(variant)
-        self._forced = variant
-        if self.variant is not None:  # already running: switch now
-            self._select(variant, f"{variant} (fixed)")
 
     def _select(self, variant: str, note: str) -> None:
         self._fn = self._compile(variant)

@@ -263,7 +263,6 @@ class TFKernel(Kernel):
         self._fns: dict[str, Any] = {
             "xla": tf.function(traced, jit_compile=True, autograph=False)
             .get_concrete_function(*self._specs)}
-        self._forced: str | None = None
         self.variant = None
         self.note = ""
 
@@ -272,12 +271,6 @@ class TFKernel(Kernel):
             self._fns[variant] = tf.function(self._traced, jit_compile=False, autograph=False) \
                 .get_concrete_function(*self._specs)
         return self._fns[variant]
-
-    def use(self, variant: str) -> None:
-        super().use(variant)
-        self._forced = variant
-        if self.variant is not None:  # already running: switch now
-            self._select(variant, f"{variant} (fixed)")
 
     def _select(self, variant: str, note: str) -> None:
         fn = self._fn(variant)

@@ -464,14 +464,11 @@ class TorchKernel(Kernel):
             _load_forward_ad()
         self.variants = ("vmap", "replicated") if mode == "reverse" else ("vmap",)
         self.variant = None
-        self._forced: str | None = None
 
-    def use(self, variant: str) -> None:
-        super().use(variant)
-        self._forced = variant
+    def _select(self, variant: str, note: str) -> None:
         if self._path is not None and self._path[1] in ("func", "replicated"):
             self._path = ("reverse", "replicated" if variant == "replicated" else "func")
-            self.variant, self.note = variant, f"{variant} (fixed)"
+        super()._select(variant, note)
 
     def _run(self, path: tuple[Mode, Engine], u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -528,7 +525,7 @@ class TorchKernel(Kernel):
         from .._config import autotune_enabled
 
         if self._forced is not None:
-            self.use(self._forced)
+            self._select(self._forced, f"{self._forced} (fixed)")
             return
         if not autotune_enabled():
             self.note = "vmap (BATCHJAC_AUTOTUNE=off: not timed)"
