@@ -9,8 +9,9 @@ Nothing outside ``batchjac._backends`` imports a framework.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -82,6 +83,28 @@ class Kernel(ABC):
     ) -> tuple[np.ndarray | None, np.ndarray]:
         """``u`` is ``(chunk_size, *unknown_shape)``; returns ``(y or None, J)`` with ``J`` of
         shape ``(chunk_size, *output_shape, *unknown_shape)``, as numpy arrays."""
+
+
+def race(run: Callable[[str], object], names: Iterable[str], slowest: float, *,
+         round_seconds: float = 0.005, timing_seconds: float = 0.25, max_rounds: int = 7
+         ) -> dict[str, float]:
+    """Seconds per call of each implementation ``run(name)``, for choosing between kernel
+    builds: interleaved rounds (drifting load hits all alike) of back-to-back calls (several
+    when a call is fast: about ``round_seconds`` a round), at least 2 and at most
+    ``max_rounds`` rounds, about ``timing_seconds`` in all; the median of the rounds' means,
+    which is what a loop of calls gets, thread wake-ups and all. ``slowest``: a first
+    measurement of the slowest one, to size the rounds."""
+    names = list(names)
+    inner = max(1, int(round_seconds / max(slowest, 1e-9)))
+    rounds = int(min(max_rounds, max(2, timing_seconds / (len(names) * inner * slowest))))
+    means: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            start = time.perf_counter()
+            for _ in range(inner):
+                run(name)
+            means[name].append((time.perf_counter() - start) / inner)
+    return {name: float(np.median(t)) for name, t in means.items()}
 
 
 class BoundModel(ABC):

@@ -52,7 +52,7 @@ import numpy as np
 
 from .._errors import InputError, ModelError
 from .._spec import assemble
-from ._base import Backend, BoundModel, Kernel, Mode, Signature
+from ._base import Backend, BoundModel, Kernel, Mode, Signature, race
 
 _OPTIONS = ("params", "per_instance")
 _X64_FIX = (
@@ -312,10 +312,10 @@ class JaxKernel(Kernel):
     """The compiled chunk kernel, in one of two builds of the same trace: XLA's defaults
     ("default"), whose matrix products are YNNPACK library calls on the CPU, or XLA's own dot
     emitter ("no-ynnpack", the ``xla_cpu_experimental_ynn_fusion_type`` option emptied).
-    Neither always wins: measured on this 2-core CPU, the second takes 0.77x the time on a W2
-    chunk (2,500 rows), 0.90x on W3, 0.94x on W1 at 1,000 rows, 0.97x on W4, but 1.07x on W1
-    at 6,252 rows. So the first call compiles both and times them (interleaved rounds of
-    back-to-back runs, the median of the rounds' means), unless a variant was fixed with
+    Neither always wins: measured on this 2-core CPU, the second takes 0.73x the time on a
+    W2 chunk (313 vs 429 ms) and 0.85-0.9x on W3, the same on W1 at 1,000 rows, and as a bare
+    kernel 0.97x on W4 but 1.07x on W1 at 6,252 rows. So the first call compiles both and
+    times them (:func:`~batchjac._backends._base.race`), unless a variant was fixed with
     :meth:`use` (stores, reproducible solves) or ``BATCHJAC_AUTOTUNE=off``: then "default".
     On a GPU, or a JAX without that option, there is only "default".
     """
@@ -325,11 +325,6 @@ class JaxKernel(Kernel):
         "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""}}
     #: below this ratio of times, "no-ynnpack" is chosen
     MARGIN = 0.97
-    #: each timing round lasts about this long (several runs of a fast kernel)
-    ROUND_SECONDS = 0.005
-    #: timing stops after about this long (at least 2 rounds)
-    TIMING_SECONDS = 0.25
-    MAX_ROUNDS = 7
 
     asynchronous = True
 
@@ -405,16 +400,8 @@ class JaxKernel(Kernel):
             self.variants = ("default",)
             self._select("default", "default (the other build is not available here)")
             return
-        first = {v: min(self._run(v, u, ctx), self._run(v, u, ctx)) for v in self.variants}
-        slow = max(first.values())
-        inner = max(1, int(self.ROUND_SECONDS / max(slow, 1e-9)))
-        rounds = int(min(self.MAX_ROUNDS, max(2, self.TIMING_SECONDS / (2 * inner * slow))))
-        means: dict[str, list[float]] = {v: [] for v in self.variants}
-        for _ in range(rounds):  # interleaved rounds: drifting load hits both alike
-            for variant in self.variants:
-                means[variant].append(sum(self._run(variant, u, ctx) for _ in range(inner)) / inner)
-        # the median of the rounds' means: what a loop of calls gets, thread wake-ups and all
-        best = {v: float(np.median(t)) for v, t in means.items()}
+        slowest = max(min(self._run(v, u, ctx), self._run(v, u, ctx)) for v in self.variants)
+        best = race(lambda v: self._run(v, u, ctx), self.variants, slowest)
         winner = "no-ynnpack" if best["no-ynnpack"] < self.MARGIN * best["default"] else "default"
         self._select(winner, f"{winner} (timed one chunk: default {best['default'] * 1e3:.2f} "
                              f"ms, no-ynnpack {best['no-ynnpack'] * 1e3:.2f} ms)")

@@ -41,7 +41,7 @@ import torch
 
 from .._errors import InputError, ModelError, NotConnectedError
 from .._spec import assemble
-from ._base import Backend, BoundModel, Kernel, Mode, Signature
+from ._base import Backend, BoundModel, Kernel, Mode, Signature, race
 
 
 class ForwardModeFallbackWarning(UserWarning):
@@ -436,7 +436,7 @@ class TorchKernel(Kernel):
     ``TorchBound._jac_replicated``). Measured here on an 8-output MLP (5-32-32-8, float64),
     "replicated" takes 0.22 ms for 15 rows against 0.39 ms, but 2.2 against 1.6 ms for 1,000
     rows; so the first call times both when a chunk takes less than ``REPLICATED_BELOW``
-    (interleaved rounds of back-to-back runs, the median of the rounds' means) unless a
+    (:func:`~batchjac._backends._base.race`) unless a
     variant was fixed with :meth:`use` (stores, reproducible solves) or
     ``BATCHJAC_AUTOTUNE=off``: then "vmap".
     """
@@ -445,9 +445,6 @@ class TorchKernel(Kernel):
     #: "replicated" is timed only against chunks faster than this (where the Python work
     #: around torch.func matters), never on large chunks (it holds m copies of the chunk)
     REPLICATED_BELOW = 0.005
-    ROUND_SECONDS = 0.005
-    TIMING_SECONDS = 0.1
-    MAX_ROUNDS = 7
 
     def __init__(self, bound: TorchBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
         self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
@@ -549,14 +546,8 @@ class TorchKernel(Kernel):
             self.variants = ("vmap",)
             self.note = "vmap (the replicated pass failed)"
             return
-        first = max(min(once(v), once(v)) for v in paths)
-        inner = max(1, int(self.ROUND_SECONDS / max(first, 1e-9)))
-        rounds = int(min(self.MAX_ROUNDS, max(2, self.TIMING_SECONDS / (2 * inner * first))))
-        means: dict[str, list[float]] = {v: [] for v in paths}
-        for _ in range(rounds):  # interleaved: drifting load hits both alike
-            for v in paths:
-                means[v].append(sum(once(v) for _ in range(inner)) / inner)
-        best = {v: float(np.median(t)) for v, t in means.items()}
+        slowest = max(min(once(v), once(v)) for v in paths)
+        best = race(lambda v: self._run(paths[v], u, ctx), paths, slowest, timing_seconds=0.1)
         winner = "replicated" if best["replicated"] < self.MARGIN * best["vmap"] else "vmap"
         self._path = paths[winner]
         self.variant = winner
