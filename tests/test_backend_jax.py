@@ -416,13 +416,51 @@ def test_100k_rows_compile_once_per_mode() -> None:
     unknown, known = workload_inputs("W1", 100_000, seed=26)
     counts = {}
     for mode in ("forward", "reverse"):
+        before = bound_of(model).trace_count if counts else 0
         jac = batchjac.jacobian(model, unknown, known, mode=mode, chunk_size=16384)
+        kernel = bound_of(model).kernel(mode, 16384, False)
+        # one trace for the chunk, one more for each block size its first call timed
+        blocked = {v.split("/")[1] for v in kernel.variants if "/" in v}
+        assert bound_of(model).trace_count - before == 1 + len(blocked)
         counts[mode] = bound_of(model).trace_count
-    assert counts == {"forward": 1, "reverse": 2}  # one compilation per mode for 7 chunks
     batchjac.jacobian(model, unknown[:5000], known[:5000], mode="reverse", chunk_size=16384)
-    assert bound_of(model).trace_count == 2  # a shorter batch reuses the padded chunk kernel
+    assert bound_of(model).trace_count == counts["reverse"]  # the padded chunk kernel again
     ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown[-500:], known[-500:]], 1))
     assert_jac_close(jac[-500:], ref[:, :, :5])
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+@pytest.mark.parametrize("rows", [256, 290])
+def test_kernel_in_blocks_agrees_with_finite_differences(mode: str, rows: int) -> None:
+    """A chunk computed in blocks (a lax.map inside the kernel; 290 rows: 3 blocks of 97, the
+    last padded) gives the same Jacobians and outputs as the whole chunk, in either build."""
+    w = data((4, 6), seed=31)
+    x = data((rows, 4), seed=32)
+
+    def model(v: Any) -> Any:
+        return _smooth(v, jnp.asarray(w), jnp)
+
+    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    batchjac.jacobian(model, x[:5], mode=mode)  # bind
+    kernel = bound_of(model).kernel(mode, rows, True)
+    blocks = [v for v in kernel.variants if "/" in v]
+    assert blocks == ["default/" + str(-(-rows // -(-rows // 128))), "no-ynnpack/" + blocks[0][8:]]
+    kernel.use("default")
+    y_whole, j_whole = kernel(x, ())
+    for variant in blocks:
+        kernel.use(variant)
+        y, jac = kernel(x, ())
+        assert jac.shape == (rows, 2, 3, 4)
+        assert y is not None
+        assert y.shape == (rows, 2, 3)
+        assert_jac_close(jac, ref)  # 1e-4
+        np.testing.assert_allclose(jac, j_whole, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(y, y_whole, rtol=1e-6, atol=1e-6)
+    timed = bound_of(model).kernel(mode, rows, False)
+    _, jac = timed(x, ())  # the first call times every variant and keeps one
+    assert timed.variant in timed.variants
+    assert all(f"{v} " in timed.note for v in timed.variants)
+    assert_jac_close(jac, ref)
 
 
 # ---- the same weights in Keras and JAX -------------------------------------------------------

@@ -15,7 +15,9 @@
   result, which costs more than the timing shows). It runs for chunks of at least
   ``TUNE_MIN_ROWS`` rows (smaller ones are dispatch-bound: one chunk is best) and stops
   descending once a size is ``STOP_RATIO`` times slower than the best so far (the per-row
-  cost is not monotonic in the size). Its cost (a few
+  cost is not monotonic in the size). The planned size's kernel chooses its implementation
+  first (JAX: build and blocks, by timing); the smaller sizes run what it chose
+  (``Kernel.provisional``), and only the size kept times its own. Its cost (a few
   chunks, and one compilation per size tried) is paid once per model and shape and reported
   as compile time; ``BATCHJAC_AUTOTUNE=off``, an explicit ``chunk_size`` or an ``out=``
   array (results larger than memory: the budget is what matters there, and trying sizes
@@ -80,9 +82,9 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
                    for mode in ("forward", "reverse")}
         first = {}
         for mode, kernel in kernels.items():
-            kernel(u, ctx)  # compile and warm up
+            kernel.provisional(u, ctx)  # compile and warm up
             start = time.perf_counter()
-            kernel(u, ctx)
+            kernel.provisional(u, ctx)
             first[mode] = time.perf_counter() - start
         timings = dict(first)
         repeats = max(REPEATS, min(MAX_MODE_REPEATS,
@@ -90,7 +92,7 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
         for _ in range(repeats - 1):  # interleaved, minimum: robust to a busy machine
             for mode, kernel in kernels.items():
                 start = time.perf_counter()
-                kernel(u, ctx)
+                kernel.provisional(u, ctx)
                 timings[mode] = min(timings[mode], time.perf_counter() - start)
         other: Mode = "reverse" if prior == "forward" else "forward"
         winner = other if timings[other] < (1 - MARGIN) * timings[prior] else prior
@@ -130,12 +132,14 @@ def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: 
         # several chunks are copied into the result, one chunk of all the rows is not: the
         # copy (and the fresh pages it writes) is part of the price of a smaller chunk
         copies = size < spec.n and plan.n_chunks == 1  # (several planned chunks: all copy)
-        _, jac = kernel(u, ctx)  # compile and warm up
+        # the planned size's kernel chooses its implementation now (JAX: build and blocks,
+        # timed); the smaller sizes run the build it chose, so that sizes are compared alike
+        _, jac = kernel(u, ctx) if size == sizes[0] else kernel.provisional(u, ctx)
         dst = np.empty_like(jac) if copies else None
         best = math.inf
         for _ in range(TIMED_RUNS):
             start = time.perf_counter()
-            _, jac = kernel(u, ctx)
+            _, jac = kernel.provisional(u, ctx)
             if dst is not None:
                 dst[...] = jac
             best = min(best, time.perf_counter() - start)

@@ -63,6 +63,13 @@ class Kernel(ABC):
     #: the variant fixed with :meth:`use`, which the first call then takes without timing
     _forced: str | None = None
 
+    def provisional(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+                    ) -> tuple[np.ndarray | None, np.ndarray]:
+        """Like a call, for timing the kernel against other modes and chunk sizes: a kernel
+        that has not chosen its variant yet may run a default one without choosing (JAX:
+        choosing compiles and times several builds, worth it only for the size kept)."""
+        return self(u, ctx)
+
     def use(self, variant: str) -> None:
         """Run as ``variant`` from now on (one of ``variants``)."""
         if variant not in self.variants:

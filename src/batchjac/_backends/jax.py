@@ -14,8 +14,9 @@ independent), was 1.27x slower on W1 at 4,096 rows and 1.1x on W2 in reverse mod
 1,000 rows of W1 it timed 5-10% faster as a bare kernel but no faster within batchjac in
 the benchmark (re-measured 2026-11-30). Each kernel is traced once and compiled ahead of
 time for its fixed chunk shape (``jit(...).lower(...).compile()``; calling the compiled
-executable skips jit's argument matching), on the CPU in two builds that the first call
-times against each other (see :class:`JaxKernel`).
+executable skips jit's argument matching), on the CPU in two builds, each also computing
+the chunk in blocks of ~128 rows inside the one call, that the first call times against each
+other (see :class:`JaxKernel`).
 
 Array leaves of the model (an Equinox module is a pytree) and of ``params`` are arguments of
 the compiled kernel, not constants: floating ones are cast to the compute dtype inside it (so
@@ -115,6 +116,10 @@ class JaxBound(BoundModel):
         self._params = params if self.has_params else None
         self._params_split = _Split(self._params)
         self._forward: Any = None
+        #: what the last kernel that timed its variants chose (see JaxKernel): its build,
+        #: and whether in blocks. Kernels timed against it (other chunk sizes) run the same
+        #: before they choose their own, so that sizes are compared alike
+        self.hint: tuple[str, bool] = ("default", False)
         self._x64 = x64_enabled()
         self._sites = _Sites()
         self._captured = _captured_values(model, self._sites)
@@ -309,55 +314,122 @@ class JaxBound(BoundModel):
 
 
 class JaxKernel(Kernel):
-    """The compiled chunk kernel, in one of two builds of the same trace: XLA's defaults
-    ("default"), whose matrix products are YNNPACK library calls on the CPU, or XLA's own dot
-    emitter ("no-ynnpack", the ``xla_cpu_experimental_ynn_fusion_type`` option emptied).
-    Neither always wins: measured on this 2-core CPU, the second takes 0.73x the time on a
-    W2 chunk (313 vs 429 ms) and 0.85-0.9x on W3, the same on W1 at 1,000 rows, and as a bare
-    kernel 0.97x on W4 but 1.07x on W1 at 6,252 rows. So the first call compiles both and
-    times them (:func:`~batchjac._backends._base.race`), unless a variant was fixed with
-    :meth:`use` (stores, reproducible solves) or ``BATCHJAC_AUTOTUNE=off``: then "default".
-    On a GPU, or a JAX without that option, there is only "default".
+    """The compiled chunk kernel, in one of several builds of the same computation.
+
+    *Builds*: XLA's defaults ("default"), whose matrix products are YNNPACK library calls on
+    the CPU, or XLA's own dot emitter ("no-ynnpack", the ``xla_cpu_experimental_ynn_fusion_type``
+    option emptied). Neither always wins: measured on this 2-core CPU, the second takes 0.73x
+    the time on a W2 chunk (313 vs 429 ms) and 0.85-0.9x on W3, the same on W1 at 1,000 rows,
+    and as a bare kernel 0.97x on W4 but 1.07x on W1 at 6,252 rows.
+
+    *Blocks* ("default/125": that build, the chunk computed 125 rows at a time in a
+    ``lax.map`` inside the one compiled call). XLA's CPU runtime splits each large operation
+    of a chunk over its thread pool, and for small chunks the hand-offs cost more than they
+    save: W1 at 1,000 rows takes 0.52 ms pinned to one core and 0.65-0.70 ms on two. In
+    blocks of 100-200 rows no operation is large enough to be split, and the same chunk took
+    0.71-0.80x the time (W1, 1,000 rows), 0.91x on W2 (100 rows of 2,500); above ~240 rows
+    the gain is gone, and convolutions (W4: 2x slower) and wide forward mode (W3: 1.2-2x)
+    lose. So only :data:`BLOCK_ROWS` are tried, on chunks at least twice as large.
+
+    The first call compiles every variant and times them in one
+    :func:`~batchjac._backends._base.race` of interleaved rounds (those clearly slower in a
+    first timing left out): "no-ynnpack" must beat "default" by ``MARGIN``, blocks the faster
+    of those by ``BLOCK_MARGIN``. Unless a variant was fixed with :meth:`use` (stores,
+    reproducible solves) or ``BATCHJAC_AUTOTUNE=off``: then "default". On a GPU, or a JAX
+    without that option, there is only "default".
     """
 
-    variants: tuple[str, ...] = ("default", "no-ynnpack")
     _OPTIONS: ClassVar[dict[str, dict[str, str]]] = {
-        "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+        "default": {}, "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""}}
     #: below this ratio of times, "no-ynnpack" is chosen
     MARGIN = 0.97
+    #: block sizes tried (each made even over the chunk: 1,000 rows in blocks of 125)
+    BLOCK_ROWS = (128,)
+    #: below this ratio of times, computing in blocks is chosen
+    BLOCK_MARGIN = 0.95
+    #: variants slower than the fastest by this factor in a first timing are not raced
+    PRUNE = 1.3
+    #: blocks are tried where their temporary arrays take at most this many bytes
+    BLOCK_MAX_BYTES = 4 << 20
 
     asynchronous = True
 
     def __init__(self, bound: JaxBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
         self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
         self._bound = bound
-        jac = jax.jacfwd if mode == "forward" else jax.jacrev
-
-        def traced(args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
-            bound.trace_count += 1
-            one = bound._instance_fn(args)
-            if with_outputs:
-                j, y = jax.vmap(jac(lambda u_i, c_i: (one(u_i, c_i),) * 2, has_aux=True))(u, ctx)
-                return y, j
-            return jax.vmap(jac(one))(u, ctx)
-
-        u_spec, ctx_spec = bound._specs(chunk_size)
-        try:  # traced once; each variant compiles the same lowering
-            self._lowered = jax.jit(traced).lower(bound.args, u_spec, ctx_spec)
-            self._compiled = {"default": self._lowered.compile()}
+        self._lowered: dict[int, Any] = {}  # block rows (the chunk size: no blocks) -> lowering
+        self._compiled: dict[str, Any] = {}
+        try:  # each build of one blocking compiles the same lowering
+            self._compiled["default"] = self._lowering(chunk_size).compile()
         except (ModelError, InputError):
             raise
         except Exception as e:
             raise bound._explain(e) from e
-        if jax.default_backend() != "cpu":
-            self.variants = ("default",)
+        builds: tuple[str, ...] = ("default",)
+        if jax.default_backend() == "cpu":
+            builds = ("default", "no-ynnpack")
+        self.variants = builds + tuple(f"{b}/{rows}" for b in builds for rows in self._block_sizes())
         self._fn = self._compiled["default"]
         self.variant, self.note = None, ""
 
+    def _block_sizes(self) -> list[int]:
+        """Rows a block for each of BLOCK_ROWS, evened over the chunk: for chunks at least
+        twice as large, on the CPU, where a block's temporary arrays take at most
+        BLOCK_MAX_BYTES (W1: 0.3 MB, W2: 2.8 MB; W4's convolutions: 29 MB, not tried)."""
+        if jax.default_backend() != "cpu":
+            return []
+        try:
+            temp = self._compiled["default"].memory_analysis().temp_size_in_bytes
+        except Exception:  # no memory analysis in this JAX: no blocks
+            return []
+        sizes = []
+        for rows in self.BLOCK_ROWS:
+            if self.chunk_size >= 2 * rows and temp / self.chunk_size * rows <= self.BLOCK_MAX_BYTES:
+                sizes.append(-(-self.chunk_size // -(-self.chunk_size // rows)))
+        return sizes
+
+    def _body(self, args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
+        """The Jacobians (and outputs) of the rows of ``u``: ``vmap(jacfwd|jacrev)``."""
+        one = self._bound._instance_fn(args)
+        jac = jax.jacfwd if self.mode == "forward" else jax.jacrev
+        if self.with_outputs:
+            j, y = jax.vmap(jac(lambda u_i, c_i: (one(u_i, c_i),) * 2, has_aux=True))(u, ctx)
+            return y, j
+        return jax.vmap(jac(one))(u, ctx)
+
+    def _lowering(self, rows: int) -> Any:
+        """The traced kernel computing the chunk ``rows`` rows at a time (the last block
+        padded with copies of the chunk's last row, whose results are dropped)."""
+        if rows in self._lowered:
+            return self._lowered[rows]
+        bound, size = self._bound, self.chunk_size
+        blocks = -(-size // rows)
+        padded = blocks * rows
+
+        def traced(args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
+            bound.trace_count += 1
+            if rows >= size:
+                return self._body(args, u, ctx)
+
+            def split(a: Any) -> Any:
+                if padded > size:
+                    a = jnp.concatenate([a, jnp.broadcast_to(a[-1:], (padded - size, *a.shape[1:]))])
+                return a.reshape((blocks, rows, *a.shape[1:]))
+
+            out = jax.lax.map(lambda b: self._body(args, b[0], b[1]),
+                              (split(u), tuple(split(c) for c in ctx)))
+            return jax.tree_util.tree_map(lambda o: o.reshape((padded, *o.shape[2:]))[:size], out)
+
+        u_spec, ctx_spec = bound._specs(size)
+        self._lowered[rows] = jax.jit(traced).lower(bound.args, u_spec, ctx_spec)
+        return self._lowered[rows]
+
     def _compile(self, variant: str) -> Any:
         if variant not in self._compiled:
-            self._compiled[variant] = self._lowered.compile(
-                compiler_options=self._OPTIONS[variant])  # type: ignore[arg-type]
+            build, _, rows = variant.partition("/")
+            lowered = self._lowering(int(rows) if rows else self.chunk_size)
+            self._compiled[variant] = lowered.compile(
+                compiler_options=self._OPTIONS[build])  # type: ignore[arg-type]
         return self._compiled[variant]
 
     def _select(self, variant: str, note: str) -> None:
@@ -368,11 +440,24 @@ class JaxKernel(Kernel):
                  ) -> tuple[np.ndarray | None, np.ndarray]:
         return self.launch(u, ctx)()
 
+    def provisional(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+                    ) -> tuple[np.ndarray | None, np.ndarray]:
+        """Before the first call has chosen: what the last kernel of this model chose (its
+        build, in blocks if this chunk has them), else the default; nothing is timed."""
+        fn = self._fn
+        if self.variant is None:
+            build, blocked = self._bound.hint
+            fn = self._compile(next((v for v in self.variants if blocked and
+                                     v.startswith(build + "/")), build))
+        return self._result(fn(self._bound.args, u, tuple(ctx)))()
+
     def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
         if self.variant is None:
             self._first_call(u, ctx)
-        out = self._fn(self._bound.args, u, tuple(ctx))  # dispatched; runs in the background
+        return self._result(self._fn(self._bound.args, u, tuple(ctx)))  # runs in the background
+
+    def _result(self, out: Any) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
         if self.with_outputs:
             return lambda: (np.asarray(out[0]), np.asarray(out[1]))
         return lambda: (None, np.asarray(out))
@@ -381,6 +466,20 @@ class JaxKernel(Kernel):
         start = time.perf_counter()
         jax.block_until_ready(self._compiled[variant](self._bound.args, u, tuple(ctx)))
         return time.perf_counter() - start
+
+    def _race(self, names: list[str], u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> dict[str, float]:
+        """Seconds a call of each: the best of a few calls each (three below 50 ms: a fresh
+        build's first calls are slow, and W3's once timed 30 ms for 7), then a race of those
+        within PRUNE of the fastest (a W2 chunk takes 0.3-0.5 s: a race of four costs
+        seconds)."""
+        times = {v: self._run(v, u, ctx) for v in names}
+        for _ in range(2 if max(times.values()) < 0.05 else 1):
+            times = {v: min(t, self._run(v, u, ctx)) for v, t in times.items()}
+        close = [v for v in names if times[v] <= self.PRUNE * min(times.values())]
+        if len(close) > 1:
+            times.update(race(lambda v: self._run(v, u, ctx), close,
+                              max(times[v] for v in close)))
+        return times
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         from .._config import autotune_enabled
@@ -397,14 +496,23 @@ class JaxKernel(Kernel):
         try:
             self._compile("no-ynnpack")
         except Exception:  # e.g. a JAX whose XLA has no such option: one build only
-            self.variants = ("default",)
-            self._select("default", "default (the other build is not available here)")
-            return
-        slowest = max(min(self._run(v, u, ctx), self._run(v, u, ctx)) for v in self.variants)
-        best = race(lambda v: self._run(v, u, ctx), self.variants, slowest)
-        winner = "no-ynnpack" if best["no-ynnpack"] < self.MARGIN * best["default"] else "default"
-        self._select(winner, f"{winner} (timed one chunk: default {best['default'] * 1e3:.2f} "
-                             f"ms, no-ynnpack {best['no-ynnpack'] * 1e3:.2f} ms)")
+            self.variants = tuple(v for v in self.variants if v.split("/")[0] == "default")
+        for v in self.variants:
+            self._compile(v)
+        # one race of all: a second race, minutes later on a shared machine, compared the
+        # winner of the first with itself at another load and once took blocks for it
+        times = self._race(list(self.variants), u, ctx)
+        winner = "default"
+        if "no-ynnpack" in times and times["no-ynnpack"] < self.MARGIN * times["default"]:
+            winner = "no-ynnpack"
+        blocked = [v for v in self.variants if "/" in v]
+        if blocked:
+            fastest = min(blocked, key=lambda v: times[v])
+            if times[fastest] < self.BLOCK_MARGIN * times[winner]:
+                winner = fastest
+        self._bound.hint = (winner.split("/")[0], "/" in winner)
+        timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in times.items())
+        self._select(winner, f"{winner} (timed one chunk: {timed})")
 
 
 # -- values a traced function bakes in -------------------------------------------------------
