@@ -10,9 +10,10 @@
   caches and allocator, not on anything the shapes tell, so :func:`tune_rows` times a ladder
   of sizes (the planned one, then a quarter of it each step) on the call's own rows, counting
   the copy of each chunk into the result that one whole chunk does not need, and takes the
-  fastest size tried when it is faster per row than the planned one by more than ``MARGIN``
-  (``COPY_MARGIN`` when the plan was one chunk: the copies then go to fresh pages of a new
-  result, which costs more than the timing shows). It runs for chunks of at least
+  fastest size tried when it is faster per row than the planned one by more than
+  ``ROWS_MARGIN`` (``COPY_MARGIN`` when the plan was one chunk of at least ``COPY_BYTES``:
+  the copies then go to fresh pages of a large new result, which costs more than the timing
+  shows), after timing the planned and the fastest size again, interleaved. It runs for chunks of at least
   ``TUNE_MIN_ROWS`` rows (smaller ones are dispatch-bound: one chunk is best) and stops
   descending once a size is ``STOP_RATIO`` times slower than the best so far (the per-row
   cost is not monotonic in the size). The planned size's kernel chooses its implementation
@@ -43,8 +44,13 @@ REPEATS = 5
 MAX_MODE_REPEATS = 25
 MODE_SECONDS = 0.1
 MARGIN = 0.1
-#: ... and when the plan is one chunk (chunking then adds the copies into the result)
+#: a smaller chunk size must be this much faster per row (5-run medians: TensorFlow's W1 at
+#: 100,000 rows timed 0.60 vs 0.47-0.54 us a row in chunks of 25,008, and ran 0.8x the time)
+ROWS_MARGIN = 0.05
+#: ... and when the plan is one chunk of at least COPY_BYTES of Jacobians (chunking then
+#: adds copies into a large new result)
 COPY_MARGIN = 0.25
+COPY_BYTES = 64 << 20
 #: timed runs of each chunk size (the median counts: PyTorch's W2 in chunks of 2,500 rows
 #: runs erratically, 405-942 ms for the 10,000 rows, and its fastest timing of three, 29 us a
 #: row, once won against 625-row chunks that steadily take 31-34)
@@ -132,7 +138,7 @@ def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: 
     runs: dict[int, list[float]] = {}
     per_row: dict[int, float] = {}
     for size in sizes:
-        timed = _timer(bound, spec, plan, with_outputs, size, first=size == sizes[0])
+        timed, row_bytes = _timer(bound, spec, plan, with_outputs, size, first=size == sizes[0])
         runs[size] = [timed() for _ in range(TIMED_RUNS)]
         per_row[size] = float(np.median(runs[size])) / size
         if per_row[size] > STOP_RATIO * min(per_row.values()):
@@ -142,7 +148,7 @@ def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: 
         # the sizes were timed one after the other, minutes apart on a busy machine: time
         # the two that decide again, interleaved (PyTorch's W2 once kept one chunk, 1.0x of
         # the baseline, when a slow spell fell on the smaller sizes' turn)
-        timers = {s: _timer(bound, spec, plan, with_outputs, s, first=False)
+        timers = {s: _timer(bound, spec, plan, with_outputs, s, first=False)[0]
                   for s in (sizes[0], fastest)}
         for _ in range(CONFIRM_RUNS):
             for s, timed in timers.items():
@@ -150,19 +156,23 @@ def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: 
         for s in timers:
             per_row[s] = float(np.median(runs[s])) / s
     # the fastest size tried, if clearly faster than the planned one. Where the plan is one
-    # chunk, chunking adds copies into a new result whose first writes (page faults) the
-    # reused buffer above does not pay: measured, JAX's W2 timed 27.9 us a row in chunks of
-    # 625 against 33.8 in one chunk and then ran 449 ms against 315, so that case asks more
+    # large chunk, chunking adds copies into a new result whose first writes (page faults)
+    # the reused buffer above does not pay: measured, JAX's W2 (313 MB of Jacobians) timed
+    # 27.9 us a row in chunks of 625 against 33.8 in one chunk and then ran 449 ms against
+    # 315, so that case asks more. A small result does not: TensorFlow's W1 (8 MB) timed
+    # 0.50 against 0.66 us a row and ran 47.7 against 63.1 ms, as timed
     fastest = min(per_row, key=lambda s: per_row[s])
-    margin = COPY_MARGIN if plan.n_chunks == 1 else MARGIN
+    large = plan.n_chunks == 1 and row_bytes * spec.n >= COPY_BYTES
+    margin = COPY_MARGIN if large else ROWS_MARGIN
     winner = fastest if per_row[fastest] < (1 - margin) * per_row[sizes[0]] else sizes[0]
     measured = ", ".join(f"{s} rows {t * 1e6:.2f} us" for s, t in per_row.items())
     return winner, measured
 
 
 def _timer(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, size: int, *,
-           first: bool) -> Callable[[], float]:
-    """A function timing one chunk of ``size`` rows (warmed up here, compiled if new)."""
+           first: bool) -> tuple[Callable[[], float], float]:
+    """A function timing one chunk of ``size`` rows (warmed up here, compiled if new), and
+    the bytes of a row's Jacobians."""
     u, ctx = pad_chunk(spec, 0, min(size, spec.n), size)
     kernel = bound.kernel(plan.mode, size, with_outputs)
     # several chunks are copied into the result, one chunk of all the rows is not: the
@@ -180,4 +190,4 @@ def _timer(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, s
             dst[...] = jac
         return time.perf_counter() - start
 
-    return timed
+    return timed, jac.nbytes / size
