@@ -18,7 +18,7 @@ from ._errors import BatchJacError, InputError, add_context
 from ._plan import ModeArg, Plan, make_plan
 from ._probes import run_probes
 from ._runner import run_chunks, run_single
-from ._sinks import ArraySink
+from ._sinks import ArraySink, new_result
 from ._spec import BatchSpec
 from ._stores import StoreError, as_store, compute_to_store, is_store_target, progress_bar
 from ._validate import DTypeLike, NanPolicy, normalize
@@ -230,8 +230,8 @@ def _run_in_memory(kernel: Any, spec: BatchSpec, bound: _backends.BoundModel,
     """Several chunks into ``out`` (or a new array) and, if asked, a new outputs array."""
     assert bound.output_shape is not None
     y_shape = (spec.n, *bound.output_shape)
-    out_j = out if out is not None else np.empty((*y_shape, *spec.unknown_shape), spec.dtype)
-    out_y = np.empty(y_shape, spec.dtype) if return_outputs else None
+    out_j = out if out is not None else new_result((*y_shape, *spec.unknown_shape), spec.dtype)
+    out_y = new_result(y_shape, spec.dtype) if return_outputs else None
     bar = progress_bar(progress, spec.n)
     try:
         run_chunks(kernel, spec, ArraySink(out_j, out_y), on_chunk=bar.update if bar else None)

@@ -7,10 +7,38 @@ and page cache), so resident memory stays flat however large the result is.
 
 from __future__ import annotations
 
+import math
 import mmap
 from typing import Any
 
 import numpy as np
+
+#: results at least this large are allocated with their pages mapped at once (see new_result)
+POPULATE_BYTES = 64 << 20
+
+
+def new_result(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A new array for a result filled chunk by chunk.
+
+    A large one (``POPULATE_BYTES``) is an anonymous mapping whose pages the kernel maps in
+    one go (``MAP_POPULATE``, Linux), rather than ``np.empty``: numpy asks transparent huge
+    pages for large arrays, and where the machine's memory is fragmented the first writes
+    then wait for the kernel to compact it. Measured on this machine with PyTorch's W2 (313
+    MB of Jacobians in 64 chunks): 355 ms a call, but 490-1,280 ms in 3 of 8 calls, and 5 of
+    11 beside the baseline; populated, 385 ms every call (mapping 78 ms, copies 29 ms, where
+    np.empty without huge pages takes 169 ms). The array owns its mapping: it is unmapped
+    when the array is freed.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    flag = getattr(mmap, "MAP_POPULATE", None)
+    if nbytes < POPULATE_BYTES or flag is None:
+        return np.empty(shape, dtype)
+    try:
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flag)
+    except (OSError, ValueError):  # e.g. a limit on mappings: the ordinary allocation
+        return np.empty(shape, dtype)
+    return np.frombuffer(mm, dtype).reshape(shape)
 
 
 class ArraySink:
