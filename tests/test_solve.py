@@ -491,10 +491,18 @@ def test_n_starts_escapes_a_local_minimum() -> None:
     assert (many.start[many.residual < 1e-8] > 0).all()
     again = solve(cubic, t, x0=np.full((N, 1), -1.5), bounds=(-3.0, 3.0), n_starts=12, seed=0)
     np.testing.assert_array_equal(again.x, many.x)  # seeded
+    # 8 instances per block: the same starts, the same answers. Several starts reach the root
+    # with costs equal but for the last bits, which kernels timed per chunk size (TensorFlow:
+    # XLA or graph) may order differently: both runs fix the kernels (reproducible=True)
+    fixed = solve(cubic, t, x0=np.full((N, 1), -1.5), bounds=(-3.0, 3.0), n_starts=12, seed=0,
+                  reproducible=True)
     chunked = solve(cubic, t, x0=np.full((N, 1), -1.5), bounds=(-3.0, 3.0), n_starts=12, seed=0,
-                    chunk_size=96)  # 8 instances per block: the same starts, the same answers
-    np.testing.assert_array_equal(chunked.start, many.start)
-    np.testing.assert_allclose(chunked.x, many.x, atol=1e-12)
+                    chunk_size=96, reproducible=True)
+    np.testing.assert_array_equal(chunked.start, fixed.start)
+    np.testing.assert_allclose(chunked.x, fixed.x, atol=1e-12)
+    both = (fixed.residual < 1e-8) & (many.residual < 1e-8)
+    assert both.mean() > 0.95
+    np.testing.assert_allclose(fixed.x[both], many.x[both], atol=1e-8)  # the same root
 
 
 def test_random_starts_lie_inside_bounds() -> None:
