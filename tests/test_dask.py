@@ -124,6 +124,36 @@ def test_workers_write_the_store(client: Any, tmp_path: Any) -> None:
     assert again.computed_chunks == 0
 
 
+def test_a_cancelled_chunk_task_is_submitted_again(client: Any, tmp_path: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler may drop a task ("cancelled ... already forgotten", seen once on a
+    starved machine): the store run submits that chunk once more instead of failing."""
+    import zarr
+
+    from batchjac.examples import mlp_jacobian, mlp_weights
+
+    from .conformance import SEED_SIZES
+
+    submit, cancelled = client.submit, []
+
+    def cancel_the_first(*args: Any, **kwargs: Any) -> Any:
+        fut = submit(*args, **kwargs)
+        if not cancelled:
+            cancelled.append(fut.key)
+            client.cancel(fut)
+        return fut
+
+    monkeypatch.setattr(client, "submit", cancel_the_first)
+    unknown, known = workload_inputs("W1", 1000, seed=9)
+    res = batchjac.jacobian(seed_model("tensorflow"), unknown, known, out=str(tmp_path / "c.zarr"),
+                            chunk_size=250, client=client)
+    assert len(cancelled) == 1
+    assert (res.computed_chunks, res.resumed_chunks) == (4, 0)
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
+    stored = zarr.open_group(str(tmp_path / "c.zarr"), mode="r")["jacobians"][:]
+    np.testing.assert_allclose(stored, ref, rtol=1e-4, atol=1e-6)
+
+
 def test_interrupted_cluster_run_resumes(client: Any, tmp_path: Any) -> None:
     import subprocess
     import sys

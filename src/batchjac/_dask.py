@@ -17,6 +17,7 @@ import pickle
 import threading
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import CancelledError
 from typing import Any
 
 import numpy as np
@@ -249,6 +250,7 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
         index_of[fut] = index
         return fut
 
+    cancelled: set[int] = set()
     pending = as_completed([submit(queue.pop(0)) for _ in range(min(window, len(queue)))])
     for fut in pending:
         index = index_of.pop(fut)
@@ -256,6 +258,15 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
             done[index] = fut.result()
         except BatchJacError:
             raise
+        except CancelledError:
+            # the scheduler dropped the task (seen once on a starved machine: "already
+            # forgotten"), not the chunk failing: submit it once more under a new key
+            if index in cancelled:
+                raise ModelError(f"Chunk {index} was cancelled on the cluster twice; the chunks "
+                                 "done are kept: run the same call again to resume.") from None
+            cancelled.add(index)
+            pending.add(submit(index))
+            continue
         except Exception as e:
             raise ModelError(f"Chunk {index} failed on the cluster: {type(e).__name__}: {e}") from e
         if bar is not None:
