@@ -59,10 +59,15 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def api(folder: Path) -> dict[str, np.ndarray]:
-    """Reference results of the Python API, chunk size and mode as in the CLI calls."""
+    """Reference results of the Python API, chunk size and mode as in the CLI calls, and its
+    kernels as the stores': the first variant, not timed (TensorFlow's graph, when timed the
+    faster, differs from XLA in the last bits)."""
     u, k = np.load(folder / "u.npy"), np.load(folder / "k.npy")
     model = seed_model("tensorflow")
-    y, jac = batchjac.jacobian(model, u, k, chunk_size=128, mode="reverse", return_outputs=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATCHJAC_AUTOTUNE", "off")
+        y, jac = batchjac.jacobian(model, u, k, chunk_size=128, mode="reverse",
+                                   return_outputs=True)
     return {"y": y, "jac": jac, "u": u, "k": k}
 
 
