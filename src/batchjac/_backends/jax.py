@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 import types
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
@@ -462,24 +461,8 @@ class JaxKernel(Kernel):
             return lambda: (np.asarray(out[0]), np.asarray(out[1]))
         return lambda: (None, np.asarray(out))
 
-    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float:
-        start = time.perf_counter()
+    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         jax.block_until_ready(self._compiled[variant](self._bound.args, u, tuple(ctx)))
-        return time.perf_counter() - start
-
-    def _race(self, names: list[str], u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> dict[str, float]:
-        """Seconds a call of each: the best of a few calls each (three below 50 ms: a fresh
-        build's first calls are slow, and W3's once timed 30 ms for 7), then a race of those
-        within PRUNE of the fastest (a W2 chunk takes 0.3-0.5 s: a race of four costs
-        seconds)."""
-        times = {v: self._run(v, u, ctx) for v in names}
-        for _ in range(2 if max(times.values()) < 0.05 else 1):
-            times = {v: min(t, self._run(v, u, ctx)) for v, t in times.items()}
-        close = [v for v in names if times[v] <= self.PRUNE * min(times.values())]
-        if len(close) > 1:
-            times.update(race(lambda v: self._run(v, u, ctx), close,
-                              max(times[v] for v in close)))
-        return times
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         from .._config import autotune_enabled
@@ -501,7 +484,7 @@ class JaxKernel(Kernel):
             self._compile(v)
         # one race of all: a second race, minutes later on a shared machine, compared the
         # winner of the first with itself at another load and once took blocks for it
-        times = self._race(list(self.variants), u, ctx)
+        times = race(lambda v: self._run(v, u, ctx), self.variants, prune=self.PRUNE)
         winner = "default"
         if "no-ynnpack" in times and times["no-ynnpack"] < self.MARGIN * times["default"]:
             winner = "no-ynnpack"

@@ -530,12 +530,9 @@ class TorchKernel(Kernel):
         paths: dict[str, tuple[Mode, Engine]] = {"vmap": ("reverse", "func"),
                                                   "replicated": ("reverse", "replicated")}
 
-        def once(variant: str) -> float:
-            start = time.perf_counter()
-            self._run(paths[variant], u, ctx)
-            return time.perf_counter() - start
-
-        took = once("vmap")
+        start = time.perf_counter()
+        self._run(paths["vmap"], u, ctx)
+        took = time.perf_counter() - start
         if took >= self.REPLICATED_BELOW:  # the replicated pass holds m copies of the chunk
             self.note = (f"vmap (a chunk takes {took * 1e3:.0f} ms; the replicated pass only "
                          f"pays off for chunks under {self.REPLICATED_BELOW * 1e3:.0f} ms)")
@@ -546,8 +543,7 @@ class TorchKernel(Kernel):
             self.variants = ("vmap",)
             self.note = "vmap (the replicated pass failed)"
             return
-        slowest = max(min(once(v), once(v)) for v in paths)
-        best = race(lambda v: self._run(paths[v], u, ctx), paths, slowest, timing_seconds=0.1)
+        best = race(lambda v: self._run(paths[v], u, ctx), paths, timing_seconds=0.1)
         winner = "replicated" if best["replicated"] < self.MARGIN * best["vmap"] else "vmap"
         self._path = paths[winner]
         self.variant = winner
