@@ -19,12 +19,18 @@ import click
 class UserError(click.ClickException):
     """A mistake in the command line or its files: message to stderr, exit code 2, no traceback."""
 
-    exit_code = 2
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = code
 
 
-def load_model(target: str) -> Any:
+def load_model(target: str, *, trust: bool) -> Any:
     """MODEL as ``batchjac compute`` takes it (:func:`batchjac._loaders.load_model`): model files,
-    ``module:attr`` or ``file.py:attr`` (dotted ``attr``, ``attr()`` for a factory)."""
+    ``module:attr`` or ``file.py:attr`` (dotted ``attr``, ``attr()`` for a factory).
+
+    A model *file* that would run code while loading (a Keras ``Lambda`` layer, a pickled torch
+    module) is refused unless ``trust`` (``--trust-model``), as ``compute`` and ``solve`` do:
+    ``check`` on a file received from someone else must not run that someone's code."""
     from ._errors import BatchJacError
     from ._loaders import load_model as load
 
@@ -32,9 +38,11 @@ def load_model(target: str) -> Any:
         raise UserError(f"MODEL must be 'module:attr' or 'path/to/file.py:attr', or a model file; "
                         f"got {target!r}.")
     try:
-        return load(target, trust=True).model  # the user's own code, run as given
-    except BatchJacError as e:
-        raise UserError(str(e)) from e
+        return load(target, trust=trust).model
+    except BatchJacError as e:  # the exit codes of `compute`: 3 a missing file, 5 a refused model
+        from ._cli_compute import _exit_code
+
+        raise UserError(str(e), _exit_code(e) or 2) from e
 
 
 def load_array(path: str, what: str) -> Any:
@@ -121,6 +129,8 @@ _COMMON = [
                  help="Framework of the model (detected from it by default)."),
     click.option("--dtype", type=click.Choice(["float32", "float64"]),
                  help="Compute dtype (default: float32 unless the inputs are float64)."),
+    click.option("--trust-model", is_flag=True,
+                 help="Allow model files that run code while loading (Keras Lambda layers, pickles)."),
 ]
 
 
@@ -143,7 +153,8 @@ def _common(fn: Any) -> Any:
 @click.option("--mode", type=click.Choice(["auto", "forward", "reverse"]), default="auto",
               show_default=True, help="The mode whose Jacobians are checked.")
 def check(model: str, inputs: tuple[str, ...], known: str | None, wrt: str | None,
-          wrt_input: int | None, backend: str | None, dtype: str | None, rtol: float | None,
+          wrt_input: int | None, backend: str | None, dtype: str | None, trust_model: bool,
+          rtol: float | None,
           sample: int | None, seed: int, mode: str) -> None:
     """Check MODEL's Jacobians against central finite differences.
 
@@ -151,7 +162,7 @@ def check(model: str, inputs: tuple[str, ...], known: str | None, wrt: str | Non
     """
     from ._check import check as run_check
 
-    fn = load_model(model)
+    fn = load_model(model, trust=trust_model)
     args, wrt_arg = gather_inputs(inputs, known, wrt, wrt_input)
     report = _guard(run_check, fn, *args, wrt=wrt_arg, rtol=rtol, sample=sample, seed=seed,
                     mode=mode, dtype=dtype, backend=backend)
@@ -174,7 +185,8 @@ def check(model: str, inputs: tuple[str, ...], known: str | None, wrt: str | Non
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
               help="Directory for mean.npy (N, *output_shape) and cov.npy (N, m, m).")
 def propagate(model: str, inputs: tuple[str, ...], known: str | None, wrt: str | None,
-              wrt_input: int | None, backend: str | None, dtype: str | None, cov: str | None,
+              wrt_input: int | None, backend: str | None, dtype: str | None, trust_model: bool,
+              cov: str | None,
               std: str | None, method: str, samples: int, seed: int, output: str) -> None:
     """Propagate input uncertainty through MODEL: per-instance output mean and covariance.
 
@@ -187,7 +199,7 @@ def propagate(model: str, inputs: tuple[str, ...], known: str | None, wrt: str |
     from ._propagate import propagate as run_propagate
     from ._validate import normalize
 
-    fn = load_model(model)
+    fn = load_model(model, trust=trust_model)
     args, wrt_arg = gather_inputs(inputs, known, wrt, wrt_input)
     cov_arr = load_array(cov, "--cov") if cov is not None else None
     std_arr: Any = None
@@ -251,7 +263,7 @@ def propagate(model: str, inputs: tuple[str, ...], known: str | None, wrt: str |
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
               help="Directory for report.md and its PNG charts.")
 def report(model: str | None, inputs: tuple[str, ...], known: str | None, wrt: str | None,
-           wrt_input: int | None, backend: str | None, dtype: str | None,
+           wrt_input: int | None, backend: str | None, dtype: str | None, trust_model: bool,
            jacobians: str | None, outputs: str | None, input_names: str | None,
            output_names: str | None, by: str, top: int, output: str) -> None:
     """Sensitivity report: heatmap, per-output bar charts and report.md.
@@ -278,7 +290,7 @@ def report(model: str | None, inputs: tuple[str, ...], known: str | None, wrt: s
         assert model is not None
         if outputs is not None:
             raise UserError("--outputs goes with --jacobians; with MODEL the outputs are computed.")
-        fn = load_model(model)
+        fn = load_model(model, trust=trust_model)
         args, wrt_arg = gather_inputs(inputs, known, wrt, wrt_input)
         y, jac = _guard(jacobian, fn, *args, wrt=wrt_arg, dtype=dtype, backend=backend,
                         return_outputs=True)
