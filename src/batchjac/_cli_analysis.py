@@ -21,7 +21,7 @@ class UserError(click.ClickException):
 
     def __init__(self, message: str, code: int = 2) -> None:
         super().__init__(message)
-        self.exit_code = code
+        self.exit_code = code  # type: ignore[misc]  # click types it a ClassVar; set per error here
 
 
 def load_model(target: str, *, trust: bool) -> Any:
