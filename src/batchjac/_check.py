@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ._bind import prepare
 from ._errors import BatchJacError, InputError, add_context
 from ._evaluate import (
     Evaluator,
@@ -25,7 +26,6 @@ from ._evaluate import (
     subset,
     with_dtype,
 )
-from ._jacobian import prepare
 from ._plan import ModeArg
 from ._spec import BatchSpec
 from ._validate import DTypeLike, normalize

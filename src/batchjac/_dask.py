@@ -11,12 +11,13 @@ This module sees numpy and Dask only; the model stays an opaque object.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -117,22 +118,22 @@ _WORKER_MODELS: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
-def _block(model: Any, form: str, keys: tuple[str, ...] | None, kw: dict[str, Any], *blocks: Any) -> Any:
-    from ._jacobian import jacobian
-
+def _block(compute: Callable[..., Any], model: Any, form: str, keys: tuple[str, ...] | None,
+           kw: dict[str, Any], *blocks: Any) -> Any:
+    """One task: ``compute`` (``batchjac.jacobian``, pickled by reference) on one block of rows."""
     if isinstance(model, ModelRef):
         model = model.load()
-    return jacobian(model, *_pack(form, keys, [np.asarray(b) for b in blocks]), **kw)
+    return compute(model, *_pack(form, keys, [np.asarray(b) for b in blocks]), **kw)
 
 
-def dask_jacobian(model: Any, inputs: tuple[Any, ...], *, client: Any, rows_per_task: int | None,
-                  return_outputs: bool, kw: dict[str, Any]) -> Any:
-    """The Dask path of :func:`batchjac.jacobian` (``kw`` holds its other options)."""
+def dask_jacobian(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ...], *, client: Any,
+                  rows_per_task: int | None, return_outputs: bool, kw: dict[str, Any]) -> Any:
+    """The Dask path of :func:`batchjac.jacobian` (``kw`` holds its other options); ``compute``
+    is the in-memory verb each task runs on its block (handed in: this module sits below it)."""
     import dask
     import dask.array as da
 
-    from ._jacobian import jacobian
-
+    jacobian = compute
     form, arrays, keys = _flatten(inputs)
     lazy = any(is_dask_array(a) for a in arrays)
     n = int(arrays[0].shape[0])
@@ -164,7 +165,8 @@ def dask_jacobian(model: Any, inputs: tuple[Any, ...], *, client: Any, rows_per_
             # the block travels inside its task (not scattered): if the worker holding it dies,
             # the scheduler still has it and reruns the task elsewhere
             blocks = [np.ascontiguousarray(a[lo:hi]) for a in arrays]
-            futures.append(client.submit(_block, ref, form, keys, block_kw, *blocks, pure=False, retries=2))
+            futures.append(client.submit(_block, compute, ref, form, keys, block_kw, *blocks, pure=False,
+                                         retries=2))
         parts = client.gather(futures)
         if return_outputs:
             return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
@@ -176,7 +178,8 @@ def dask_jacobian(model: Any, inputs: tuple[Any, ...], *, client: Any, rows_per_
              for a in arrays]
     ys, js = [], []
     for i, rows in enumerate(row_chunks):
-        task = dask.delayed(_block, pure=True)(model_ref, form, keys, block_kw, *[d.blocks[i] for d in darrs])
+        task = dask.delayed(_block, pure=True)(compute, model_ref, form, keys, block_kw,
+                                               *[d.blocks[i] for d in darrs])
         if return_outputs:
             ys.append(da.from_delayed(task[0], shape=(rows, *y_tail), dtype=y_head.dtype))
             js.append(da.from_delayed(task[1], shape=(rows, *j_tail), dtype=j_head.dtype))
@@ -195,7 +198,7 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
     The same steps, hashes and records as the local path (``_stores._compute_chunks``)."""
     from pathlib import Path
 
-    from ._jacobian import prepare
+    from ._bind import prepare
     from ._runner import pad_chunk
     from ._spec import BatchSpec
     from ._stores import _FORMATS, _input_hash, _WorkDir, hash_arrays
@@ -275,43 +278,42 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
             pending.add(submit(queue.pop(0)))
 
 
-def run(model: Any, inputs: tuple[Any, ...], *, client: Any, scheduler: str | None,
-        rows_per_task: int | None, out: Any, kw: dict[str, Any]) -> Any:
-    """Entry from :func:`batchjac.jacobian` when a client, a scheduler or Dask arrays are given."""
-    own = None
-    if client is None and scheduler is not None:
-        own = client = make_client(scheduler)
+@contextlib.contextmanager
+def client_for(client: Any, scheduler: str | None) -> Iterator[Any]:
+    """``client``, or one made from ``scheduler`` for the call and closed after it."""
+    if client is not None or scheduler is None:
+        yield client
+        return
+    own = make_client(scheduler)
     try:
-        from ._stores import is_store_target
-
-        if is_store_target(out):
-            if uses_dask(inputs):
-                raise InputError(
-                    "`out` is a store, but the inputs are Dask arrays: give numpy arrays or files "
-                    "(the workers write the store), or compute the lazy result yourself with "
-                    "da.to_zarr.")
-            if client is None:
-                raise InputError("Writing a store on Dask needs `client=` or `scheduler=`.")
-            from ._backends import detect
-            from ._stores import as_store, compute_to_store
-            from ._validate import normalize
-
-            spec = normalize(inputs, wrt=kw["wrt"], dtype=kw["dtype"], nan_policy=kw["nan_policy"])
-            return compute_to_store(
-                model, spec, kw["backend"] or detect(model), store=as_store(out), mode=kw["mode"],
-                chunk_size=kw["chunk_size"], max_memory=kw["max_memory"],
-                return_outputs=kw["return_outputs"], nan_policy=kw["nan_policy"],
-                options=kw["backend_options"] or {}, explain=kw["explain"], progress=kw["progress"],
-                client=client)
-        if out is not None:
-            raise InputError("On Dask, `out` must be a store path (e.g. 'jac.zarr') or None.")
-        return_outputs = kw.pop("return_outputs", False)
-        kw.pop("progress", None)
-        return dask_jacobian(model, inputs, client=client, rows_per_task=rows_per_task,
-                             return_outputs=return_outputs, kw=kw)
+        yield own
     finally:
-        if own is not None:
-            cluster = getattr(own, "cluster", None)
-            own.close()
-            if cluster is not None and scheduler is not None and scheduler.startswith("local:"):
-                cluster.close()
+        cluster = getattr(own, "cluster", None)
+        own.close()
+        if cluster is not None and scheduler.startswith("local:"):
+            cluster.close()
+
+
+def run(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ...], *, client: Any,
+        rows_per_task: int | None, out: Any, kw: dict[str, Any]) -> Any:
+    """In-memory results on Dask (a lazy Dask array for Dask inputs, numpy for numpy inputs);
+    ``compute`` is the verb each task runs on its block of rows. Stores on Dask go through
+    :func:`store_chunks_on_cluster`, chosen by the caller."""
+    if out is not None:
+        raise InputError("On Dask, `out` must be a store path (e.g. 'jac.zarr') or None.")
+    kw = dict(kw)
+    return_outputs = kw.pop("return_outputs", False)
+    kw.pop("progress", None)
+    return dask_jacobian(compute, model, inputs, client=client, rows_per_task=rows_per_task,
+                         return_outputs=return_outputs, kw=kw)
+
+
+def check_store_inputs(inputs: tuple[Any, ...], client: Any) -> None:
+    """A store written on Dask takes numpy arrays or files (the workers write it)."""
+    if uses_dask(inputs):
+        raise InputError(
+            "`out` is a store, but the inputs are Dask arrays: give numpy arrays or files "
+            "(the workers write the store), or compute the lazy result yourself with "
+            "da.to_zarr.")
+    if client is None:
+        raise InputError("Writing a store on Dask needs `client=` or `scheduler=`.")

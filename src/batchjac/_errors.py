@@ -33,6 +33,10 @@ class RowInteractionError(ModelError):
     """The output of one instance depends on the inputs of another instance."""
 
 
+class ModelLoadError(ModelError):
+    """The model file exists but cannot be loaded (or is unsafe to load without trust)."""
+
+
 class BackendNotAvailableError(BatchJacError, ImportError):
     """The framework a model needs is not installed (also an ``ImportError``)."""
 

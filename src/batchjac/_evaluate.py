@@ -14,9 +14,9 @@ import numpy as np
 
 from . import _backends
 from ._autotune import tune
+from ._bind import plan_for, prepare
 from ._config import default_max_memory, parse_bytes
 from ._errors import BatchJacError, InputError, ModelError, add_context
-from ._jacobian import plan_for, prepare
 from ._plan import ModeArg, Plan
 from ._runner import _pad, pad_chunk
 from ._spec import BatchSpec

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from . import _backends, _fastpath
 from ._autotune import tune, tune_rows
-from ._config import autotune_enabled, default_max_memory, parse_bytes, probes_enabled
+from ._bind import BackendName, plan_for, prepare
+from ._config import autotune_enabled
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
-from ._plan import ModeArg, Plan, make_plan
-from ._probes import run_probes
+from ._plan import ModeArg
 from ._runner import run_chunks, run_single
 from ._sinks import ArraySink, new_result
 from ._spec import BatchSpec
@@ -24,9 +23,6 @@ from ._stores import StoreError, as_store, compute_to_store, is_store_target, pr
 from ._validate import DTypeLike, NanPolicy, normalize
 
 log = logging.getLogger("batchjac")
-
-BackendName = Literal["tensorflow", "torch", "jax"]
-
 
 def jacobian(
     model: Any,
@@ -100,14 +96,12 @@ def jacobian(
     """
     if client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in inputs) and uses_dask(inputs)):
-        from ._dask import run as run_on_dask
-
-        kw = {"wrt": wrt, "mode": mode, "chunk_size": chunk_size, "max_memory": max_memory,
-              "dtype": dtype, "return_outputs": return_outputs, "nan_policy": nan_policy,
-              "backend": backend, "backend_options": backend_options, "explain": explain,
-              "progress": progress}
-        return run_on_dask(model, inputs, client=client, scheduler=scheduler,
-                           rows_per_task=rows_per_task, out=out, kw=kw)
+        return _on_dask(model, inputs, client=client, scheduler=scheduler, rows_per_task=rows_per_task,
+                        out=out, kw={"wrt": wrt, "mode": mode, "chunk_size": chunk_size,
+                                     "max_memory": max_memory, "dtype": dtype,
+                                     "return_outputs": return_outputs, "nan_policy": nan_policy,
+                                     "backend": backend, "backend_options": backend_options,
+                                     "explain": explain, "progress": progress})
     fast = None
     if out is None and not explain and not progress and backend_options is None:
         fast = _fastpath.key(model, inputs, (_wrt_key(wrt), mode, chunk_size, max_memory, str(dtype),
@@ -159,34 +153,29 @@ def jacobian(
         raise add_context(e, f"backend={name}; inputs: {shapes}; compute dtype {spec.dtype}") from e
 
 
-def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any]
-            ) -> _backends.BoundModel:
-    """Bind the model to the batch signature (cached) and run the one-off probes."""
-    be = _backends.get_backend(backend)
-    sig = _backends.Signature(layout=spec.layout, dtype=spec.dtype,
-                              unknown_shape=spec.unknown_shape, ctx=spec.ctx_specs())
-    bound = _backends.bind(be, model, sig, **options)
-    bound.refresh()
-    if not bound.probed:
-        unknown_name = spec.names[0 if spec.layout.kind == "concat" else spec.layout.wrt_index]
-        if probes_enabled():
-            run_probes(bound, spec, unknown_name)
-        else:  # still need the output shape
-            u, ctx = spec.chunk(0, min(spec.n, 2))
-            bound.output_shape = tuple(bound.forward(u, ctx).shape[1:])
-            bound.probed = True
-    return bound
+def _on_dask(model: Any, inputs: tuple[Any, ...], *, client: Any, scheduler: str | None,
+             rows_per_task: int | None, out: Any, kw: dict[str, Any]) -> Any:
+    """The Dask paths: a store written by the workers, or in-memory results (lazy for Dask
+    inputs). The per-block and per-chunk work is handed to :mod:`batchjac._dask`, which sits
+    below this module."""
+    import functools
 
+    from . import _dask
 
-def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
-             chunk_size: int | None, max_memory: int | str | None) -> Plan:
-    assert bound.output_shape is not None
-    m = math.prod(bound.output_shape)
-    in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
-    budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
-    plan = make_plan(n=spec.n, k=spec.k, m=m, in_elems=in_elems, dtype=spec.dtype, mode=mode,
-                     chunk_size=chunk_size, max_memory=budget)
-    return plan
+    with _dask.client_for(client, scheduler) as client:
+        if not is_store_target(out):
+            return _dask.run(jacobian, model, inputs, client=client, rows_per_task=rows_per_task,
+                             out=out, kw=kw)
+        _dask.check_store_inputs(inputs, client)
+        spec = normalize(inputs, wrt=kw["wrt"], dtype=kw["dtype"], nan_policy=kw["nan_policy"])
+        name = kw["backend"] or _backends.detect(model)
+        options = kw["backend_options"] or {}
+        on_cluster = functools.partial(_dask.store_chunks_on_cluster, client, model, name, options)
+        return compute_to_store(
+            model, spec, name, store=as_store(out), mode=kw["mode"], chunk_size=kw["chunk_size"],
+            max_memory=kw["max_memory"], return_outputs=kw["return_outputs"],
+            nan_policy=kw["nan_policy"], options=options, explain=kw["explain"],
+            progress=kw["progress"], compute_chunks=on_cluster)
 
 
 def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,

@@ -56,9 +56,9 @@ import numpy as np
 
 from . import _backends
 from ._autotune import time_modes, tune
+from ._bind import BackendName, prepare
 from ._config import autotune_enabled, default_max_memory, parse_bytes
 from ._errors import BatchJacError, InputError, InputTypeError, ModelError, add_context
-from ._jacobian import BackendName, prepare
 from ._plan import ModeArg, make_plan
 from ._validate import DTypeLike, normalize, resolve_dtype, to_numpy
 

@@ -163,8 +163,8 @@ def solve_to_store(
     """Solve every instance of ``inputs`` (see :func:`batchjac.solve` for the options) into a
     resumable output at ``out`` (see the module docstring)."""
     from . import _backends
+    from ._bind import prepare
     from ._config import default_max_memory, parse_bytes
-    from ._jacobian import prepare
     from ._plan import make_plan
     from ._solve import Status, _n_unknowns, solve
     from ._validate import normalize, resolve_dtype

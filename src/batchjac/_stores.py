@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import functools
 import hashlib
 import json
 import math
@@ -877,12 +876,14 @@ def compute_to_store(
     options: dict[str, Any],
     explain: bool,
     progress: bool | Callable[[int], None],
-    client: Any = None,
+    compute_chunks: Callable[..., None] | None = None,
 ) -> StoreResult:
-    """Compute into a resumable store (see the module docstring for the guarantees). With a
-    Dask ``client`` the chunks are computed and written by the workers (same records, same
-    guarantees); only input rows and small records pass through this process."""
-    from ._jacobian import plan_for, prepare
+    """Compute into a resumable store (see the module docstring for the guarantees).
+
+    ``compute_chunks`` computes and writes the chunks still to do (the local threaded loop by
+    default); the Dask path hands in one whose workers compute and write them (same records,
+    same guarantees; only input rows and small records pass through this process)."""
+    from ._bind import plan_for, prepare
 
     start = time.perf_counter()
     out = Path(store.path)
@@ -920,11 +921,7 @@ def compute_to_store(
     except OSError as e:
         raise _write_error(e, out, "the work directory") from e
     try:
-        compute = _compute_chunks
-        if client is not None:
-            from ._dask import store_chunks_on_cluster
-
-            compute = functools.partial(store_chunks_on_cluster, client, model, backend, options)
+        compute = _compute_chunks if compute_chunks is None else compute_chunks
         return _run(bound, spec, fmt, work, out, store, job, arrays_meta, probe, mode=mode,
                     chunk_size=chunk_size, max_memory=max_memory, return_outputs=return_outputs,
                     explain=explain, progress=progress, start=start, plan_for=plan_for,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._errors import ModelError
+from .._errors import ModelLoadError as ModelLoadError
 from .._fingerprint import file_fingerprint, model_fingerprint
 from .._io import InputFileError
 
@@ -32,10 +32,6 @@ EXPORT_SUFFIXES = (".pt2",)
 MODEL_FORMATS_HELP = ("a Keras .keras/.h5 file, a TensorFlow SavedModel directory, a TorchScript "
                       ".pt file, a torch.export .pt2 file, or a Python callable as module:attr or "
                       "file.py:attr")
-
-
-class ModelLoadError(ModelError):
-    """The model file exists but cannot be loaded (or is unsafe to load without trust)."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf
 
-from . import ModelLoadError
+from .._errors import ModelLoadError
 
 
 def load_keras(path: str, *, trust: bool) -> Any:

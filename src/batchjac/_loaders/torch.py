@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import ModelLoadError
+from .._errors import ModelLoadError
 
 
 def load_torchscript(path: str, *, trust: bool) -> Any:

@@ -1,0 +1,134 @@
+"""The layering of the package, read from its source: no import cycles (function-level imports
+included: a cycle hidden inside a function is still a cycle), and frameworks imported only by
+the modules whose job is a framework.
+
+The graph is built from the AST of every module, so it sees every ``import`` statement
+whether or not it runs; ``if TYPE_CHECKING:`` imports are left out (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import batchjac
+
+PACKAGE = Path(batchjac.__file__).parent
+FRAMEWORKS = {"tensorflow", "keras", "tf_keras", "torch", "torchvision", "jax", "jaxlib", "flax",
+              "equinox", "onnx", "onnx2torch", "onnxruntime"}
+#: modules whose job is one framework, and the only ones that may import it:
+#: the backends (the kernels), the loaders of framework model files, the example models built
+#: in each framework, and the benchmark harness (it times each framework's native answer).
+FRAMEWORK_MODULES = ("batchjac._backends.", "batchjac._loaders.tensorflow", "batchjac._loaders.torch",
+                     "batchjac._loaders.onnx", "batchjac._examples.keras", "batchjac._examples.torch",
+                     "batchjac._examples.jax", "batchjac._bench.")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                stack.extend(child.orelse)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child
+            stack.append(child)
+
+
+def _targets(module: str, path: Path, node: ast.Import | ast.ImportFrom,
+             known: dict[str, Path]) -> Iterator[str]:
+    """Absolute names of the modules ``node`` imports: for ``from X import y``, ``X.y`` when it is
+    a module, and ``X`` when ``y`` is a name defined in it."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name
+        return
+    if node.level:
+        base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    names = [f"{source}.{alias.name}" for alias in node.names]
+    yield from (name for name in names if name in known)
+    if any(name not in known for name in names):  # a name defined in ``source`` itself
+        yield source
+
+
+def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    known = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in known}
+    external: dict[str, set[str]] = {m: set() for m in known}
+    for module, path in known.items():
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            for target in _targets(module, path, node, known):
+                if target in known and target != module:
+                    edges[module].add(target)
+                elif not target.startswith("batchjac"):
+                    external[module].add(target.split(".")[0])
+    return edges, external
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph, as a path that starts and ends at the same module."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (found := visit(start)) is not None:
+            return found
+    return None
+
+
+def test_the_graph_is_read() -> None:
+    edges, external = _graph()
+    # a few edges that must exist, so that a parser that reads nothing cannot pass
+    assert "batchjac._errors" in edges["batchjac._config"]
+    assert "torch" in external["batchjac._backends.torch"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles() -> None:
+    edges, _ = _graph()
+    cycle = _cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_frameworks_only_in_framework_modules() -> None:
+    _, external = _graph()
+    wrong = {module: sorted(names & FRAMEWORKS) for module, names in external.items()
+             if names & FRAMEWORKS and not (module + ".").startswith(FRAMEWORK_MODULES)
+             and not module.startswith(FRAMEWORK_MODULES)}
+    assert not wrong, f"framework imports outside the backend and adapter modules: {wrong}"
