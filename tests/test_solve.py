@@ -17,8 +17,9 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import batchjac  # noqa: E402
+from batchjac._api.solve import solve  # noqa: E402
 from batchjac._examples import keras as keras_examples  # noqa: E402
-from batchjac._solve import IterationInfo, SolveResult, Status, solve  # noqa: E402
+from batchjac._solve import IterationInfo, SolveResult, Status  # noqa: E402
 from batchjac.examples import mlp_forward, mlp_weights, workload_inputs, workload_model  # noqa: E402
 
 N = 64  # one batch size throughout, so the compiled kernels are shared between tests

@@ -4,25 +4,41 @@
 that kind is first used.
 """
 
+from ._api.solve import solve as solve
 from ._check import CheckReport as CheckReport, check as check
 from ._errors import (
     BackendNotAvailableError as BackendNotAvailableError,
     BatchJacError as BatchJacError,
+    BatchJacWarning as BatchJacWarning,
+    CovarianceClippedWarning as CovarianceClippedWarning,
+    ForwardModeFallbackWarning as ForwardModeFallbackWarning,
     InputError as InputError,
+    InputFileError as InputFileError,
     InputTypeError as InputTypeError,
     ModelError as ModelError,
+    ModelLoadError as ModelLoadError,
     NotConnectedError as NotConnectedError,
     RowInteractionError as RowInteractionError,
+    StoreBusyError as StoreBusyError,
+    StoreError as StoreError,
+    StoreExistsError as StoreExistsError,
+    StoreMismatchError as StoreMismatchError,
+    StoreWriteError as StoreWriteError,
+    TrainingModeWarning as TrainingModeWarning,
+    XLAFallbackWarning as XLAFallbackWarning,
 )
 from ._jacobian import jacobian as jacobian
-from ._propagate import (
-    CovarianceClippedWarning as CovarianceClippedWarning,
-    Propagation as Propagation,
-    propagate as propagate,
-)
+from ._propagate import Propagation as Propagation, propagate as propagate
 from ._report import write_report as write_report
 from ._sensitivity import Sensitivity as Sensitivity, elasticities as elasticities, sensitivity as sensitivity
-from ._solve import SolveResult as SolveResult, Status as Status, solve as solve
+from ._solve import SolveResult as SolveResult, Status as Status
+from ._solve_store import SolveStoreResult as SolveStoreResult
+from ._stores import (
+    Store as Store,
+    StoreResult as StoreResult,
+    open_store as open_store,
+    read_manifest as read_manifest,
+)
 from ._version import __version__ as __version__
 
 __all__ = [
@@ -38,13 +54,29 @@ __all__ = [
     "write_report",
     "solve",
     "SolveResult",
+    "SolveStoreResult",
     "Status",
+    "Store",
+    "StoreResult",
+    "open_store",
+    "read_manifest",
     "BatchJacError",
     "InputError",
+    "InputFileError",
     "InputTypeError",
     "ModelError",
+    "ModelLoadError",
     "NotConnectedError",
     "RowInteractionError",
     "BackendNotAvailableError",
+    "StoreError",
+    "StoreExistsError",
+    "StoreMismatchError",
+    "StoreBusyError",
+    "StoreWriteError",
+    "BatchJacWarning",
+    "ForwardModeFallbackWarning",
+    "TrainingModeWarning",
+    "XLAFallbackWarning",
     "__version__",
 ]

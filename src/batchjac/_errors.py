@@ -41,6 +41,61 @@ class BackendNotAvailableError(BatchJacError, ImportError):
     """The framework a model needs is not installed (also an ``ImportError``)."""
 
 
+class StoreError(BatchJacError):
+    """A problem with the output store rather than with the model or the inputs."""
+
+
+class StoreExistsError(StoreError):
+    """The output exists (and is not this job's), or is in use; nothing was written."""
+
+
+class StoreMismatchError(StoreExistsError):
+    """The output, or its unfinished store, was made by a different job."""
+
+
+class StoreBusyError(StoreExistsError):
+    """Another process is writing this store."""
+
+
+class StoreWriteError(StoreError):
+    """Writing the store failed (full disk, permissions, I/O error). Finished chunks are kept:
+    run the same call again to continue."""
+
+    def __init__(self, message: str, errno_: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno_
+
+
+class InputFileError(InputError):
+    """An input or model file is missing, unreadable, or of a format batchjac does not read."""
+
+
+# -- warnings: one root, so that ``warnings.filterwarnings("ignore", category=BatchJacWarning)``
+# silences batchjac without silencing anything else
+
+
+class BatchJacWarning(UserWarning):
+    """Root of the warnings batchjac issues."""
+
+
+class CovarianceClippedWarning(BatchJacWarning):
+    """The unscented transform gave covariances that were not positive semi-definite."""
+
+
+class ForwardModeFallbackWarning(BatchJacWarning):
+    """Forward mode failed for this model (an operator without a forward-mode rule);
+    batchjac computes the Jacobians in reverse mode instead."""
+
+
+class TrainingModeWarning(BatchJacWarning):
+    """The model was in training mode with layers that behave differently in eval mode;
+    batchjac evaluates it in eval mode."""
+
+
+class XLAFallbackWarning(BatchJacWarning):
+    """XLA could not compile the model; batchjac runs it as a plain TensorFlow graph."""
+
+
 def add_context(err: BatchJacError, context: str) -> BatchJacError:
     """Return a copy of ``err`` of the same class whose message ends with ``context``."""
     new = type(err)(f"{err}\n  [{context}]")

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import InputError
+from ._errors import InputError, InputFileError as InputFileError
 
 NPY_SUFFIXES = (".npy",)
 NPZ_SUFFIXES = (".npz",)
@@ -44,10 +44,6 @@ HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5")
 ZARR_SUFFIXES = (".zarr",)
 
 FORMATS_HELP = (".npy, .npz[:key], .csv, .tsv, .parquet, .h5/.hdf5[:/dataset] and .zarr[:array]")
-
-
-class InputFileError(InputError):
-    """An input or model file is missing, unreadable, or of a format batchjac does not read."""
 
 
 class Reader:

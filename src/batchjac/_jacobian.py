@@ -72,10 +72,10 @@ def jacobian(
     ``.tsv``, ``.parquet``, ``.h5:/dataset``, ``.zarr``), an h5py dataset, a Zarr array or an
     ``np.memmap``; with column names (CSV, Parquet) ``wrt`` may name columns.
     ``out`` may be a path (``"jac.zarr"``, ``"jac.h5"``, ``"jac.npy"``) or a
-    :class:`~batchjac._stores.Store`: the result is written there chunk by chunk, memory
+    :class:`batchjac.Store`: the result is written there chunk by chunk, memory
     stays flat however many rows there are, and a call that was killed continues where it
     stopped when made again (bitwise the same result). It then returns a
-    :class:`~batchjac._stores.StoreResult` (path, rows, mode, chunk size, chunks resumed and
+    :class:`batchjac.StoreResult` (path, rows, mode, chunk size, chunks resumed and
     computed, time; ``.open()`` reads the stored array lazily). With ``return_outputs=True``
     the store holds the outputs too.
 

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ._errors import BatchJacError, InputError, add_context
+from ._errors import BatchJacError, CovarianceClippedWarning, InputError, add_context
 from ._evaluate import (
     Evaluator,
     bind,
@@ -41,10 +41,6 @@ from ._validate import DTypeLike, normalize
 
 Method = Literal["linear", "unscented", "monte_carlo"]
 _METHODS = ("linear", "unscented", "monte_carlo")
-
-
-class CovarianceClippedWarning(UserWarning):
-    """The unscented transform gave covariances that were not positive semi-definite."""
 
 
 @dataclass

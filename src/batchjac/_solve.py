@@ -199,62 +199,8 @@ def solve(
     callback: Callable[[IterationInfo], None] | None = None,
     reproducible: bool = False,
 ) -> SolveResult:
-    """Find the unknowns ``x_i`` with ``model(concat([x_i, known_i])) ≈ targets_i``, per instance.
-
-    Minimises ``0.5 * sum_j w_ij (f_j - targets_ij)^2`` for every instance independently, all
-    instances at once, with exact Jacobians from the model's framework (any backend).
-
-    - ``model`` takes ``concat([x, known], axis=-1)`` (the ``jacobian(model, unknown, known)``
-      layout), or ``x`` alone when ``known`` is None. ``x`` is ``(N, k)``.
-    - ``targets``: ``(N, *output_shape)``. ``known``: ``(N, h)`` or None.
-    - ``x0``: ``(N, k)``, ``(k,)`` or None (zeros, moved into the bounds; the midpoint where
-      both bounds are finite). ``k`` comes from ``x0``, the bounds or ``n_unknowns``.
-    - ``bounds=(lower, upper)``: each a scalar, ``(k,)`` or ``(N, k)``; ±inf or None for none.
-      Every point the model is evaluated at lies within them.
-    - ``method``: "lm" (Levenberg-Marquardt) or "gn" (Gauss-Newton with a line search).
-    - ``max_iter``: trial steps per instance (each costs one batched model evaluation).
-    - ``xtol``, ``ftol``, ``gtol``: convergence tolerances (see :class:`Status`); default 1e-8
-      when computing in float64, 1e-6 in float32 (whose rounding noise hides smaller changes).
-    - ``weights`` (``w``) or ``sigma`` (standard deviations, ``w = 1/sigma^2``): scalar,
-      ``output_shape`` or ``(N, *output_shape)``. Zero weights drop an output.
-    - ``n_starts`` > 1: also start from ``n_starts - 1`` random points (uniform in the box
-      where both bounds are finite, else ``x0 + max(1, |x0|) * N(0, 1)`` moved into the
-      bounds; ``seed`` fixes them) and keep the lowest cost per instance.
-    - ``return_jacobian``: also return the model Jacobian at the solution.
-    - ``return_covariance``: also return ``s^2 (JᵀWJ)^-1``; ``s^2 = 1`` when ``sigma`` was
-      given (absolute uncertainties), else ``2 cost / (m - k)`` (weights are relative). NaN
-      where it does not exist: rank deficiency, or ``m <= k`` without ``sigma``. It is the
-      linearisation at ``x``: for unknowns held on a bound it ignores the bound.
-    - ``dtype``, ``mode``, ``chunk_size``, ``max_memory``, ``backend``, ``backend_options``: as
-      in :func:`batchjac.jacobian`. Float64 is used when any of targets, known or x0 is float64.
-    - ``callback(info)``: called after every batched evaluation with the points evaluated.
-    - ``reproducible``: choose the mode from the cost model and the padded chunk sizes from the
-      number of active instances alone, never from timings, so that the same call gives the
-      same bytes in every run (``batchjac solve``'s resumable output relies on it). It may
-      compile a few more chunk kernels than the default, which weighs padding against
-      measured compilation time.
-
-    Returns a :class:`SolveResult`. ``success`` means the iterations converged (``status`` says
-    on which test), as in ``scipy.optimize.least_squares``: a local minimum with a large
-    residual (an unreachable target) converges too, so look at ``residual`` to tell whether the
-    targets were matched. ``rank_deficient`` flags instances whose unknowns the outputs do not
-    determine (always so when k > m: the damped steps then stay close to ``x0`` in the
-    directions the outputs do not see, a minimum-norm-like solution).
-
-    Instances with NaN/Inf in their targets or known inputs get ``Status.INVALID_INPUT``; the
-    others are solved. A model returning NaN/Inf at a trial point rejects that step and raises
-    the damping (LM) or shortens the step (GN); errors the model raises propagate.
-
-    >>> import numpy as np, batchjac
-    >>> from batchjac.examples import workload_model
-    >>> model = workload_model("W3", "tensorflow", dtype="float64")  # 4 unknown + 4 known -> 512
-    >>> rng = np.random.default_rng(0)
-    >>> x_true, known = rng.uniform(-1, 1, (100, 4)), rng.normal(size=(100, 4))
-    >>> targets = batchjac.jacobian(model, x_true, known, return_outputs=True)[0]
-    >>> res = batchjac.solve(model, targets, known, x0=np.zeros((100, 4)))
-    >>> bool(res.success.all()), float(np.abs(res.x - x_true).max()) < 1e-6
-    (True, True)
-    """
+    """The in-memory solver behind :func:`batchjac.solve` (documented there): every instance of
+    ``targets`` at once, the result in memory."""
     start_time = time.perf_counter()
     if method not in ("lm", "gn"):
         raise InputError(f"`method` must be 'lm' (Levenberg-Marquardt) or 'gn' (Gauss-Newton); "

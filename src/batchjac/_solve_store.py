@@ -108,6 +108,12 @@ class SolveStoreResult:
     status_counts: dict[str, int]
     seconds: float
 
+    def open(self, name: str = "x") -> Any:
+        """One array of the finished output, read lazily (memory-mapped ``.npy``, a Zarr array
+        or an h5py dataset): ``x``, ``residual``, ``success``, ``status``, ...; ``covariance``
+        and ``jacobian`` when they were asked for."""
+        return open_result(self.path, name)
+
     def summary(self) -> dict[str, Any]:
         data = dict(self.__dict__)
         data["instances_per_second"] = self.instances / self.seconds if self.seconds > 0 else None

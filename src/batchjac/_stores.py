@@ -63,7 +63,15 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import BatchJacError, InputError
+from ._errors import (
+    BatchJacError,
+    InputError,
+    StoreBusyError as StoreBusyError,
+    StoreError as StoreError,
+    StoreExistsError as StoreExistsError,
+    StoreMismatchError as StoreMismatchError,
+    StoreWriteError as StoreWriteError,
+)
 from ._io import InputFileError
 from ._sinks import ArraySink
 from ._spec import BatchSpec
@@ -80,31 +88,6 @@ PROBE_VALUES = 64
 
 FORMAT_SUFFIXES = {".npy": "npy", ".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".he5": "hdf5",
                    ".zarr": "zarr"}
-
-
-class StoreError(BatchJacError):
-    """A problem with the output store rather than with the model or the inputs."""
-
-
-class StoreExistsError(StoreError):
-    """The output exists (and is not this job's), or is in use; nothing was written."""
-
-
-class StoreMismatchError(StoreExistsError):
-    """The output, or its unfinished store, was made by a different job."""
-
-
-class StoreBusyError(StoreExistsError):
-    """Another process is writing this store."""
-
-
-class StoreWriteError(StoreError):
-    """Writing the store failed (full disk, permissions, I/O error). Finished chunks are kept:
-    run the same call again to continue."""
-
-    def __init__(self, message: str, errno_: int | None = None) -> None:
-        super().__init__(message)
-        self.errno = errno_
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's C++ start-up cha
 import numpy as np
 import tensorflow as tf
 
-from .._errors import InputError, ModelError
+from .._errors import InputError, ModelError, XLAFallbackWarning as XLAFallbackWarning
 from .._spec import assemble
 from ._base import Backend, BoundModel, Kernel, Mode, Signature
-
-
-class XLAFallbackWarning(UserWarning):
-    """XLA could not compile the model; batchjac runs it as a plain TensorFlow graph."""
 
 
 def _keras_module() -> Any | None:

@@ -39,20 +39,15 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .._errors import InputError, ModelError, NotConnectedError
+from .._errors import (
+    ForwardModeFallbackWarning as ForwardModeFallbackWarning,
+    InputError,
+    ModelError,
+    NotConnectedError,
+    TrainingModeWarning as TrainingModeWarning,
+)
 from .._spec import assemble
 from ._base import Backend, BoundModel, Kernel, Mode, Signature, race
-
-
-class ForwardModeFallbackWarning(UserWarning):
-    """Forward mode failed for this model (an operator without a forward-mode rule);
-    batchjac computes the Jacobians in reverse mode instead."""
-
-
-class TrainingModeWarning(UserWarning):
-    """The model was in training mode with layers that behave differently in eval mode;
-    batchjac evaluates it in eval mode."""
-
 
 Engine = Literal["func", "autograd", "replicated"]
 

@@ -1,0 +1,1 @@
+"""The public verbs: each validates what it must and dispatches (in memory, store, Dask)."""
