@@ -5,6 +5,7 @@ that kind is first used.
 """
 
 from ._api.solve import solve as solve
+from ._backends.numpy import ClosedForm as ClosedForm
 from ._check import CheckReport as CheckReport, check as check
 from ._errors import (
     BackendNotAvailableError as BackendNotAvailableError,
@@ -43,6 +44,7 @@ from ._version import __version__ as __version__
 
 __all__ = [
     "jacobian",
+    "ClosedForm",
     "check",
     "CheckReport",
     "propagate",

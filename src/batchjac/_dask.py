@@ -199,29 +199,22 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
     from pathlib import Path
 
     from ._bind import prepare
-    from ._runner import pad_chunk
+    from ._runner import Chunk, call, pad_args
     from ._spec import BatchSpec
-    from ._stores import _FORMATS, _input_hash, _WorkDir, hash_arrays
+    from ._stores import _FORMATS, _WorkDir, hash_arrays, save_chunk
 
     spec = BatchSpec(arrays=rows, layout=layout, dtype=dtype, n=hi - lo, unknown_shape=unknown_shape,
                      names=names)
     bound = prepare(ref.load(), spec, backend, options)
-    in_hash, _, _ = _input_hash(spec, 0, hi - lo)
+    u, ctx = spec.chunk(0, hi - lo)
     kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant)  # type: ignore[arg-type]
-    y, jac = kernel(*pad_chunk(spec, 0, hi - lo, chunk_size))
-    values = {"jacobians": np.ascontiguousarray(jac[: hi - lo])}
-    if with_outputs:
-        assert y is not None
-        values["outputs"] = np.ascontiguousarray(y[: hi - lo])
-    result_hash = hash_arrays(list(values.values()))
-    work = _WorkDir(Path(out))
-    writer = _FORMATS[fmt_name].writer(work.data, arrays)
+    out_ = call(kernel, *pad_args(u, ctx, chunk_size), Chunk(index, lo, hi), rows=hi - lo)
+    values = {a.name: np.ascontiguousarray(out_[a.name]) for a in arrays}
+    writer = _FORMATS[fmt_name].writer(_WorkDir(Path(out)).data, arrays)
     try:
-        writer.write(index, lo, hi, values)
+        return save_chunk(writer, _WorkDir(Path(out)), index, lo, hi, values, hash_arrays([u, *ctx]))
     finally:
         writer.close()
-    work.record(index, lo, hi, in_hash, result_hash)
-    return {"lo": lo, "hi": hi, "input": in_hash, "result": result_hash}
 
 
 def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict[str, Any],
@@ -234,7 +227,7 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
     from dask.distributed import as_completed
 
     from ._errors import ModelError
-    from ._stores import _chunk_bounds
+    from ._runner import chunk_bounds
 
     del bound  # workers bind their own copy
     ref = client.scatter(ModelRef(model), broadcast=True, hash=False)
@@ -245,7 +238,8 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
     index_of: dict[Any, int] = {}
 
     def submit(index: int) -> Any:
-        lo, hi = _chunk_bounds(index, cs, n)
+        chunk = chunk_bounds(index, cs, n)
+        lo, hi = chunk.lo, chunk.hi
         rows = [np.asarray(a[lo:hi]) for a in spec.arrays]
         fut = client.submit(_store_task, ref, backend, options, spec.layout, spec.dtype, spec.unknown_shape,
                             spec.names, rows, index, lo, hi, cs, plan["mode"], with_outputs, fmt.name,

@@ -16,9 +16,9 @@ from . import _backends
 from ._autotune import tune
 from ._bind import plan_for, prepare
 from ._config import default_max_memory, parse_bytes
-from ._errors import BatchJacError, InputError, ModelError, add_context
+from ._errors import BatchJacError, InputError, add_context
 from ._plan import ModeArg, Plan
-from ._runner import _pad, pad_chunk
+from ._runner import chunks, iter_results, model_call, pad_args
 from ._spec import BatchSpec
 
 #: most rows one forward call of an analysis gets (fixed per call, so one trace per shape)
@@ -75,18 +75,8 @@ def jacobian_chunks(
     kernel = bound.kernel(plan.mode, plan.chunk_size, with_outputs)
 
     def chunks() -> Iterator[tuple[int, int, np.ndarray | None, np.ndarray]]:
-        cs = kernel.chunk_size
-        for index, lo in enumerate(range(0, spec.n, cs)):
-            hi = min(lo + cs, spec.n)
-            try:
-                y, jac = kernel(*pad_chunk(spec, lo, hi, cs))
-            except BatchJacError as e:
-                raise add_context(e, f"chunk {index}, rows {lo}:{hi}") from e
-            except Exception as e:  # framework errors at run time
-                raise ModelError(
-                    f"The model failed on chunk {index} (rows {lo}:{hi}): {type(e).__name__}: {e}"
-                ) from e
-            yield lo, hi, (None if y is None else y[: hi - lo]), jac[: hi - lo]
+        for chunk, out, _ in iter_results(kernel, spec):
+            yield chunk.lo, chunk.hi, out.get("outputs"), out["jacobians"]
 
     return plan, chunks()
 
@@ -112,16 +102,11 @@ class Evaluator:
         as float64."""
         rows = u.shape[0]
         out: np.ndarray | None = None
-        for lo in range(0, rows, self.block):
-            hi = min(lo + self.block, rows)
-            ub = _pad(u[lo:hi], self.block)
-            cb = tuple(_pad(c[lo:hi], self.block) for c in ctx)
-            try:
+        for chunk in chunks(rows, self.block):
+            lo, hi = chunk.lo, chunk.hi
+            ub, cb = pad_args(u[lo:hi], tuple(c[lo:hi] for c in ctx), self.block)
+            with model_call(f"a forward pass of rows {lo}:{hi}"):
                 y = self.bound.forward(ub, cb)
-            except BatchJacError:
-                raise
-            except Exception as e:
-                raise ModelError(f"The model failed on a forward pass: {type(e).__name__}: {e}") from e
             self.calls += 1
             if out is None:
                 out = np.empty((rows, *y.shape[1:]), np.float64)

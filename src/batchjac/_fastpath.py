@@ -30,6 +30,7 @@ class Entry:
     bound: BoundModel
     plan: Plan
     template: BatchSpec
+    backend: str
     #: the arrays are the kernel's arguments as they are: ``(unknown, known)`` in the concat
     #: layout (or ``x`` alone, all unknown), C-contiguous, in the compute dtype, and exactly
     #: one chunk of rows. Then a call skips cutting chunks, and the kernel gets them directly.
@@ -66,7 +67,8 @@ def lookup(k: tuple[Any, ...], model: Any) -> Entry | None:
     return entry
 
 
-def remember(k: tuple[Any, ...], model: Any, bound: BoundModel, plan: Plan, spec: BatchSpec) -> None:
+def remember(k: tuple[Any, ...], model: Any, bound: BoundModel, plan: Plan, spec: BatchSpec,
+             backend: str) -> None:
     try:
         ref: weakref.ReferenceType[Any] | None = weakref.ref(model)
         strong = None
@@ -77,7 +79,7 @@ def remember(k: tuple[Any, ...], model: Any, bound: BoundModel, plan: Plan, spec
               and (lay.kind == "concat" or (lay.kind == "single" and lay.columns is None))
               and all(type(a) is np.ndarray and a.dtype == spec.dtype and a.flags.c_contiguous
                       for a in spec.arrays))
-    _entries[k] = Entry(ref, strong, bound, plan, spec, direct)
+    _entries[k] = Entry(ref, strong, bound, plan, spec, backend, direct)
     _entries.move_to_end(k)
     while len(_entries) > _MAX_ENTRIES:
         _entries.popitem(last=False)

@@ -16,7 +16,7 @@ from ._config import autotune_enabled
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._plan import ModeArg
-from ._runner import run_chunks, run_single
+from ._runner import Results, call, run_chunks, run_single
 from ._sinks import ArraySink, new_result
 from ._spec import BatchSpec
 from ._stores import StoreError, as_store, compute_to_store, is_store_target, progress_bar
@@ -107,32 +107,13 @@ def jacobian(
         fast = _fastpath.key(model, inputs, (_wrt_key(wrt), mode, chunk_size, max_memory, str(dtype),
                                              return_outputs, nan_policy, backend))
         entry = _fastpath.lookup(fast, model) if fast is not None else None
-        if entry is not None and entry.direct and _fastpath.same_layout(entry, inputs):
-            kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
-            if kernel.asynchronous:
-                # start it, then check the inputs and the model while it computes: a failed
-                # check discards the result and takes the full path (which raises or retraces)
-                try:
-                    pending = kernel.launch(inputs[0], tuple(inputs[1:]))
-                except Exception:  # e.g. JAX's x64 mode switched off: the full path explains
-                    pending = None
-                if pending is not None:
-                    if _fastpath.finite(inputs) and not entry.bound.refresh():
-                        y, jac = pending()
-                        return (y, jac) if return_outputs else jac
-                    pending()
-            elif _fastpath.finite(inputs) and not entry.bound.refresh():
-                y, jac = kernel(inputs[0], tuple(inputs[1:]))
-                return (y, jac) if return_outputs else jac
         if entry is not None:
-            spec = _fastpath.spec_for(entry, inputs)
-            if spec is not None:
-                entry.bound.refresh()
-                kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
-                if entry.plan.n_chunks == 1:
-                    y, jac = run_single(kernel, spec)
-                    return (y, jac) if return_outputs else jac
-                return _run_in_memory(kernel, spec, entry.bound, return_outputs, None, False)
+            try:
+                done = _fast(entry, inputs, return_outputs)
+            except BatchJacError as e:
+                raise add_context(e, _context(entry.template, entry.backend)) from e
+            if done is not None:
+                return done
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
     name = backend or _backends.detect(model)
     try:
@@ -149,8 +130,49 @@ def jacobian(
     except StoreError:  # about the output, not the model or inputs: no context to add
         raise
     except BatchJacError as e:
-        shapes = ", ".join(f"{n} {a.shape} {a.dtype}" for n, a in zip(spec.names, spec.arrays))
-        raise add_context(e, f"backend={name}; inputs: {shapes}; compute dtype {spec.dtype}") from e
+        raise add_context(e, _context(spec, name)) from e
+
+
+def _context(spec: BatchSpec, backend: str) -> str:
+    """What the error boundary of the public call adds to an error: backend and inputs."""
+    shapes = ", ".join(f"{n} {a.shape} {a.dtype}" for n, a in zip(spec.names, spec.arrays))
+    return f"backend={backend}; inputs: {shapes}; compute dtype {spec.dtype}"
+
+
+def _fast(entry: _fastpath.Entry, inputs: tuple[Any, ...], return_outputs: bool) -> Any:
+    """A repeated call with the shapes, model and options of a remembered one: the compiled
+    kernel at once, inside the runner's error boundary. None when a check fails: the full path
+    then raises the detailed error (or retraces for a changed model)."""
+    kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
+    n = entry.template.n
+    if entry.direct and _fastpath.same_layout(entry, inputs):
+        u, ctx = inputs[0], tuple(inputs[1:])
+        if kernel.asynchronous:
+            # start it, then check the inputs and the model while it computes: a failed
+            # check discards the result and takes the full path (which raises or retraces)
+            try:
+                pending = kernel.launch(u, ctx)
+            except Exception:  # e.g. JAX's x64 mode switched off: the full path explains
+                pending = None
+            if pending is not None:
+                if _fastpath.finite(inputs) and not entry.bound.refresh():
+                    return _unpack(call(lambda *_: pending(), u, ctx, f"rows 0:{n}"), return_outputs)
+                pending()
+        elif _fastpath.finite(inputs) and not entry.bound.refresh():
+            return _unpack(call(kernel, u, ctx, f"rows 0:{n}"), return_outputs)
+    spec = _fastpath.spec_for(entry, inputs)
+    if spec is None:
+        return None
+    entry.bound.refresh()
+    kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
+    if entry.plan.n_chunks == 1:
+        return _unpack(run_single(kernel, spec), return_outputs)
+    return _run_in_memory(kernel, spec, entry.bound, return_outputs, None, False)
+
+
+def _unpack(out: Results, return_outputs: bool) -> Any:
+    """The in-memory result as the public call returns it: J, or (y, J)."""
+    return (out["outputs"], out["jacobians"]) if return_outputs else out["jacobians"]
 
 
 def _on_dask(model: Any, inputs: tuple[Any, ...], *, client: Any, scheduler: str | None,
@@ -204,11 +226,11 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
     log.debug("batchjac plan: %s", plan.reason)
     kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
     if out is None and fast_key is not None:  # the next call with these shapes skips to here
-        _fastpath.remember(fast_key, model, bound, plan, spec)
+        _fastpath.remember(fast_key, model, bound, plan, spec, backend)
     if out is None and plan.n_chunks == 1:
-        y, jac = run_single(kernel, spec)
+        single = run_single(kernel, spec)
         _explain_kernel(kernel, explain)
-        return (y, jac) if return_outputs else jac
+        return _unpack(single, return_outputs)
     result = _run_in_memory(kernel, spec, bound, return_outputs, out, progress)
     _explain_kernel(kernel, explain)
     return result
@@ -223,7 +245,8 @@ def _run_in_memory(kernel: Any, spec: BatchSpec, bound: _backends.BoundModel,
     out_y = new_result(y_shape, spec.dtype) if return_outputs else None
     bar = progress_bar(progress, spec.n)
     try:
-        run_chunks(kernel, spec, ArraySink(out_j, out_y), on_chunk=bar.update if bar else None)
+        run_chunks(kernel, spec, ArraySink({"jacobians": out_j, "outputs": out_y}),
+                   on_chunk=bar.update if bar else None)
     finally:
         if bar is not None:
             bar.close()

@@ -315,7 +315,7 @@ def propagate(
         mean_out, cov_out = out
     else:
         mean_out, cov_out = np.empty(mean_shape), np.empty(cov_shape)
-    sink = ArraySink(cov_out, mean_out)
+    sink = ArraySink({"cov": cov_out, "mean": mean_out})
     clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
         if method == "linear":
@@ -328,7 +328,7 @@ def propagate(
                     y, c = _unscented(evaluator, spec, unc, lo, hi, alpha, beta, kappa, clipped)
                 else:
                     y, c = _monte_carlo(evaluator, spec, unc, lo, hi, n_samples, seed)
-                sink.write(lo, hi, c, y.reshape(hi - lo, *out_shape))
+                sink.write(lo, hi, {"cov": c, "mean": y.reshape(hi - lo, *out_shape)})
     except BatchJacError as e:
         raise add_context(e, context(spec, name)) from e
     if clipped[0]:
@@ -355,7 +355,7 @@ def _linear(bound: Any, spec: BatchSpec, unc: _Uncertainty, sink: ArraySink, m: 
     for lo, hi, y, jac in chunks:
         assert y is not None
         a = np.asarray(jac, np.float64).reshape(hi - lo, m, k)
-        sink.write(lo, hi, unc.sandwich(a, lo, hi), y)
+        sink.write(lo, hi, {"cov": unc.sandwich(a, lo, hi), "mean": y})
 
 
 def _block(spec: BatchSpec, m: int, method: str, n_samples: int,

@@ -1,18 +1,64 @@
-"""The runner: feeds fixed-size chunks through a kernel, in order, into a sink."""
+"""The runner: the one chunk iterator and the one error boundary around a call into the model.
+
+Every path that computes per-instance results goes through here: in-memory results, stores
+(local and on Dask workers), ``check`` and ``propagate``, the solver's evaluations and the
+repeated-call fast path. A kernel's result is a mapping of named per-instance arrays
+(``{"outputs": y, "jacobians": J}`` today; see :func:`results`), so the iterator, the sinks
+and the stores carry whatever a kernel computes without knowing what it is.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ._backends import Kernel
 from ._errors import BatchJacError, ModelError, add_context
 from ._sinks import ArraySink
 from ._spec import BatchSpec
 
+#: a chunk's named per-instance results, each ``(rows, ...)``
+Results = dict[str, np.ndarray]
 
-def _pad(a: np.ndarray, rows: int) -> np.ndarray:
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows ``lo:hi`` of the batch, the ``index``-th chunk of ``chunk_size`` rows."""
+
+    index: int
+    lo: int
+    hi: int
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+    def __str__(self) -> str:
+        return f"chunk {self.index} (rows {self.lo}:{self.hi})"
+
+
+def chunk_bounds(index: int, chunk_size: int, n: int) -> Chunk:
+    """The ``index``-th chunk of ``chunk_size`` rows of ``n`` (the last one may be short).
+
+    >>> chunk_bounds(2, 64, 150)
+    Chunk(index=2, lo=128, hi=150)
+    """
+    lo = index * chunk_size
+    return Chunk(index, lo, min(lo + chunk_size, n))
+
+
+def chunks(n: int, chunk_size: int, indices: Iterable[int] | None = None) -> Iterator[Chunk]:
+    """The chunks of ``n`` rows in order, or only those of ``indices`` (a resumed store's)."""
+    if indices is None:
+        indices = range(-(-n // chunk_size) if n else 0)
+    for index in indices:
+        yield chunk_bounds(index, chunk_size, n)
+
+
+def pad(a: np.ndarray, rows: int) -> np.ndarray:
     """Pad to ``rows`` by repeating the last row: real values keep every op finite (zeros
     might not, e.g. log or division), and padded results are dropped anyway."""
     if a.shape[0] == rows:
@@ -20,52 +66,84 @@ def _pad(a: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([a, np.repeat(a[-1:], rows - a.shape[0], axis=0)], axis=0)
 
 
+def pad_args(u: np.ndarray, ctx: tuple[np.ndarray, ...], rows: int
+             ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """A kernel's arguments padded to exactly ``rows`` rows."""
+    return pad(u, rows), tuple(pad(c, rows) for c in ctx)
+
+
 def pad_chunk(spec: BatchSpec, lo: int, hi: int, rows: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """Rows ``lo:hi`` of the batch as kernel arguments, padded to ``rows``."""
     u, ctx = spec.chunk(lo, hi)
-    return _pad(u, rows), tuple(_pad(c, rows) for c in ctx)
+    return pad_args(u, ctx, rows)
 
 
-def run_chunks(
-    kernel: Kernel,
-    spec: BatchSpec,
-    sink: ArraySink,
-    *,
-    on_chunk: Callable[[int], None] | None = None,
-) -> None:
-    """Compute rows ``0..n`` chunk by chunk, in order, into ``sink``."""
-    cs = kernel.chunk_size
-    for index, lo in enumerate(range(0, spec.n, cs)):
-        hi = min(lo + cs, spec.n)
-        try:  # reading (from disk, for lazy inputs) fails as an input error, not the model's
-            args = pad_chunk(spec, lo, hi, cs)
-        except BatchJacError as e:
-            raise add_context(e, f"chunk {index}, rows {lo}:{hi}") from e
-        try:
-            y, jac = kernel(*args)
-        except BatchJacError as e:
-            raise add_context(e, f"chunk {index}, rows {lo}:{hi}") from e
-        except Exception as e:  # framework errors at run time
-            raise ModelError(
-                f"The model failed on chunk {index} (rows {lo}:{hi}): {type(e).__name__}: {e}"
-            ) from e
-        sink.write(lo, hi, jac[: hi - lo], None if y is None else y[: hi - lo])
-        del y, jac, args  # the next chunk's buffers then take this one's place, not join it
-        if on_chunk is not None:
-            on_chunk(hi - lo)
-
-
-def run_single(kernel: Kernel, spec: BatchSpec) -> tuple[np.ndarray | None, np.ndarray]:
-    """All rows in one chunk: return the kernel's arrays without another copy."""
-    cs = kernel.chunk_size
-    args = pad_chunk(spec, 0, spec.n, cs)
+@contextlib.contextmanager
+def model_call(where: object) -> Iterator[None]:
+    """THE error boundary around a call into the model: batchjac's own errors get ``where``
+    added (which chunk, which rows), and a framework's exception becomes a
+    :class:`~batchjac.ModelError` that names it, with the original as its cause."""
     try:
-        y, jac = kernel(*args)
+        yield
     except BatchJacError as e:
-        raise add_context(e, f"rows 0:{spec.n}") from e
-    except Exception as e:
-        raise ModelError(f"The model failed on rows 0:{spec.n}: {type(e).__name__}: {e}") from e
-    if cs != spec.n:
-        jac = jac[: spec.n]
-        y = y[: spec.n] if y is not None else None
-    return y, jac
+        raise add_context(e, str(where)) from e
+    except Exception as e:  # framework errors at run time
+        raise ModelError(f"The model failed on {where}: {type(e).__name__}: {e}") from e
+
+
+def results(raw: Any) -> Results:
+    """A kernel's return value as named arrays: a mapping as it is; the ``(y or None, J)``
+    pair of a Jacobian kernel as ``{"outputs": y, "jacobians": J}`` (no outputs when None)."""
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    y, jac = raw
+    return {"jacobians": jac} if y is None else {"outputs": y, "jacobians": jac}
+
+
+def call(kernel: Callable[..., Any], u: np.ndarray, ctx: tuple[np.ndarray, ...], where: object,
+         rows: int | None = None) -> Results:
+    """One kernel call inside the boundary; with ``rows``, each result cut to its first rows
+    (the padded ones dropped)."""
+    with model_call(where):
+        out = results(kernel(u, ctx))
+    if rows is not None:
+        out = {name: a[:rows] if a.shape[0] != rows else a for name, a in out.items()}
+    return out
+
+
+def iter_results(
+    kernel: Any,
+    spec: BatchSpec,
+    indices: Iterable[int] | None = None,
+    *,
+    keep_rows: bool = False,
+) -> Iterator[tuple[Chunk, Results, tuple[np.ndarray, tuple[np.ndarray, ...]] | None]]:
+    """THE chunk iterator: for each chunk of ``kernel.chunk_size`` rows (all of them, or those
+    of ``indices``), read the rows, pad them, call the kernel inside the boundary and cut the
+    results to the chunk's rows. Yields ``(chunk, results, rows)``; ``rows`` is the unpadded
+    ``(u, ctx)`` read from the inputs when ``keep_rows`` (a store hashes them), else None."""
+    cs = kernel.chunk_size
+    for chunk in chunks(spec.n, cs, indices):
+        try:  # reading (lazy inputs) fails as an input error, not the model's
+            u, ctx = spec.chunk(chunk.lo, chunk.hi)
+        except BatchJacError as e:
+            raise add_context(e, str(chunk)) from e
+        out = call(kernel, *pad_args(u, ctx, cs), chunk, rows=chunk.rows)
+        yield chunk, out, ((u, ctx) if keep_rows else None)
+        del out, u, ctx  # the next chunk's buffers then take this one's place, not join it
+
+
+def run_chunks(kernel: Any, spec: BatchSpec, sink: ArraySink, *,
+               on_chunk: Callable[[int], None] | None = None) -> None:
+    """Compute rows ``0..n`` chunk by chunk, in order, into ``sink``."""
+    for chunk, out, _ in iter_results(kernel, spec):
+        sink.write(chunk.lo, chunk.hi, out)
+        del out
+        if on_chunk is not None:
+            on_chunk(chunk.rows)
+
+
+def run_single(kernel: Any, spec: BatchSpec) -> Results:
+    """All rows in one chunk: the kernel's arrays without another copy."""
+    u, ctx = pad_chunk(spec, 0, spec.n, kernel.chunk_size)
+    return call(kernel, u, ctx, f"rows 0:{spec.n}", rows=spec.n)

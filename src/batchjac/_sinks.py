@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -42,20 +43,21 @@ def new_result(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 
 class ArraySink:
-    """Writes chunks into ``jac`` (and ``outputs``) by slice assignment."""
+    """Writes named per-instance results into writable arrays by slice assignment.
 
-    def __init__(self, jac: Any, outputs: Any | None = None) -> None:
-        self.jac = jac
-        self.outputs = outputs
-        pairs = [(t, _shared_mmap(t)) for t in (jac, outputs)]
-        self._targets = [t for t, m in pairs if m is not None]
-        self._maps = [m for _, m in pairs if m is not None]
+    ``targets`` maps a result's name (``"jacobians"``, ``"outputs"``, or whatever a kernel
+    returns) to the array of all rows that receives it; a name the sink has no target for is
+    not kept (e.g. outputs computed with the Jacobians but not asked for)."""
 
-    def write(self, lo: int, hi: int, jac: np.ndarray, y: np.ndarray | None) -> None:
-        self.jac[lo:hi] = jac
-        if self.outputs is not None and y is not None:
-            self.outputs[lo:hi] = y
-        for target, (arr, mm) in zip(self._targets, self._maps):
+    def __init__(self, targets: Mapping[str, Any]) -> None:
+        self.targets = {name: t for name, t in targets.items() if t is not None}
+        pairs = [(t, _shared_mmap(t)) for t in self.targets.values()]
+        self._mapped = [(t, m) for t, m in pairs if m is not None]
+
+    def write(self, lo: int, hi: int, results: Mapping[str, np.ndarray]) -> None:
+        for name, target in self.targets.items():
+            target[lo:hi] = results[name]
+        for target, (arr, mm) in self._mapped:
             span = _row_span(target, arr, lo, hi)
             if span is None:  # a view of the memmap: flush and release all of it
                 arr.flush()

@@ -58,8 +58,9 @@ from . import _backends
 from ._autotune import time_modes, tune
 from ._bind import BackendName, prepare
 from ._config import autotune_enabled, default_max_memory, parse_bytes
-from ._errors import BatchJacError, InputError, InputTypeError, ModelError, add_context
+from ._errors import BatchJacError, InputError, InputTypeError, add_context
 from ._plan import ModeArg, make_plan
+from ._runner import call, pad_args
 from ._validate import DTypeLike, normalize, resolve_dtype, to_numpy
 
 __all__ = ["IterationInfo", "SolveResult", "Status", "solve"]
@@ -576,7 +577,7 @@ class _Evaluator:
         rows = u.shape[0]
         new = size not in self.compiled and not self._exists(size)
         start = time.perf_counter()
-        u_pad, ctx_pad = _pad(u, size), tuple(_pad(c, size) for c in ctx)
+        u_pad, ctx_pad = pad_args(u, ctx, size)
         mode = self._known_mode(size)
         if mode is None:
             mode = time_modes(self.bound, u_pad, ctx_pad, True, self.mode)[0]
@@ -584,30 +585,16 @@ class _Evaluator:
         kernel = self.bound.kernel(mode, size, True)
         if not self.adaptive and kernel.variant != kernel.variants[0]:
             kernel.use(kernel.variants[0])  # no timing-based choice of implementation either
-        try:
-            y, jac = kernel(u_pad, ctx_pad)
-        except BatchJacError as e:
-            raise add_context(e, f"solve: {rows} active instances") from e
-        except Exception as e:  # framework errors at run time
-            raise ModelError(f"The model failed during solve ({rows} active instances): "
-                             f"{type(e).__name__}: {e}") from e
+        out = call(kernel, u_pad, ctx_pad, f"a solver step ({rows} active instances)", rows=rows)
+        y, jac = out["outputs"], out["jacobians"]
         elapsed = time.perf_counter() - start
         if new:
             _compile_seconds[self.bound] = elapsed
         self.compiled.add(size)
         self.calls += 1
         self.seconds += elapsed
-        assert y is not None
-        y2 = np.asarray(y[:rows], np.float64).reshape(rows, -1)
-        return y2, np.asarray(jac[:rows], np.float64).reshape(rows, y2.shape[1], -1)
-
-
-def _pad(a: np.ndarray, rows: int) -> np.ndarray:
-    """Pad to ``rows`` by repeating the last row (as the runner does: real values keep every op
-    finite; padded results are dropped)."""
-    if a.shape[0] == rows:
-        return a
-    return np.concatenate([a, np.repeat(a[-1:], rows - a.shape[0], axis=0)], axis=0)
+        y2 = np.asarray(y, np.float64).reshape(rows, -1)
+        return y2, np.asarray(jac, np.float64).reshape(rows, y2.shape[1], -1)
 
 
 # -- the iterations -----------------------------------------------------------------------------

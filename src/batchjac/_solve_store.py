@@ -41,7 +41,6 @@ from typing import Any
 import numpy as np
 
 from ._errors import BatchJacError, InputError
-from ._sinks import ArraySink
 from ._stores import (
     _FORMATS,
     MARKER,
@@ -58,7 +57,9 @@ from ._stores import (
     _job_problem,
     _jsonable,
     _load_manifest,
+    _NpyWriter,
     _probe,
+    _rows,
     _WorkDir,
     _write_error,
     check_target,
@@ -255,7 +256,7 @@ def solve_to_store(
     existing = check_target(out_path, fmt, work, overwrite, "batchjac solve output")
 
     def hashes_of(index: int) -> tuple[str, dict[str, Any]]:
-        lo, hi = index * block_size, min(n, (index + 1) * block_size)
+        lo, hi = _rows(index, block_size, n)
         rows = _head(inputs, per_row, lo, hi)
         parts = [rows[key] for key in sorted(rows) if rows[key] is not None and
                  (key in ("targets", "known") or per_row.get(key))]
@@ -328,7 +329,7 @@ def solve_to_store(
         done = work.done_records(n_blocks, block_size, n)
         for index in sorted(done):
             if hashes_of(index)[0] != done[index]["input"]:
-                lo, hi = index * block_size, min(n, (index + 1) * block_size)
+                lo, hi = _rows(index, block_size, n)
                 if not overwrite:
                     raise StoreMismatchError(
                         f"{os.fspath(out_path)!r} has an unfinished output in "
@@ -350,7 +351,7 @@ def solve_to_store(
             writer = fmt.writer(work.data, arrays) if todo else None
             try:
                 for index in todo:
-                    lo, hi = index * block_size, min(n, (index + 1) * block_size)
+                    lo, hi = _rows(index, block_size, n)
                     in_hash, rows = hashes_of(index)
                     block_seed = None if seed_used is None else int(
                         np.random.SeedSequence([seed_used, lo]).generate_state(1, np.uint32)[0])
@@ -507,7 +508,7 @@ class NpyDirFormat(Format):
         NpyFormat().create(data, arrays)  # preallocated memmaps, space reserved
 
     def writer(self, data: Path, arrays: list[ArrayInfo]) -> ChunkWriter:
-        return _NpyDirWriter(data, arrays)
+        return _NpyWriter(data, arrays)  # the same .npy files as a Jacobian store's
 
     def commit(self, data: Path, out: Path, manifest: dict[str, Any], arrays: list[ArrayInfo],
                n_chunks: int) -> None:
@@ -548,22 +549,6 @@ class NpyDirFormat(Format):
             shutil.rmtree(out)
         elif os.path.lexists(out):
             out.unlink()
-
-
-class _NpyDirWriter(ChunkWriter):
-    def __init__(self, data: Path, arrays: list[ArrayInfo]) -> None:
-        self.maps = {a.name: np.lib.format.open_memmap(data / f"{a.name}.npy", mode="r+")
-                     for a in arrays}
-        self.sinks = {name: ArraySink(mm) for name, mm in self.maps.items()}
-
-    def write(self, index: int, lo: int, hi: int, arrays: dict[str, np.ndarray]) -> None:
-        for name, values in arrays.items():  # each sink flushes (msync) the rows it wrote
-            self.sinks[name].write(lo, hi, values, None)
-
-    def close(self) -> None:
-        maps, self.maps, self.sinks = self.maps, {}, {}
-        for mm in maps.values():
-            mm.flush()
 
 
 def _solve_formats() -> dict[str, Format]:

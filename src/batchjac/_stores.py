@@ -64,7 +64,6 @@ from typing import Any
 import numpy as np
 
 from ._errors import (
-    BatchJacError,
     InputError,
     StoreBusyError as StoreBusyError,
     StoreError as StoreError,
@@ -73,6 +72,7 @@ from ._errors import (
     StoreWriteError as StoreWriteError,
 )
 from ._io import InputFileError
+from ._runner import chunk_bounds
 from ._sinks import ArraySink
 from ._spec import BatchSpec
 from ._version import __version__
@@ -321,11 +321,11 @@ class _NpyWriter(ChunkWriter):
     def __init__(self, data: Path, arrays: list[ArrayInfo]) -> None:
         self.maps = {a.name: np.lib.format.open_memmap(data / f"{a.name}.npy", mode="r+")
                      for a in arrays}
-        self.sink = ArraySink(self.maps["jacobians"], self.maps.get("outputs"))
+        self.sink = ArraySink(self.maps)
 
     def write(self, index: int, lo: int, hi: int, arrays: dict[str, np.ndarray]) -> None:
         # ArraySink flushes (msync) the rows written and drops their pages from memory
-        self.sink.write(lo, hi, arrays["jacobians"], arrays.get("outputs"))
+        self.sink.write(lo, hi, arrays)
 
     def close(self) -> None:
         maps, self.maps = self.maps, {}
@@ -1000,8 +1000,9 @@ def _settle_variant(bound: Any, spec: BatchSpec, mode: str, chunk_size: int,
     return variant
 
 
-def _chunk_bounds(index: int, chunk_size: int, n: int) -> tuple[int, int]:
-    return index * chunk_size, min(n, (index + 1) * chunk_size)
+def _rows(index: int, chunk_size: int, n: int) -> tuple[int, int]:
+    chunk = chunk_bounds(index, chunk_size, n)
+    return chunk.lo, chunk.hi
 
 
 def _input_hash(spec: BatchSpec, lo: int, hi: int) -> tuple[str, np.ndarray, tuple[np.ndarray, ...]]:
@@ -1011,7 +1012,7 @@ def _input_hash(spec: BatchSpec, lo: int, hi: int) -> tuple[str, np.ndarray, tup
 
 def _verify_complete(manifest: dict[str, Any], spec: BatchSpec) -> str | None:
     plan = manifest["plan"]
-    hashes = [_input_hash(spec, *_chunk_bounds(i, plan["chunk_size"], plan["rows"]))[0]
+    hashes = [_input_hash(spec, *_rows(i, plan["chunk_size"], plan["rows"]))[0]
               for i in range(plan["chunks"])]
     if _digest(hashes) != manifest.get("digests", {}).get("inputs"):
         return "the input rows differ from those the output was computed from"
@@ -1083,8 +1084,8 @@ def _run(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, out: Path, st
     cs, n, n_chunks = plan["chunk_size"], plan["rows"], plan["chunks"]
     done = work.done_records(n_chunks, cs, n)
     for index in sorted(done):  # the rows behind every kept result must be the same rows
-        if _input_hash(spec, *_chunk_bounds(index, cs, n))[0] != done[index]["input"]:
-            lo, hi = _chunk_bounds(index, cs, n)
+        if _input_hash(spec, *_rows(index, cs, n))[0] != done[index]["input"]:
+            lo, hi = _rows(index, cs, n)
             problem = (f"rows {lo}:{hi} of the inputs differ from those chunk {index} was "
                        f"computed from")
             if not store.overwrite:
@@ -1123,6 +1124,16 @@ def _run(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, out: Path, st
                    seconds=time.perf_counter() - start)
 
 
+def save_chunk(writer: ChunkWriter, work: _WorkDir, index: int, lo: int, hi: int,
+               values: dict[str, np.ndarray], in_hash: str) -> dict[str, Any]:
+    """Write one computed chunk (data, fsync), then record it as done: the one way a chunk
+    is saved, by this process or by a Dask worker. Returns its record."""
+    result_hash = hash_arrays(list(values.values()))
+    writer.write(index, lo, hi, values)
+    work.record(index, lo, hi, in_hash, result_hash)
+    return {"lo": lo, "hi": hi, "input": in_hash, "result": result_hash}
+
+
 def _compute_chunks(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, out: Path,
                     arrays: list[ArrayInfo], plan: dict[str, Any], todo: list[int],
                     with_outputs: bool, bar: Any, done: dict[int, dict[str, Any]]) -> None:
@@ -1132,10 +1143,10 @@ def _compute_chunks(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, ou
     in chunk order."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from ._errors import ModelError, add_context
-    from ._runner import _pad
+    from ._runner import iter_results
 
-    cs, n = plan["chunk_size"], plan["rows"]
+    cs = plan["chunk_size"]
+    names = [a.name for a in arrays]  # the results the store keeps, whatever else the kernel gives
     kernel = bound.kernel(plan["mode"], cs, with_outputs, variant=plan.get("variant"))
     try:
         writer = fmt.writer(work.data, arrays)
@@ -1143,10 +1154,7 @@ def _compute_chunks(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, ou
         raise _write_error(e, out, "the store") from e
 
     def save(index: int, lo: int, hi: int, values: dict[str, np.ndarray], in_hash: str) -> None:
-        result_hash = hash_arrays(list(values.values()))
-        writer.write(index, lo, hi, values)
-        work.record(index, lo, hi, in_hash, result_hash)
-        done[index] = {"lo": lo, "hi": hi, "input": in_hash, "result": result_hash}
+        done[index] = save_chunk(writer, work, index, lo, hi, values, in_hash)
 
     pending: tuple[Future[None], int, int, int] | None = None
 
@@ -1165,22 +1173,13 @@ def _compute_chunks(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, ou
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjac-writer")
     try:
-        for index in todo:
-            lo, hi = _chunk_bounds(index, cs, n)
-            in_hash, u, ctx = _input_hash(spec, lo, hi)
-            try:
-                y, jac = kernel(_pad(u, cs), tuple(_pad(c, cs) for c in ctx))
-            except BatchJacError as e:
-                raise add_context(e, f"chunk {index}, rows {lo}:{hi}") from e
-            except Exception as e:  # framework errors at run time
-                raise ModelError(f"The model failed on chunk {index} (rows {lo}:{hi}): "
-                                 f"{type(e).__name__}: {e}") from e
-            values = {"jacobians": np.ascontiguousarray(jac[: hi - lo])}
-            if with_outputs:
-                assert y is not None
-                values["outputs"] = np.ascontiguousarray(y[: hi - lo])
+        for chunk, out_, rows in iter_results(kernel, spec, todo, keep_rows=True):
+            assert rows is not None
+            in_hash = hash_arrays([rows[0], *rows[1]])
+            values = {name: np.ascontiguousarray(out_[name]) for name in names}
             finish()
-            pending = (pool.submit(save, index, lo, hi, values, in_hash), index, lo, hi)
+            pending = (pool.submit(save, chunk.index, chunk.lo, chunk.hi, values, in_hash),
+                       chunk.index, chunk.lo, chunk.hi)
         finish()
     finally:
         try:  # a chunk being written when something else failed is still finished and recorded

@@ -23,6 +23,8 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "torch": ("batchjac._backends.torch", "torch",
               "PyTorch models need `pip install batchjac[torch]`."),
     "jax": ("batchjac._backends.jax", "jax", "JAX functions need `pip install batchjac[jax]`."),
+    # closed-form models in numpy (batchjac.ClosedForm): tests, and analytic models
+    "numpy": ("batchjac._backends.numpy", "numpy", "numpy is always installed."),
 }
 
 # Module prefixes that identify a framework from a model's class hierarchy or globals.
@@ -59,6 +61,9 @@ def _framework_of_module(modname: str) -> str | None:
 def detect(model: Any) -> str:
     """Name the backend for ``model`` from its type; for plain Python functions, from the
     framework modules and objects its code refers to. Imports nothing."""
+    declared = getattr(type(model), "__batchjac_backend__", None)  # e.g. batchjac.ClosedForm
+    if isinstance(declared, str) and declared in REGISTRY:
+        return declared
     for cls in type(model).__mro__:
         found = _framework_of_module(cls.__module__ or "")
         if found:
