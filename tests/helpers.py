@@ -31,3 +31,11 @@ def rng(seed: int = 0) -> np.random.Generator:
 
 
 __all__ = ["RTOL", "assert_jac_close", "central_differences", "fd_reference", "max_relative_error", "rng"]
+
+
+def race_now(monkeypatch: Any) -> None:
+    """Make every call pay for its races (batchjac._tuning's rule answers yes), as a job large
+    enough to repay them would: for tests of the races themselves."""
+    import batchjac._tuning
+
+    monkeypatch.setattr(batchjac._tuning, "worth", lambda *args, **kwargs: True)

@@ -18,7 +18,7 @@ from batchjac._examples import keras as keras_examples  # noqa: E402
 from batchjac.examples import mlp_jacobian, mlp_weights, seed_model, workload_inputs  # noqa: E402
 
 from .conformance import SEED_SIZES, BackendConformance  # noqa: E402
-from .helpers import assert_jac_close, central_differences  # noqa: E402
+from .helpers import assert_jac_close, central_differences, race_now  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -247,9 +247,9 @@ def test_100k_rows_trace_once_per_mode_and_dtype() -> None:
         jac = batchjac.jacobian(model, unknown, known, mode=mode, chunk_size=16384)
         bound = next(b for b in _backends._bound[model].values() if b.signature.dtype == np.float32)
         counts[mode] = bound.trace_count
-    # 7 chunks each: one trace per mode and implementation (XLA and the plain graph, timed
-    # against each other on the first chunk), none per chunk
-    assert counts == {"forward": 2, "reverse": 4}
+    # 7 chunks each: one trace per mode (its XLA build), none per chunk; the plain graph is
+    # traced and raced against XLA only once the work seen repays it (batchjac._tuning)
+    assert counts == {"forward": 1, "reverse": 2}
     ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown[-500:], known[-500:]], 1))
     assert_jac_close(jac[-500:], ref[:, :, :5])
 
@@ -274,12 +274,14 @@ def test_tensor_inputs() -> None:
     assert_jac_close(jac_lists, ref)
 
 
-def test_kernel_times_xla_against_the_plain_graph_and_both_are_right() -> None:
+def test_kernel_times_xla_against_the_plain_graph_and_both_are_right(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from batchjac import _backends
     from batchjac._errors import InputError
 
     model = seed_model("tensorflow")
     unknown, known = workload_inputs("W1", 300, seed=21)
+    race_now(monkeypatch)  # a job large enough to repay the race
     jac = batchjac.jacobian(model, unknown, known, mode="reverse")
     bound = next(b for b in _backends._bound[model].values() if b.signature.dtype == np.float32)
     kernel = bound.kernel("reverse", 300, False)

@@ -114,6 +114,16 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
     return ("forward" if mode == "forward" else "reverse"), measured
 
 
+#: compilations a chunk-size ladder costs, for the rule of :mod:`batchjac._tuning` (sizes of
+#: 1/4, 1/16, ... of the planned one: three or four are built before the descent stops)
+ROWS_COMPILATIONS = 3
+
+
+def tuned_rows(bound: BoundModel, plan: Plan, with_outputs: bool) -> bool:
+    """Whether the chunk sizes for this plan were timed already (the answer is known)."""
+    return ("rows", plan.mode, plan.chunk_size, with_outputs) in bound.tuned_rows
+
+
 def tune_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool) -> Plan:
     """The plan with the fastest chunk size found by timing (at most the planned one)."""
     if plan.chunk_size < TUNE_MIN_ROWS or spec.n < TUNE_MIN_ROWS:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends
+from . import _backends, _tuning as tuning
 from ._autotune import tune
 from ._bind import plan_for, prepare
 from ._config import default_max_memory, parse_bytes
@@ -70,7 +70,8 @@ def jacobian_chunks(
         base = bytes_per_row(spec.k, output_size(bound), in_elems(spec), spec.dtype.itemsize)
         total = max(1, total * base // (base + extra_bytes_per_row))
     plan = plan_for(spec, bound, mode=mode, chunk_size=chunk_size, max_memory=total)
-    if plan.uncertain and spec.n:
+    if plan.uncertain and spec.n and ((plan.chunk_size, with_outputs) in bound.tuned
+                                      or tuning.worth(bound, spec.n, compilations=1)):
         plan = tune(bound, spec, plan, with_outputs)
     kernel = bound.kernel(plan.mode, plan.chunk_size, with_outputs)
 

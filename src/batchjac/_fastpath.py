@@ -85,6 +85,11 @@ def remember(k: tuple[Any, ...], model: Any, bound: BoundModel, plan: Plan, spec
         _entries.popitem(last=False)
 
 
+def forget(k: tuple[Any, ...] | None) -> None:
+    if k is not None:
+        _entries.pop(k, None)
+
+
 def finite(inputs: tuple[np.ndarray, ...]) -> bool:
     """No NaN/Inf (a False may be an overflow of finite values: the full path then checks
     element by element): the sum is ~5x cheaper than ``isfinite().all()``."""

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from . import _backends, _fastpath
-from ._autotune import tune, tune_rows
+from . import _backends, _fastpath, _tuning as tuning
+from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
 from ._bind import BackendName, plan_for, prepare
-from ._config import autotune_enabled
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
-from ._plan import ModeArg
-from ._runner import Results, call, run_chunks, run_single
+from ._plan import ModeArg, Plan
+from ._runner import Results, call, pad_chunk, run_chunks, run_single
 from ._sinks import ArraySink, new_result
 from ._spec import BatchSpec
 from ._stores import StoreError, as_store, compute_to_store, is_store_target, progress_bar
@@ -108,11 +108,14 @@ def jacobian(
                                              return_outputs, nan_policy, backend))
         entry = _fastpath.lookup(fast, model) if fast is not None else None
         if entry is not None:
+            start = time.perf_counter()
             try:
                 done = _fast(entry, inputs, return_outputs)
             except BatchJacError as e:
                 raise add_context(e, _context(entry.template, entry.backend)) from e
             if done is not None:
+                if tuning.repeated(entry.bound, entry.template.n, time.perf_counter() - start):
+                    _fastpath.forget(fast)  # a race is due: the next call takes the full path
                 return done
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
     name = backend or _backends.detect(model)
@@ -216,11 +219,7 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
         jac = out if out is not None else np.empty(j_shape, spec.dtype)
         return (np.empty(y_shape, spec.dtype), jac) if return_outputs else jac
 
-    if autotune_enabled():
-        if plan.uncertain:
-            plan = tune(bound, spec, plan, return_outputs)
-        if chunk_size is None and out is None:  # with out=, memory is the constraint
-            plan = tune_rows(bound, spec, plan, return_outputs)
+    plan = _choose(bound, spec, plan, return_outputs, rows_free=chunk_size is None and out is None)
     if explain:
         sys.stderr.write(f"batchjac: {plan.reason}\n")
     log.debug("batchjac plan: %s", plan.reason)
@@ -228,12 +227,32 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
     if out is None and fast_key is not None:  # the next call with these shapes skips to here
         _fastpath.remember(fast_key, model, bound, plan, spec, backend)
     if out is None and plan.n_chunks == 1:
-        single = run_single(kernel, spec)
-        _explain_kernel(kernel, explain)
-        return _unpack(single, return_outputs)
-    result = _run_in_memory(kernel, spec, bound, return_outputs, out, progress)
+        result = _unpack(tuning.timed(bound, kernel, spec.n, lambda: run_single(kernel, spec)),
+                         return_outputs)
+    else:
+        result = tuning.timed(bound, kernel, spec.n, lambda: _run_in_memory(
+            kernel, spec, bound, return_outputs, out, progress))
+    tuning.settle(bound, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
+                                                    kernel.chunk_size))
     _explain_kernel(kernel, explain)
     return result
+
+
+def _choose(bound: _backends.BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, *,
+            rows_free: bool) -> Plan:
+    """The cost model's plan, on a kernel compiled already where padding is cheaper than a new
+    one, and the races that pay for themselves (:mod:`batchjac._tuning`): the mode (one more
+    kernel to build) and, where the chunk size is free, the ladder of chunk sizes."""
+    tuning.begin(bound)
+    if rows_free:  # with out= or chunk_size=, the size asked for is the constraint
+        plan = tuning.reuse(bound, plan, spec.n, with_outputs)
+    if plan.uncertain and ((plan.chunk_size, with_outputs) in bound.tuned
+                           or tuning.worth(bound, spec.n, compilations=1)):
+        plan = tune(bound, spec, plan, with_outputs)
+    if rows_free and (tuned_rows(bound, plan, with_outputs)
+                      or tuning.worth(bound, spec.n, compilations=ROWS_COMPILATIONS)):
+        plan = tune_rows(bound, spec, plan, with_outputs)
+    return plan
 
 
 def _run_in_memory(kernel: Any, spec: BatchSpec, bound: _backends.BoundModel,

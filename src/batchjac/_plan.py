@@ -28,6 +28,8 @@ class Plan:
     reason: str
     #: the cost model cannot tell the modes apart; time both once (see _autotune)
     uncertain: bool = False
+    #: the most rows a chunk may have within the memory budget (None: a chunk_size was given)
+    budget_rows: int | None = None
 
 
 def choose_mode(mode: ModeArg, k: int, m: int) -> tuple[Literal["forward", "reverse"], str]:
@@ -70,6 +72,7 @@ def make_plan(
     chunk_size: int | None, max_memory: int,
 ) -> Plan:
     chosen, why = choose_mode(mode, k, m)
+    budget_rows: int | None = None
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) \
                 or chunk_size < 1:
@@ -78,7 +81,7 @@ def make_plan(
         source = "chunk_size was given"
     else:
         per_row = bytes_per_row(k, m, in_elems, dtype.itemsize)
-        budget_rows = max(1, min(MAX_CHUNK, max_memory // per_row))
+        budget_rows = int(max(1, min(MAX_CHUNK, max_memory // per_row)))
         if n <= budget_rows:
             size = max(1, _ceil_div(n, granule(n)) * granule(n))
             source = f"all {n} rows fit the memory budget in one chunk"
@@ -90,4 +93,4 @@ def make_plan(
     n_chunks = -(-n // size) if n else 0
     uncertain = mode == "auto" and max(k, m) <= UNSURE_RATIO * min(k, m)
     return Plan(mode=chosen, chunk_size=size, n_chunks=n_chunks, uncertain=uncertain,
-                reason=f"{chosen} mode ({why}); chunks of {size} rows ({source})")
+                budget_rows=budget_rows, reason=f"{chosen} mode ({why}); chunks of {size} rows ({source})")

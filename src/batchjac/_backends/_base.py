@@ -84,6 +84,15 @@ class Kernel(ABC):
         """Make ``variant`` the implementation in use (backends with variants extend this)."""
         self.variant, self.note = variant, note
 
+    #: whether the implementation in use was chosen without timing the others (the call that
+    #: met the kernel first was too small to repay a race); :meth:`retune` may time them later
+    untimed: bool = False
+
+    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:  # noqa: B027 - optional
+        """Time the builds now, on ``(u, ctx)``, and keep the fastest: the race the first call
+        skipped, once the work seen repays it (see :mod:`batchjac._tuning`). Backends with
+        several builds override this; the default has nothing to time."""
+
     @abstractmethod
     def __call__(
         self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
@@ -174,6 +183,10 @@ class BoundModel(ABC):
         if variant is not None and kernel.variant != variant and variant in kernel.variants:
             kernel.use(variant)
         return kernel
+
+    def kernel_sizes(self, mode: Mode, with_outputs: bool) -> list[int]:
+        """The chunk sizes of the kernels built so far for ``mode`` (and outputs flag)."""
+        return [size for (m, size, w) in self._kernels if m == mode and w == with_outputs]
 
     def has_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> bool:
         """Whether that kernel exists already (using it costs no compilation)."""

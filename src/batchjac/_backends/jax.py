@@ -466,6 +466,7 @@ class JaxKernel(Kernel):
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         from .._config import autotune_enabled
+        from .._tuning import race_allowed, untimed_note
 
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} (fixed)")
@@ -473,9 +474,22 @@ class JaxKernel(Kernel):
         if len(self.variants) == 1:
             self._select("default", "")
             return
-        if not autotune_enabled():
-            self._select("default", "default (BATCHJAC_AUTOTUNE=off: not timed)")
+        if not race_allowed():
+            # what an earlier kernel of this model chose by timing (none with autotune off)
+            build, blocked = self._bound.hint if autotune_enabled() else ("default", False)
+            hint = next((v for v in self.variants if blocked and v.startswith(build + "/")), build)
+            self._select(hint, f"{hint} ({untimed_note()})")
+            self.untimed = True
             return
+        self._race_builds(u, ctx)
+
+    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if not self.untimed or self._forced is not None or len(self.variants) == 1:
+            return
+        self.untimed = False
+        self._race_builds(u, ctx)
+
+    def _race_builds(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         try:
             self._compile("no-ynnpack")
         except Exception:  # e.g. a JAX whose XLA has no such option: one build only

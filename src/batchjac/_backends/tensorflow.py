@@ -324,11 +324,21 @@ class TFKernel(Kernel):
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} (fixed)")
             return
-        from .._config import autotune_enabled
+        from .._tuning import race_allowed, untimed_note
 
-        if not autotune_enabled():
-            self._select("xla", "xla (BATCHJAC_AUTOTUNE=off: not timed)")
+        if not race_allowed():
+            self._select("xla", f"xla ({untimed_note()})")
+            self.untimed = True
             return
+        self._race_builds(u, ctx, first)
+
+    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if not self.untimed or self._forced is not None or "graph" not in self.variants:
+            return
+        self.untimed = False
+        self._race_builds(u, ctx, self._run("xla", u, ctx))
+
+    def _race_builds(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], first: float) -> None:
         self._fn("graph")
         try:
             self._run("graph", u, ctx)  # trace and warm up

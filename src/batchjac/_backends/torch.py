@@ -47,6 +47,7 @@ from .._errors import (
     TrainingModeWarning as TrainingModeWarning,
 )
 from .._spec import assemble
+from .._tuning import allowed
 from ._base import Backend, BoundModel, Kernel, Mode, Signature, race
 
 Engine = Literal["func", "autograd", "replicated"]
@@ -479,6 +480,15 @@ class TorchKernel(Kernel):
                 y, jac = self._first_call(ut, ct)
         return (_to_numpy(y) if self.with_outputs else None), _to_numpy(jac)
 
+    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if not self.untimed or self._path != ("reverse", "func") or "replicated" not in self.variants:
+            return
+        self.untimed = False
+        bound = self._bound
+        ut, ct = bound.tensors(u, ctx)
+        with bound.calling(), allowed(True):
+            self._choose_reverse(ut, ct)
+
     def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         bound = self._bound
@@ -514,13 +524,14 @@ class TorchKernel(Kernel):
 
     def _choose_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
         """"vmap" or "replicated" for a reverse-mode kernel that runs with torch.func."""
-        from .._config import autotune_enabled
+        from .._tuning import race_allowed, untimed_note
 
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} (fixed)")
             return
-        if not autotune_enabled():
-            self.note = "vmap (BATCHJAC_AUTOTUNE=off: not timed)"
+        if not race_allowed():
+            self.note = f"vmap ({untimed_note()})"
+            self.untimed = True
             return
         paths: dict[str, tuple[Mode, Engine]] = {"vmap": ("reverse", "func"),
                                                   "replicated": ("reverse", "replicated")}

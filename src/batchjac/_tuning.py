@@ -1,0 +1,208 @@
+"""When a timing race is worth its cost: the rule every tuning decision follows.
+
+The user of the original question calls once. A race (forward against reverse mode, a ladder
+of chunk sizes, the builds of one kernel such as XLA against a plain TensorFlow graph) costs
+compilations and timed runs, and can save at most a fraction of the work it speeds up. So a
+race is run only when that fraction of the work at hand (this call's rows plus the work already
+seen with the same bound model) exceeds the race's estimated cost; otherwise the cost model's
+choice, and each kernel's default build, run untimed. Repeated calls accumulate work in the
+bound model's :class:`Ledger`, and once it warrants a race the race runs, once, as a JIT tiers
+up a hot function (the ski-rental rule: pay for tuning once the rent already paid matches it,
+which never costs more than twice the better of the two choices made in hindsight).
+
+Costs are estimated from what was measured: the first call of a new kernel (compilation plus
+one chunk) prices one more compilation; the ledger's seconds per row price the work. A model
+with no measurement yet is never raced. ``BATCHJAC_AUTOTUNE=off`` turns every race off.
+
+Backends ask :func:`race_allowed` before racing the builds of a kernel on its first call; the
+caller says, with :func:`allowed`, whether the call at hand may pay for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ._config import autotune_enabled
+from ._plan import Plan
+
+T = TypeVar("T")
+
+#: the largest fraction of the work a race is assumed to save (the best choice measured here
+#: was 2x faster than the cost model's: TensorFlow's graph on W4, JAX's blocks on W1)
+MAX_GAIN = 0.5
+#: a race's timed runs, beyond its compilations, in seconds (mode and build races time a
+#: chunk a handful of times: ~0.1-0.3 s)
+TIMING_SECONDS = 0.25
+
+_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_race_allowed", default=False)
+
+
+@dataclass
+class Ledger:
+    """What one bound model has computed: rows, seconds of kernel work (calls to kernels that
+    existed already), and the slowest first call of a new kernel (a compilation's price)."""
+
+    rows: int = 0
+    seconds: float = 0.0
+    compile_seconds: float = 0.0
+    #: rows of the first calls (compilation included): an upper bound of the cost per row
+    #: before any steady call was seen
+    first_rows: int = 0
+    #: seconds of padded rows computed to reuse a kernel, per batch size: once they add up to
+    #: a compilation, that size gets a kernel of its own
+    waste: dict[int, float] = field(default_factory=dict)
+    #: the work (seconds) at which a race skipped so far becomes worth its cost: the fast path
+    #: of repeated calls compares against it and hands the next call to the full path
+    next_check: float = math.inf
+
+    @property
+    def seconds_per_row(self) -> float | None:
+        if self.rows and self.seconds > 0:
+            return self.seconds / self.rows
+        if self.first_rows and self.compile_seconds > 0:
+            return self.compile_seconds / self.first_rows
+        return None
+
+
+def ledger(bound: Any) -> Ledger:
+    found = getattr(bound, "_ledger", None)
+    if found is None:
+        found = bound._ledger = Ledger()
+    return found
+
+
+def record(bound: Any, rows: int, seconds: float, *, new_kernel: bool) -> None:
+    """A finished computation of ``rows`` rows that took ``seconds``; ``new_kernel`` when it
+    included a kernel's first call (its compilation)."""
+    book = ledger(bound)
+    if new_kernel:
+        book.compile_seconds = max(book.compile_seconds, seconds)
+        book.first_rows = max(book.first_rows, rows)
+    else:
+        book.rows += rows
+        book.seconds += seconds
+
+
+def repeated(bound: Any, rows: int, seconds: float) -> bool:
+    """Record a repeated call (the fast path's); True when a race skipped so far is now due."""
+    book = ledger(bound)
+    book.rows += rows
+    book.seconds += seconds
+    return book.seconds >= book.next_check
+
+
+def begin(bound: Any) -> None:
+    """A call through the full path: the races it skips set the next check anew."""
+    ledger(bound).next_check = math.inf
+
+
+def race_cost(bound: Any, compilations: float) -> float | None:
+    """The estimated seconds of a race that compiles ``compilations`` more kernels; None when
+    nothing has been measured yet."""
+    book = ledger(bound)
+    if not book.compile_seconds:
+        return None
+    return compilations * book.compile_seconds + TIMING_SECONDS
+
+
+def worth(bound: Any, rows: int, compilations: float) -> bool:
+    """Whether a race compiling ``compilations`` kernels pays for itself on ``rows`` rows to
+    come plus the work already seen with this bound model."""
+    if not autotune_enabled():
+        return False
+    book = ledger(bound)
+    cost = race_cost(bound, compilations)
+    per_row = book.seconds_per_row
+    if cost is None or per_row is None or not book.rows:  # no steady call measured yet
+        return False
+    if MAX_GAIN * (book.seconds + rows * per_row) > cost:
+        return True
+    # not yet: the work at which it will be (the fast path watches for it)
+    book.next_check = min(book.next_check, cost / MAX_GAIN - rows * per_row)
+    return False
+
+
+def reuse(bound: Any, plan: Plan, n: int, with_outputs: bool) -> Plan:
+    """The plan on a chunk size whose kernel exists already, when its padding costs less than
+    compiling the planned size: a call with a new N (999 after 1,000, 37, 5,000) runs on the
+    kernels compiled for earlier calls. The padding wasted per batch size is added up, and
+    once it matches a compilation the planned size is compiled after all."""
+    if bound.has_kernel(plan.mode, plan.chunk_size, with_outputs) or not n:
+        return plan
+    book = ledger(bound)
+    per_row = book.seconds_per_row
+    if per_row is None or not book.compile_seconds:
+        return plan
+    options = [(-(-n // size) * size - n, size) for size in bound.kernel_sizes(plan.mode, with_outputs)
+               if plan.budget_rows is None or size <= max(plan.budget_rows, plan.chunk_size)]
+    if not options:  # (a size over this call's memory budget is not reused)
+        return plan
+    padded, size = min(options)
+    waste = padded * per_row
+    if book.waste.get(n, 0.0) + waste >= book.compile_seconds:
+        return plan  # the padding has cost a compilation: this size gets its own kernel
+    book.waste[n] = book.waste.get(n, 0.0) + waste
+    chunks = -(-n // size)
+    return dataclasses.replace(
+        plan, chunk_size=size, n_chunks=chunks,
+        reason=f"{plan.reason.split('; chunks of')[0]}; chunks of {size} rows (a compiled kernel "
+               f"reused: padding {chunks * size - n} rows costs less than compiling {plan.chunk_size})")
+
+
+def timed(bound: Any, kernel: Any, rows: int, run: Callable[[], T]) -> T:
+    """Run the computation of ``rows`` rows on ``kernel`` and record its time; its first call
+    may race the kernel's builds only when the work seen repays it."""
+    new = kernel.variant is None
+    builds = max(0, len(kernel.variants) - 1)
+    with allowed(new and builds > 0 and worth(bound, rows, builds)), Stopwatch() as watch:
+        out = run()
+    record(bound, rows, watch.seconds, new_kernel=new)
+    return out
+
+
+def settle(bound: Any, kernel: Any, args: Callable[[], tuple[Any, Any]]) -> None:
+    """After a call: race the builds a first call skipped, once the work seen repays it."""
+    if kernel.untimed and worth(bound, 0, max(1, len(kernel.variants) - 1)):
+        kernel.retune(*args())
+
+
+@contextlib.contextmanager
+def allowed(flag: bool) -> Iterator[None]:
+    """Within this block, kernels meeting their first call may race their builds (``flag``)."""
+    token = _ALLOWED.set(flag)
+    try:
+        yield
+    finally:
+        _ALLOWED.reset(token)
+
+
+def untimed_note() -> str:
+    """Why a kernel's build was not timed, for ``explain=True``."""
+    if not autotune_enabled():
+        return "BATCHJAC_AUTOTUNE=off: not timed"
+    return "not timed: the work seen so far does not repay a race"
+
+
+def race_allowed() -> bool:
+    """Asked by a kernel on its first call: may it time its builds now?"""
+    return _ALLOWED.get() and autotune_enabled()
+
+
+class Stopwatch:
+    """``with Stopwatch() as sw: ...; sw.seconds``."""
+
+    seconds: float = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._start
