@@ -29,6 +29,7 @@ from .options import INPUT_FORMATS, parse_numbers, parse_wrt
 
 if TYPE_CHECKING:
     from .._jacobian import BackendName
+    from .._loaders import LoadedModel
 
 
 class Files:
@@ -129,7 +130,7 @@ def gather_inputs(files: Files, inputs: Sequence[str], *, known: str | None, wrt
     return (tuple(readers),), (wrt_input if columns is None else (wrt_input, columns))
 
 
-def load_model(ref: str, *, trust: bool) -> Any:
+def load_model(ref: str, *, trust: bool) -> LoadedModel:
     """MODEL as a :class:`batchjac._loaders.LoadedModel` (``.model``, ``.backend``,
     ``.fingerprint``). A model *file* that runs code while loading (a Keras ``Lambda`` layer, a
     pickled torch module) is refused unless ``trust`` (``--trust-model``): a command run on a
@@ -142,7 +143,7 @@ def load_model(ref: str, *, trust: bool) -> Any:
     return load(ref, trust=trust)
 
 
-def backend_of(option: str | None, loaded: Any) -> BackendName | None:
+def backend_of(option: str | None, loaded: LoadedModel) -> BackendName | None:
     """``--backend`` if given, else the framework of the model file (None: detect it from the
     model object)."""
     return cast("BackendName | None", option or loaded.backend)
