@@ -184,9 +184,9 @@ def _child(request: dict[str, Any]) -> None:
         if request.get("kill_at"):
             _arm(request["kill_at"])
         if request.get("command") == "solve":
-            from batchjac._cli_solve import solve as command
+            from batchjac.cli.solve import solve as command
         else:
-            from batchjac._cli_compute import compute as command
+            from batchjac.cli.compute import compute as command
 
         try:
             command.main(request["args"], prog_name=f"batchjac {command.name}")
@@ -208,9 +208,9 @@ def _serve(preload: list[str]) -> None:
 
     for name in preload:
         importlib.import_module(name)
-    import batchjac._cli_compute
     import batchjac._loaders
-    import batchjac._stores  # noqa: F401
+    import batchjac._stores
+    import batchjac.cli  # noqa: F401
 
     for name in ("zarr", "h5py", "pyarrow.csv"):
         importlib.import_module(name)

@@ -22,8 +22,8 @@ keras = pytest.importorskip("keras")
 
 import batchjac  # noqa: E402
 from batchjac import _stores  # noqa: E402
-from batchjac._cli import cli  # noqa: E402
-from batchjac._cli_compute import parse_wrt  # noqa: E402
+from batchjac.cli import cli  # noqa: E402
+from batchjac.cli.options import parse_wrt  # noqa: E402
 from batchjac.examples import seed_model, workload_inputs  # noqa: E402
 
 N = 300

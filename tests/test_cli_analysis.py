@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from batchjac._cli import cli
+from batchjac.cli import cli
 
 pytest.importorskip("tensorflow")
 
@@ -78,7 +79,9 @@ def test_check_with_wrt_and_factory(files: dict[str, str], tmp_path: Path) -> No
     res = run("check", f"{tmp_path / 'wrap.py'}:model", "--inputs", str(tmp_path / "wide.npy"),
               "--wrt", "0,2,4")
     assert res.exit_code == 0, res.output
-    assert "x[:, " in res.output  # unknowns named by their column
+    # unknowns named by their column (of the input, named by its file: every subcommand reads
+    # its inputs with batchjac's file readers, as `compute` does)
+    assert re.search(r"x \(.*wide\.npy\)\[:, [024]\]", res.output), res.output
     res = run("check", f"{files['model']}:Factory.build()", "--inputs", files["x"])
     assert res.exit_code == 0, res.output
 
@@ -121,9 +124,9 @@ def test_propagate_failure_leaves_no_partial_files(files: dict[str, str],
 
 def test_propagate_std_forms(files: dict[str, str]) -> None:
     import batchjac
-    from batchjac._cli_analysis import load_model
+    from batchjac.cli.common import load_model
 
-    model = load_model(f"{files['model']}:good", trust=False)
+    model = load_model(f"{files['model']}:good", trust=False).model
     x = np.load(files["x"])
     for std, expect in (("0.1", 0.1), ("0.1,0.2,0.3", [0.1, 0.2, 0.3])):
         out = Path(files["dir"]) / f"p{len(std)}"
@@ -158,22 +161,23 @@ def test_report_from_model_and_from_files(files: dict[str, str]) -> None:
         (["check", "{model}:nothere", "--inputs", "{x}"], "has no attribute 'nothere'", 5),
         (["check", "{model}:W", "--inputs", "{x}"], "not a callable model", 5),
         (["check", "{model}:good"], "--inputs FILE.npy", 2),
-        (["check", "{model}:good", "--inputs", "nope.npy"], "does not exist", 2),
-        (["check", "{model}:good", "--inputs", "{x}", "--wrt", "a,b"], "--wrt must be column", 2),
+        (["check", "{model}:good", "--inputs", "nope.npy"], "does not exist", 3),
+        (["check", "{model}:good", "--inputs", "{x}", "--wrt", "a,b"], "has no column names", 4),
         (["check", "{model}:good", "--inputs", "{x}", "--inputs", "{x}"], "--wrt-input INDEX", 2),
         (["propagate", "{model}:good", "--inputs", "{x}", "-o", "{out}"], "exactly one of `cov`", 2),
         (["propagate", "{model}:good", "--inputs", "{x}", "--std", "big", "-o", "{out}"],
          "--std must be a number", 2),
         (["propagate", "{model}:good", "--inputs", "{x}", "--cov", "{x}", "-o", "{out}"],
-         "`cov` has shape (30, 3)", 2),
+         "`cov` has shape (30, 3)", 4),
         (["report", "-o", "{out}"], "Give either MODEL", 2),
         (["check", "no_such_module_xyz:f", "--inputs", "{x}"], "Cannot import module", 3),
     ],
 )
 def test_user_errors_exit_without_traceback(files: dict[str, str], args: list[str],
                                              match: str, code: int) -> None:
-    """Usage errors exit 2; a model file that is missing 3, one that cannot be loaded 5 (the
-    codes of `batchjac compute`, docs/cli.md)."""
+    """Usage errors exit 2; a missing file 3, invalid data (a column name for a file without
+    names, a covariance of the wrong shape) 4, a model that cannot be loaded 5: the codes of
+    every subcommand (docs/cli.md)."""
     fill = {"model": files["model"], "x": files["x"], "out": str(Path(files["dir"]) / "o")}
     res = CliRunner().invoke(cli, [a.format(**fill) for a in args])
     assert res.exit_code == code, res.output

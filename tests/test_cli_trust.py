@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from batchjac._cli import cli
+from batchjac.cli import cli
 
 N = 12
 

@@ -196,7 +196,7 @@ def test_cli_compute_on_a_scheduler(client: Any, tmp_path: Any) -> None:
     import zarr
     from click.testing import CliRunner
 
-    from batchjac._cli import cli
+    from batchjac.cli import cli
 
     model = seed_model("tensorflow")
     model.save(tmp_path / "m.keras")

@@ -197,7 +197,7 @@ def test_per_instance_inputs_and_bad_input(tmp_path: Path) -> None:
 def test_cli_streams_files_and_reports(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from batchjac._cli import cli
+    from batchjac.cli import cli
 
     (tmp_path / "m.py").write_text(MODEL_SOURCE)
     x, h, t = problem(seed=8, n=200)

@@ -48,7 +48,7 @@ def write_model(path: str) -> None:
 
 def run_compute(args: list[str]) -> None:
     """``batchjac compute ARGS`` in this process, then this process's peak RSS."""
-    from batchjac._cli_compute import compute
+    from batchjac.cli.compute import compute
 
     try:
         compute.main(args, prog_name="batchjac compute", standalone_mode=False)

@@ -1,0 +1,48 @@
+"""``batchjac bench``: batchjac timed beside hand-written baselines, into BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .errors import guard
+from .options import CONTEXT
+
+#: the extra sections of a full run, and the modules of batchjac._bench that hold them
+SECTIONS = {"memory": "memory", "w5": "w5", "solve": "solve_bench", "dask": "dask_bench"}
+
+
+@click.command("bench", context_settings=CONTEXT)
+@click.option("--quick", is_flag=True, help="Smaller batches and fewer repeats (about two minutes).")
+@click.option("--output", type=click.Path(dir_okay=False), default="BENCHMARKS.md", show_default=True,
+              help="Markdown report to write; the PNG chart goes beside it.")
+@click.option("--backend", "backends", multiple=True, type=click.Choice(["tensorflow", "torch", "jax"]),
+              help="Only these backends (repeatable); default: every installed one.")
+@click.option("--workload", "workloads", multiple=True, type=click.Choice(["W1", "W2", "W3", "W4"]),
+              help="Only these workloads (repeatable).")
+@click.option("--skip", "skipped", multiple=True, type=click.Choice(list(SECTIONS)),
+              help="Leave out an extra section of the full run (repeatable).")
+@guard("bench")
+def bench(quick: bool, output: str, backends: tuple[str, ...], workloads: tuple[str, ...],
+          skipped: tuple[str, ...]) -> None:
+    """Time batchjac beside the hand-written baselines and write BENCHMARKS.md.
+
+    The full run adds, after W1-W4: out-of-core memory (W2, N=100,000), W5 (10M rows streamed
+    to Zarr), the solver against scipy, and Dask against the local path. --quick runs W1-W4
+    only, on smaller batches."""
+    import importlib
+    from pathlib import Path
+
+    from .._bench.run import main as run_bench
+
+    extras = [] if quick else [
+        importlib.import_module(f"batchjac._bench.{module}").section
+        for name, module in SECTIONS.items() if name not in skipped
+    ]
+    run_bench(quick=quick, output=Path(output), backends=list(backends) or None,
+              workloads=list(workloads) or None, log=lambda s: click.echo(s, err=True),
+              command="batchjac " + " ".join(sys.argv[1:]), extras=extras)
+
+
+command = bench

@@ -1,0 +1,87 @@
+"""Exit codes of every ``batchjac`` subcommand, and the guard that applies them.
+
+One map from batchjac's errors to exit codes (docs/cli.md), and one decorator, :func:`guard`,
+that every subcommand wears: a batchjac error becomes one line on stderr, ``batchjac CMD:
+error: ...``, with its exit code and no traceback; Ctrl-C becomes exit 130 and a "run the same
+command again" line; anything else is a bug and keeps its traceback (exit 1). Usage errors are
+click's (exit 2, with the usage line).
+
+Only click is imported here; batchjac's error classes are imported when an error is mapped.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import click
+
+EXIT_OK = 0
+#: ``check`` only: the check ran and failed (elsewhere 1 is a bug, with its traceback)
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_FILE = 3
+EXIT_INPUT = 4
+EXIT_MODEL = 5
+EXIT_EXISTS = 6
+EXIT_WRITE = 7
+EXIT_INTERRUPTED = 130
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def exit_code(e: BaseException) -> int | None:
+    """The documented exit code of a batchjac error; None for anything else (a bug)."""
+    from .._errors import BackendNotAvailableError, BatchJacError, InputError, ModelError
+    from .._io import InputFileError
+    from .._stores import StoreExistsError, StoreWriteError
+
+    if isinstance(e, StoreWriteError):
+        return EXIT_WRITE
+    if isinstance(e, StoreExistsError):
+        return EXIT_EXISTS
+    if isinstance(e, InputFileError):
+        return EXIT_FILE
+    if isinstance(e, (ModelError, BackendNotAvailableError)):
+        return EXIT_MODEL
+    if isinstance(e, (InputError, BatchJacError)):
+        return EXIT_INPUT
+    return None
+
+
+def one_line(e: BaseException) -> str:
+    """The message on one line, without the bracketed context batchjac adds at its boundary."""
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    return " ".join(ln for ln in lines if ln and not (ln.startswith("[") and ln.endswith("]")))
+
+
+def guard(name: str, *, interrupted: str = "run the same command again."
+          ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Wrap the command function of ``batchjac NAME`` (put it below the click decorators).
+
+    ``interrupted`` ends the line printed on Ctrl-C, after ``batchjac NAME: interrupted;``:
+    what was kept and how to continue.
+    """
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return fn(*args, **kwargs)
+            except (click.ClickException, click.exceptions.Exit, click.Abort):
+                raise  # usage errors (exit 2) and deliberate exits are click's
+            except KeyboardInterrupt:
+                click.echo(f"batchjac {name}: interrupted; {interrupted}", err=True)
+                raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+            except Exception as e:
+                code = exit_code(e)
+                if code is None:
+                    raise  # a bug: keep the traceback (exit 1)
+                click.echo(f"batchjac {name}: error: {one_line(e)}", err=True)
+                raise click.exceptions.Exit(code) from None
+
+        return run
+
+    return decorate
