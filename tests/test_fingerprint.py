@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -102,13 +103,13 @@ def test_computation_fingerprint_of_jax_closures_over_params() -> None:
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
 
-    def init(key: object, hidden: int) -> dict[str, object]:
+    def init(key: Any, hidden: int) -> dict[str, Any]:
         k1, k2 = jax.random.split(key)
         return {"w1": jax.random.normal(k1, (5, hidden)), "w2": jax.random.normal(k2, (hidden, 4))}
 
-    def build(params: dict[str, object]) -> Callable[[object], object]:
+    def build(params: dict[str, Any]) -> Callable[[Any], Any]:
         @jax.jit
-        def model(x: object) -> object:
+        def model(x: Any) -> Any:
             return jnp.tanh(x @ params["w1"]) @ params["w2"]
 
         return model
@@ -136,7 +137,7 @@ def test_computation_fingerprint_of_keras_models(tmp_path: Path) -> None:
     assert model_fingerprint(reloaded) == model_fingerprint(model)
     assert computation_fingerprint(seed_model("tensorflow", dtype="float64")) != first
 
-    def mlp(width: int, activation: str) -> object:
+    def mlp(width: int, activation: str) -> Any:
         return keras.Sequential([keras.Input((3,)), keras.layers.Dense(width, activation=activation),
                                  keras.layers.Dense(1)])
 
@@ -152,7 +153,7 @@ def test_computation_fingerprint_sees_keras_dtype_policies() -> None:
     pytest.importorskip("tensorflow")
     keras = pytest.importorskip("keras")
 
-    def weightless(dtype: str) -> object:
+    def weightless(dtype: str) -> Any:
         previous = keras.config.dtype_policy()
         keras.config.set_dtype_policy(dtype)
         try:
@@ -178,7 +179,7 @@ def test_computation_fingerprint_of_torch_modules() -> None:
     reloaded.load_state_dict({k: torch.randn_like(v) for k, v in retrained.state_dict().items()})
     assert computation_fingerprint(reloaded) == first
 
-    def mlp(width: int, activation: type) -> object:
+    def mlp(width: int, activation: type) -> Any:
         return torch.nn.Sequential(torch.nn.Linear(3, width), activation(), torch.nn.Linear(width, 1))
 
     base = computation_fingerprint(mlp(4, torch.nn.Tanh))
