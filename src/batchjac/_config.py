@@ -6,6 +6,11 @@
                          output is connected to the unknowns and that rows do not interact.
 ``BATCHJAC_AUTOTUNE``    ``"on"`` (default) or ``"off"``: time chunk sizes (and forward against
                          reverse mode when the shapes cannot tell) once per model and shape.
+``BATCHJAC_CACHE``       ``"on"`` (default) or ``"off"``: remember tuning decisions on disk, so
+                         that the next process runs the tuned kernel on its first call.
+                         ``"off"`` reads nothing and writes nothing.
+``BATCHJAC_CACHE_DIR``   where that cache lives (default: ``$XDG_CACHE_HOME/batchjac``, else
+                         ``~/.cache/batchjac``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from pathlib import Path
 
 from ._errors import InputError
 
@@ -77,3 +83,39 @@ def autotune_enabled() -> bool:
     if raw not in ("on", "off"):
         raise InputError(f"BATCHJAC_AUTOTUNE must be 'on' or 'off'; got {raw!r}.")
     return raw == "on"
+
+
+def cache_enabled() -> bool:
+    """Whether the tuning cache is read and written (``BATCHJAC_CACHE``, default ``"on"``)."""
+    raw = os.environ.get("BATCHJAC_CACHE", "on").strip().lower()
+    if raw not in ("on", "off"):
+        raise InputError(f"BATCHJAC_CACHE must be 'on' or 'off'; got {raw!r}. Unset it for the "
+                         "default ('on'), or set it to 'off' to neither read nor write the cache.")
+    return raw == "on"
+
+
+def cache_dir() -> Path:
+    """The directory of the tuning cache: ``$BATCHJAC_CACHE_DIR``, else the per-user cache
+    directory of the XDG convention, ``$XDG_CACHE_HOME/batchjac`` or ``~/.cache/batchjac``.
+
+    The XDG convention alone, not ``platformdirs``: that is not a dependency of batchjac, and
+    using it only when something else happens to have installed it would move the cache (on
+    macOS and Windows) with the environment, so that two environments of one user would not see
+    each other's decisions. Empty variables count as unset and a relative ``XDG_CACHE_HOME`` is
+    ignored, as the XDG specification says; a relative ``BATCHJAC_CACHE_DIR`` is made absolute,
+    so that processes started in other directories find the same cache.
+    Nothing is created here.
+    """
+    raw = os.environ.get("BATCHJAC_CACHE_DIR", "").strip()
+    if raw:
+        return Path(os.path.abspath(os.path.expanduser(raw)))
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "batchjac"
+    home = os.path.expanduser("~")
+    if home == "~" or not os.path.isabs(home):
+        raise InputError(
+            f"batchjac cannot find a per-user cache directory: HOME is not set (got {home!r}) and "
+            "neither is XDG_CACHE_HOME. Set BATCHJAC_CACHE_DIR to a directory for the tuning "
+            "cache, or BATCHJAC_CACHE=off to do without it.")
+    return Path(home) / ".cache" / "batchjac"

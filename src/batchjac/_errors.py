@@ -96,6 +96,12 @@ class XLAFallbackWarning(BatchJacWarning):
     """XLA could not compile the model; batchjac runs it as a plain TensorFlow graph."""
 
 
+class TuneCacheWarning(BatchJacWarning):
+    """The on-disk cache of tuning decisions could not be read or written (a corrupt or foreign
+    file, an unwritable directory). batchjac carries on without it: it times the alternatives
+    again, and the results are the same, only the first call is slower."""
+
+
 def add_context(err: BatchJacError, context: str) -> BatchJacError:
     """Return a copy of ``err`` of the same class whose message ends with ``context``."""
     new = type(err)(f"{err}\n  [{context}]")

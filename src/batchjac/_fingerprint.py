@@ -15,6 +15,13 @@ duck typing (nothing here imports a framework):
   bytes;
 - other objects: their class and attributes.
 
+:func:`computation_fingerprint` walks the same objects with the same rules, except that arrays
+and tensors contribute their dtype and shape only: it identifies *what is computed* (the
+architecture, dtypes, code), not the weights, so the tuning cache (:mod:`batchjac._tunecache`)
+can reuse a decision timed on a model for the same model retrained, reloaded, or rebuilt around
+new parameters of the same shapes. The running time of a kernel depends on those, not on the
+values of the weights.
+
 The hash is stable across processes (no ``id()``, no memory addresses). What it cannot see into
 (compiled extension objects) it records by type only; the store also records the model's
 outputs on fixed probe inputs, which catches a changed model even then.
@@ -41,6 +48,28 @@ _MAX_DEPTH = 8
 
 def model_fingerprint(model: Any) -> str:
     h = _Hasher()
+    h.feed(model, 0)
+    return "sha256:" + h.sha.hexdigest()
+
+
+def computation_fingerprint(model: Any) -> str:
+    """A hash of what ``model`` computes, blind to the values of its arrays (weights).
+
+    Equal for the same architecture with other weights of the same shapes and dtypes; different
+    when the architecture, a layer's size or activation, a dtype, or the Python code changes.
+    Python scalars (a closed-over ``scale = 2.0``) still count by value: they are
+    hyper-parameters more often than weights. No array is copied or moved off its device.
+
+    >>> import numpy as np
+    >>> def make(w):
+    ...     return lambda x: np.tanh(x @ w)
+    >>> computation_fingerprint(make(np.zeros((3, 2)))) == computation_fingerprint(make(np.ones((3, 2))))
+    True
+    >>> computation_fingerprint(make(np.zeros((3, 2)))) == computation_fingerprint(make(np.zeros((3, 4))))
+    False
+    """
+    h = _Hasher(values=False)
+    h.tag("computation")  # never equal to a model_fingerprint, even of an object without arrays
     h.feed(model, 0)
     return "sha256:" + h.sha.hexdigest()
 
@@ -98,8 +127,55 @@ def as_array(obj: Any) -> np.ndarray | None:
     return None
 
 
+def _is_array_like(obj: Any) -> bool:
+    """What :func:`as_array` would try to convert, decided without converting."""
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return True
+    if not (hasattr(obj, "shape") and hasattr(obj, "dtype")):
+        return False
+    return ((hasattr(obj, "detach") and hasattr(obj, "cpu"))
+            or (hasattr(obj, "numpy") and callable(obj.numpy)) or hasattr(obj, "__array__"))
+
+
+def _array_meta(obj: Any) -> tuple[str, tuple[int | None, ...] | None]:
+    """(dtype, shape) of an array or tensor of any framework, read from its attributes.
+
+    Unknown dimensions (symbolic TensorFlow shapes) are None; a shape of unknown rank is None.
+    """
+    shape: list[int | None] = []
+    try:
+        for dim in obj.shape:
+            dim = getattr(dim, "value", dim)  # a TensorFlow 1-style Dimension
+            shape.append(None if dim is None else int(dim))
+    except (TypeError, ValueError):  # a TensorFlow shape of unknown rank
+        return _dtype_text(obj.dtype), None
+    return _dtype_text(obj.dtype), tuple(shape)
+
+
+def _dtype_text(dtype: Any) -> str:
+    """A dtype spelled as numpy spells it (``"<f4"``) when numpy knows it, so that
+    ``torch.float32``, ``tf.float32`` and a Keras variable's ``"float32"`` read alike; other
+    dtypes by name. Extension dtypes (``bfloat16`` of ml_dtypes, which numpy calls ``"<V2"``)
+    by name too, so that the text does not depend on whether ml_dtypes is imported."""
+    if not isinstance(dtype, np.dtype):
+        name = getattr(dtype, "name", None)
+        name = (name if isinstance(name, str) else str(dtype)).removeprefix("torch.")
+        try:
+            dtype = np.dtype(name)
+        except (TypeError, ValueError):
+            return name
+    return dtype.name if dtype.kind == "V" else dtype.str
+
+
 class _Hasher:
-    def __init__(self) -> None:
+    """Feeds an object graph into a sha256, by the rules of the module docstring.
+
+    ``values=False`` makes arrays and tensors feed their dtype and shape only (see
+    :func:`computation_fingerprint`); everything else is walked the same way.
+    """
+
+    def __init__(self, *, values: bool = True) -> None:
+        self.values = values
         self.sha = hashlib.sha256()
         self.seen: dict[int, int] = {}
         self._keep: list[Any] = []  # keeps visited objects alive, so their ids stay unique
@@ -113,7 +189,13 @@ class _Hasher:
         if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
             self.tag(type(obj).__name__, repr(obj))
             return
-        arr = as_array(obj)
+        if not self.values:
+            if _is_array_like(obj):
+                self.tag("array", *_array_meta(obj))
+                return
+            arr = None
+        else:
+            arr = as_array(obj)
         if arr is not None:
             arr = np.ascontiguousarray(arr)
             self.tag("array", arr.dtype.str, arr.shape)
@@ -174,14 +256,19 @@ class _Hasher:
         self.tag("keras", _qualname(type(model)))
         try:
             config = model.get_config()
-            text = json.dumps(_canonical_names(config), sort_keys=True, default=_type_only)
+            names = _canonical_names(config, skip_policies=not self.values)
+            text = json.dumps(names, sort_keys=True, default=_type_only)
             self.tag("config", text)
         except Exception:  # subclassed models without get_config: their code instead
             call = getattr(type(model), "call", None)
             if call is not None:
                 self.feed(call, depth + 1)
-        for w in model.get_weights():
-            self.feed(np.asarray(w), depth + 1)
+        if self.values:
+            for w in model.get_weights():
+                self.feed(np.asarray(w), depth + 1)
+        else:  # the variables themselves: no copy of their values
+            for w in getattr(model, "weights", None) or model.get_weights():
+                self.feed(w, depth + 1)
 
     def _torch(self, module: Any, depth: int) -> None:
         self.tag("torch", _qualname(type(module)))
@@ -269,13 +356,25 @@ def _safe_repr(obj: Any) -> str:
     return "" if " at 0x" in text else text[:200]
 
 
-def _canonical_names(config: Any) -> Any:
-    """A Keras config with the names of its layers replaced by their order of appearance."""
+def _canonical_names(config: Any, *, skip_policies: bool = False) -> Any:
+    """A Keras config with the names of its layers replaced by their order of appearance.
+
+    A dtype policy is a ``{"class_name": "DTypePolicy", "config": {"name": "float32"}}`` node:
+    its "name" is a dtype, not a layer's name. Taken for a layer's name, it becomes
+    ``"<layer N>"``, and so does every string equal to it, such as an ``InputLayer``'s dtype:
+    ``"float32"``, ``"float64"`` and ``"mixed_float16"`` then read alike. ``skip_policies=True``
+    leaves policies out of the names; :func:`computation_fingerprint` passes it, since a dtype is
+    all it sees of the weights. :func:`model_fingerprint` keeps the old reading, so that the
+    fingerprints recorded in existing stores stay valid (it sees the dtype in the weights'
+    bytes and the store checks outputs on probe inputs).
+    """
     names: dict[str, str] = {}
 
     def collect(node: Any) -> None:
         if isinstance(node, dict):
-            if "class_name" in node and isinstance(node.get("config"), dict):
+            is_policy = str(node.get("class_name", "")).endswith(("Policy", "PolicyMap"))
+            if ("class_name" in node and isinstance(node.get("config"), dict)
+                    and not (skip_policies and is_policy)):
                 for name in (node["config"].get("name"), node.get("name")):
                     if isinstance(name, str) and name not in names:
                         names[name] = f"<layer {len(names)}>"

@@ -1,0 +1,497 @@
+"""Tuning decisions remembered across processes, so that a second process runs the tuned kernel
+on its first call instead of timing the alternatives again.
+
+batchjac times alternatives where its cost model cannot decide (forward against reverse mode,
+chunk sizes, TensorFlow's XLA against its graph). Those timings cost a few chunks and a
+compilation or more each; a cached decision costs one small file read. The cache is a
+directory of small JSON files, one per :class:`TuneKey`::
+
+    <cache dir>/v1/<sha256 of the key>.json
+    {"schema": "batchjac-tunecache", "version": 1,
+     "key": {"model": ..., "signature": ..., "what": ..., "shape": ..., "versions": ..., "machine": ...},
+     "decision": {"mode": "forward", "chunk_size": 1000, ...},
+     "written": "2025-01-01T00:00:00Z"}
+
+The cache directory is ``$BATCHJAC_CACHE_DIR``, else ``$XDG_CACHE_HOME/batchjac``, else
+``~/.cache/batchjac`` (:func:`batchjac._config.cache_dir`); ``BATCHJAC_CACHE=off`` reads
+nothing and writes nothing, not even the directory.
+
+What a cache can get wrong, and what this module does about it:
+
+- **A wrong decision.** A decision only ever chooses among alternatives that all compute the
+  same result, so the worst a stale one does is run slower. Still, the key holds what the
+  timing depended on: the model's computation (:func:`batchjac._fingerprint.
+  computation_fingerprint`, blind to weight values, which do not change timings), the batch
+  signature, the decision and shape bucket, the versions of batchjac, Python and the framework
+  (a new release changes kernels), and the machine (CPU model, core count, GPU). Each file
+  holds its key in readable form; a file whose stored key is not the asked one (a hash
+  collision, a file copied from elsewhere) is ignored. The caller may pass a validator, and a
+  decision it rejects (an unknown mode, a chunk size of the wrong type) is ignored too.
+- **A torn file.** Writes go to a temporary file in the same directory, are flushed to disk
+  (``fsync``) and renamed over the final name (``os.replace``, atomic): a reader sees the old
+  file or the new one, never part of one, and of two processes writing the same key at once
+  one wins whole.
+- **A cache in the way.** A corrupt, truncated, foreign or unreadable file, or a directory
+  that cannot be written, is never an error: batchjac carries on as if there were no cache,
+  with one :class:`~batchjac._errors.TuneCacheWarning` per process for reading and one for
+  writing (a cache problem repeats on every call; one warning says it, a thousand bury it).
+
+Files are created readable by their owner only (``mkstemp``): the cache is per user, and
+another user's decisions are not to be trusted any more than their files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ._config import cache_dir, cache_enabled
+from ._errors import InputError, InputTypeError, TuneCacheWarning
+from ._version import __version__
+
+#: what the "schema" field of every cache file says
+SCHEMA = "batchjac-tunecache"
+#: the file format; a change that older readers would misread bumps it (and the directory)
+VERSION = 1
+#: no file batchjac writes is larger: a larger one is foreign, and is not read whole
+MAX_BYTES = 1 << 20
+
+#: a decision validator: a callable that raises or returns False to reject a decision, or a
+#: schema ``{field: spec}`` where spec is a type (or tuple of types), a set or list of the
+#: allowed values, or a predicate
+Validator = Callable[[dict[str, Any]], object] | Mapping[str, Any]
+
+#: the distributions whose versions a decision depends on, per framework name (the key's
+#: ``versions``); any other name is taken for a distribution's own name
+_FRAMEWORK_DISTRIBUTIONS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "tensorflow": (("tensorflow", ("tensorflow", "tensorflow-cpu", "tensorflow-macos",
+                                   "tf-nightly")),
+                   ("keras", ("keras",))),
+    "torch": (("torch", ("torch",)),),
+    "jax": (("jax", ("jax",)), ("jaxlib", ("jaxlib",))),
+    "numpy": (("numpy", ("numpy",)),),
+}
+_FRAMEWORK_DISTRIBUTIONS["keras"] = _FRAMEWORK_DISTRIBUTIONS["tensorflow"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneKey:
+    """What a tuning decision depends on; equal keys may share a decision.
+
+    All fields are strings (an int ``shape`` is turned into its decimal string, so that
+    ``shape=1000`` and ``shape="1000"`` are one key). Build one with :meth:`make`, which
+    fingerprints the model and resolves ``versions`` and ``machine``; the constructor takes
+    the fields as they are.
+
+    - ``model``: :func:`~batchjac._fingerprint.computation_fingerprint` of the model
+      (architecture, dtypes and code, not weight values: a retrained model times the same);
+    - ``signature``: the batch signature (layout, dtype, per-row shapes), built by the caller;
+    - ``what``: which decision ("mode", "rows", "variant", ...);
+    - ``shape``: the shape bucket it was timed on (a chunk size, a bucket of N);
+    - ``versions``: batchjac, Python and framework versions (:func:`versions`);
+    - ``machine``: CPU model, architecture, core count and GPU (:func:`machine_id`).
+    """
+
+    model: str
+    signature: str
+    what: str
+    shape: str | int = ""
+    versions: str = ""
+    machine: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shape, int) and not isinstance(self.shape, bool):
+            object.__setattr__(self, "shape", str(self.shape))
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, str):
+                raise InputTypeError(
+                    f"TuneKey.{field.name} must be a string"
+                    f"{' or an int' if field.name == 'shape' else ''}; got "
+                    f"{type(value).__name__} {value!r}. Build keys with TuneKey.make(), "
+                    "which turns a model into its fingerprint.")
+
+    @classmethod
+    def make(cls, model: Any, signature: str, what: str, shape: str | int = "", *,
+             framework: str | None = None, gpu: str | None = None) -> TuneKey:
+        """The key of decision ``what`` for ``model`` on this machine and these versions.
+
+        ``model`` is the model itself (it is fingerprinted with
+        :func:`~batchjac._fingerprint.computation_fingerprint`, which walks the whole object:
+        callers timing many decisions for one model should fingerprint it once and pass the
+        string). ``framework`` ("tensorflow", "torch", "jax", "numpy" or a distribution's
+        name) adds that framework's versions, read from the installed package metadata without
+        importing it; ``gpu`` is the accelerator's name, as the backend reports it.
+        """
+        if not isinstance(model, str):
+            from ._fingerprint import computation_fingerprint
+
+            model = computation_fingerprint(model)
+        return cls(model=model, signature=signature, what=what, shape=shape,
+                   versions=versions(framework), machine=machine_id(gpu))
+
+    def fields(self) -> dict[str, str]:
+        """The fields as a dict, as the cache file stores them."""
+        return {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def digest(self) -> str:
+        """sha256 (hex) of the fields and the file format: the cache file's name."""
+        text = json.dumps({"schema": SCHEMA, "version": VERSION, **self.fields()},
+                          sort_keys=True, ensure_ascii=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def versions(framework: str | None = None) -> str:
+    """``"batchjac=0.1.0;python=3.11;torch=2.5.1"``: the versions a timing depends on.
+
+    The framework's versions come from the installed distributions' metadata
+    (:mod:`importlib.metadata`), so nothing is imported; a framework that is not installed
+    reads ``none``.
+
+    >>> versions().startswith("batchjac=")
+    True
+    """
+    if framework is not None and (not isinstance(framework, str) or not framework.strip()):
+        raise InputTypeError(f"`framework` must be a framework's name such as 'torch'; "
+                             f"got {type(framework).__name__} {framework!r}.")
+    return _versions(None if framework is None else framework.strip().lower())
+
+
+@functools.cache  # a metadata look-up scans sys.path
+def _versions(name: str | None) -> str:
+    from importlib import metadata
+
+    parts = [f"batchjac={__version__}",
+             f"python={sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"]
+    if name is not None:
+        for label, candidates in _FRAMEWORK_DISTRIBUTIONS.get(name, ((name, (name,)),)):
+            found = "none"
+            for dist in candidates:
+                with contextlib.suppress(metadata.PackageNotFoundError):
+                    found = metadata.version(dist)
+                    break
+            parts.append(f"{label}={found}")
+    return ";".join(parts)
+
+
+def machine_id(gpu: str | None = None) -> str:
+    """``"cpu=<model name>;arch=x86_64;cores=16[;gpu=<name>]"``: the machine a timing was made
+    on. The CPU part is read once per process (:func:`_cpu_id`); ``gpu`` is the accelerator's
+    name, given by the caller (only the backend knows which device it runs on)."""
+    text = _cpu_id()
+    if gpu:
+        text += f";gpu={' '.join(str(gpu).split())}"
+    return text
+
+
+@functools.cache
+def _cpu_id() -> str:
+    model = ""
+    with contextlib.suppress(OSError, UnicodeDecodeError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:  # Linux; elsewhere, or on CPUs whose entry has no model name: platform's
+            name, _, value = line.partition(":")
+            if name.strip() == "model name" and value.strip():
+                model = value.strip()
+                break
+    model = model or platform.processor() or "unknown"
+    return f"cpu={' '.join(model.split())};arch={platform.machine()};cores={os.cpu_count()}"
+
+
+# -- the store ----------------------------------------------------------------------------------
+
+
+class TuneCache:
+    """A directory of tuning decisions (see the module docstring); ``directory=None`` is a
+    disabled cache: :meth:`get` finds nothing and :meth:`put` writes nothing.
+
+    Instances hold no state but the directory: any number of them, in any number of threads
+    and processes, may share one directory.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None) -> None:
+        self._dir = None if directory is None else Path(directory)
+
+    def __repr__(self) -> str:
+        return f"TuneCache({str(self._dir)!r})" if self._dir is not None else "TuneCache(None)"
+
+    @property
+    def enabled(self) -> bool:
+        return self._dir is not None
+
+    @property
+    def directory(self) -> Path | None:
+        return self._dir
+
+    def path(self, key: TuneKey) -> Path | None:
+        """The file that holds ``key``'s decision (None for a disabled cache)."""
+        _check_key(key)
+        if self._dir is None:
+            return None
+        return self._dir / f"v{VERSION}" / f"{key.digest()}.json"
+
+    def get(self, key: TuneKey, validate: Validator | None = None) -> dict[str, Any] | None:
+        """The decision stored for ``key``, or None when there is none usable.
+
+        None, with one :class:`TuneCacheWarning` per process, too when the file cannot be read,
+        is not a cache file of this version, holds another key, or holds a decision that
+        ``validate`` rejects: a problem of the cache is never an error, nor a wrong choice.
+        ``validate`` is a callable (it rejects a decision by raising or returning False) or a
+        schema ``{field: spec}``, spec a type or tuple of types, a set or list of the allowed
+        values, or a predicate; every field of a schema must be present. The dict returned is
+        the decision as JSON reads it back (tuples become lists) and is the caller's to keep.
+        """
+        path = self.path(key)
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError):  # nothing stored (yet)
+            return None
+        except OSError as err:
+            _warn_once("read", f"batchjac cannot read the tuning cache file {path}: "
+                       f"{_os_error_text(err)}.", _READ_FIX)
+            return None
+        decision, problem = _parse(raw, key)
+        if problem is None and decision is not None and validate is not None:
+            problem = _rejection(decision, validate)
+        if problem is not None or decision is None:
+            _warn_once("read", f"batchjac ignores the tuning cache file {path}: {problem}.", _READ_FIX)
+            return None
+        return decision
+
+    def put(self, key: TuneKey, decision: Mapping[str, Any]) -> None:
+        """Store ``decision`` for ``key``, atomically, replacing what was stored.
+
+        ``decision`` must be a dict with string keys of JSON values (a mistake there is the
+        caller's, and raises :class:`~batchjac._errors.InputTypeError`). A directory that
+        cannot be written is not an error: one :class:`TuneCacheWarning` per process, and the
+        decision is simply not remembered.
+        """
+        path = self.path(key)
+        data = _encode(key, decision)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _atomic_write(path, data)
+        except OSError as err:
+            _warn_once("write", f"batchjac cannot write its tuning cache in {path.parent}: "
+                       f"{_os_error_text(err)}; the decision is not remembered (the next process "
+                       "times the alternatives again).",
+                       "Set BATCHJAC_CACHE_DIR to a directory you can write, or BATCHJAC_CACHE=off "
+                       "to do without the cache.")
+
+
+def default_cache() -> TuneCache:
+    """The cache the environment asks for: disabled with ``BATCHJAC_CACHE=off``, else in
+    :func:`~batchjac._config.cache_dir`. The environment is read on every call (it is cheap),
+    so a change of ``BATCHJAC_CACHE_DIR`` takes effect; an invalid ``BATCHJAC_CACHE`` raises
+    :class:`~batchjac._errors.InputError`. Without a home directory to put it in, the cache
+    is disabled with a warning."""
+    if not cache_enabled():
+        return TuneCache(None)
+    try:
+        return TuneCache(cache_dir())
+    except InputError as err:
+        _warn_once("write", str(err), "")
+        return TuneCache(None)
+
+
+# -- reading, writing, checking -----------------------------------------------------------------
+
+_READ_FIX = ("batchjac times the alternatives again and overwrites the file. If this persists, "
+             "delete the cache directory, or set BATCHJAC_CACHE=off.")
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, TuneKey):
+        raise InputTypeError(f"A tuning cache key must be a TuneKey; got {type(key).__name__} "
+                             f"{key!r}. Build one with TuneKey.make(model, signature, what, shape).")
+
+
+def _encode(key: TuneKey, decision: Mapping[str, Any]) -> bytes:
+    if not isinstance(decision, Mapping) or not all(isinstance(k, str) for k in decision):
+        raise InputTypeError(f"A tuning decision must be a dict with string keys; got "
+                             f"{type(decision).__name__} {decision!r:.200}.")
+    document = {"schema": SCHEMA, "version": VERSION, "key": key.fields(),
+                "decision": dict(decision),
+                "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        text = json.dumps(document, sort_keys=True, indent=1)
+    except (TypeError, ValueError) as err:
+        raise InputTypeError(f"A tuning decision must hold JSON values only (str, int, float, bool, "
+                             f"None, lists and dicts of them); {decision!r:.200} does not: {err}. "
+                             "Convert numpy scalars with int() or float().") from None
+    data = text.encode("utf-8")
+    if len(data) > MAX_BYTES:
+        raise InputError(f"A tuning decision must be small (at most {MAX_BYTES} bytes as JSON); "
+                         f"this one is {len(data)} bytes. Store the decision, not the data behind it.")
+    return data
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that no reader ever sees a partial file: a temporary file in
+    the same directory (a rename is atomic only within one file system), flushed to disk before
+    it replaces ``path``, so that a crash leaves the old file or the new one, not an empty one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem[:16]}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _replace(src: str, dst: Path) -> None:
+    # Windows refuses to replace a file another process has open (a reader, or a writer's
+    # replace in flight) with PermissionError; such a window is short.
+    attempts = 5 if os.name == "nt" else 1
+    for attempt in range(attempts):
+        try:
+            os.replace(src, dst)
+            return
+        except PermissionError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable (POSIX); best effort: a lost rename only loses a decision."""
+    if os.name != "posix":
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _parse(raw: bytes, key: TuneKey) -> tuple[dict[str, Any] | None, str | None]:
+    """(decision, None), or (None, what is wrong with the file)."""
+    if len(raw) > MAX_BYTES:
+        return None, f"it is larger than any file batchjac writes ({MAX_BYTES} bytes)"
+    try:
+        document = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        return None, f"it is not valid JSON (truncated or corrupt: {err})"
+    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
+        return None, f"it is not a batchjac tuning cache file (no \"schema\": {SCHEMA!r})"
+    if document.get("version") != VERSION:
+        return None, (f"it is of cache format version {document.get('version')!r}; this batchjac "
+                      f"reads version {VERSION}")
+    stored = document.get("key")
+    expected = key.fields()
+    if stored != expected:
+        if isinstance(stored, dict):
+            differ = sorted(k for k in expected.keys() | stored.keys()
+                            if stored.get(k) != expected.get(k))
+            detail = f"its {', '.join(differ)} differ"
+        else:
+            detail = f"it holds no key but {stored!r:.100}"
+        return None, (f"it belongs to another key ({detail}: a hash collision, or a file copied "
+                      "from another cache)")
+    decision = document.get("decision")
+    if not isinstance(decision, dict):
+        return None, f"its decision is {type(decision).__name__} {decision!r:.100}, not a JSON object"
+    return decision, None
+
+
+def _rejection(decision: dict[str, Any], validate: Validator) -> str | None:
+    """Why ``validate`` rejects ``decision``, or None when it accepts it."""
+    if isinstance(validate, Mapping):
+        for name, spec in validate.items():
+            if name not in decision:
+                return f"its decision {decision!r:.200} has no {name!r}"
+            if not _matches(decision[name], spec):
+                return (f"its decision's {name!r} is {decision[name]!r:.100}, which is not "
+                        f"{_describe(spec)}")
+        return None
+    if not callable(validate):
+        raise InputTypeError(f"`validate` must be a callable or a dict of field specs; got "
+                             f"{type(validate).__name__} {validate!r:.100}.")
+    try:
+        verdict = validate(decision)
+    except Exception as err:
+        return f"the caller's check rejects its decision {decision!r:.200}: {type(err).__name__}: {err}"
+    if verdict is False:
+        return f"the caller's check rejects its decision {decision!r:.200}"
+    return None
+
+
+def _is_types(spec: Any) -> bool:
+    return isinstance(spec, type) or (isinstance(spec, tuple) and bool(spec)
+                                      and all(isinstance(s, type) for s in spec))
+
+
+def _matches(value: Any, spec: Any) -> bool:
+    if _is_types(spec):
+        types_ = spec if isinstance(spec, tuple) else (spec,)
+        if isinstance(value, bool) and bool not in types_:  # JSON's true is not a chunk size
+            return False
+        return isinstance(value, types_)
+    if isinstance(spec, (set, frozenset, list, tuple)):
+        return any(type(value) is type(allowed) and value == allowed for allowed in spec)
+    if callable(spec):
+        try:
+            return bool(spec(value))
+        except Exception:
+            return False
+    raise InputTypeError(f"A decision schema's spec must be a type, a tuple of types, a set or list of "
+                         f"allowed values, or a predicate; got {type(spec).__name__} {spec!r:.100}.")
+
+
+def _describe(spec: Any) -> str:
+    if _is_types(spec):
+        types_ = spec if isinstance(spec, tuple) else (spec,)
+        return "of type " + " or ".join(t.__name__ for t in types_)
+    if isinstance(spec, (set, frozenset, list, tuple)):
+        return "one of " + ", ".join(sorted(repr(s) for s in spec))
+    return f"accepted by {getattr(spec, '__name__', repr(spec))}"
+
+
+def _os_error_text(err: OSError) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+# -- one warning per process and kind -----------------------------------------------------------
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(kind: str, message: str, fix: str) -> None:
+    """Warn about a cache problem of ``kind`` ("read" or "write") once per process: the same
+    problem comes back on every call, and batchjac works without the cache."""
+    with _warned_lock:
+        if kind in _warned:
+            return
+        _warned.add(kind)
+    later = f"Later problems {'reading' if kind == 'read' else 'writing'} the cache are not reported."
+    warnings.warn(" ".join(p for p in (message, fix, later) if p), TuneCacheWarning, stacklevel=3)
+
+
+def _reset_warnings() -> None:
+    """Forget which warnings were given (for tests: each one starts a 'process' afresh)."""
+    with _warned_lock:
+        _warned.clear()

@@ -1,0 +1,40 @@
+"""Session set-up shared by every test module.
+
+The tuning cache (:mod:`batchjac._tunecache`) remembers decisions in a per-user directory,
+``~/.cache/batchjac`` by default. Tests must neither write into the developer's (or the CI
+machine's) cache nor read decisions left there by earlier runs, which would make their timings
+and choices depend on history. So, before any test module is collected, ``BATCHJAC_CACHE_DIR``
+points at a fresh temporary directory, in ``os.environ`` so that subprocesses inherit it; it is
+removed at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+#: the session's cache directory (None outside a test session)
+SESSION_CACHE_DIR: str | None = None
+_PREVIOUS: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global SESSION_CACHE_DIR, _PREVIOUS
+    _PREVIOUS = os.environ.get("BATCHJAC_CACHE_DIR")
+    SESSION_CACHE_DIR = tempfile.mkdtemp(prefix="batchjac-tunecache-")
+    os.environ["BATCHJAC_CACHE_DIR"] = SESSION_CACHE_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global SESSION_CACHE_DIR
+    if SESSION_CACHE_DIR is None:
+        return
+    shutil.rmtree(SESSION_CACHE_DIR, ignore_errors=True)
+    if _PREVIOUS is None:
+        os.environ.pop("BATCHJAC_CACHE_DIR", None)
+    else:
+        os.environ["BATCHJAC_CACHE_DIR"] = _PREVIOUS
+    SESSION_CACHE_DIR = None

@@ -1,0 +1,359 @@
+"""The on-disk tuning cache: decisions survive the process, are shared between processes, and a
+cache in a bad state (corrupt, truncated, foreign, unwritable, switched off) is never an error
+and never a wrong choice, with one warning per process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import batchjac
+from batchjac import _tunecache
+from batchjac._config import cache_dir, cache_enabled
+from batchjac._errors import BatchJacWarning, InputError, InputTypeError, TuneCacheWarning
+from batchjac._tunecache import TuneKey, default_cache, machine_id, versions
+
+SRC = str(Path(batchjac.__file__).resolve().parents[1])
+DECISION = {"mode": "forward", "chunk_size": 1000, "variant": "xla", "timings": "fwd 1.2 ms, rev 3.4 ms"}
+
+
+@pytest.fixture(autouse=True)
+def cache_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh cache directory (not created yet), the cache on, and warnings not yet given."""
+    directory = tmp_path / "cache"
+    monkeypatch.setenv("BATCHJAC_CACHE_DIR", str(directory))
+    monkeypatch.delenv("BATCHJAC_CACHE", raising=False)
+    _tunecache._reset_warnings()
+    yield directory
+    _tunecache._reset_warnings()
+
+
+def key(what: str = "mode", shape: str | int = 1000, model: str = "sha256:model") -> TuneKey:
+    return TuneKey.make(model, "rows:float32:(5,)|(3,)", what, shape, framework="numpy")
+
+
+def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh Python, warnings as errors, with this cache directory."""
+    environ = {**os.environ, "PYTHONPATH": SRC, "BATCHJAC_CACHE_DIR": str(cache), **env}
+    return subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)], env=environ,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _put_all(cache: _tunecache.TuneCache, *keys: TuneKey) -> None:
+    for k in keys:
+        cache.put(k, DECISION)
+
+
+# -- keys -----------------------------------------------------------------------------------------
+
+
+def test_keys_are_frozen_hashable_and_hold_what_a_timing_depends_on() -> None:
+    k = key()
+    assert k == key()
+    assert hash(k) == hash(key())
+    assert k.shape == "1000"
+    assert key(shape="1000") == k
+    assert {k: 1}[key()] == 1
+    assert key(what="rows") != k
+    assert key(shape=2000) != k
+    assert key(model="sha256:other") != k
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        k.what = "rows"  # type: ignore[misc]
+    assert k.versions.startswith(f"batchjac={batchjac.__version__};python=")
+    assert "numpy=" in k.versions
+    assert f"cores={os.cpu_count()}" in k.machine
+    assert k.machine == machine_id()
+    assert machine_id("NVIDIA  H200") == machine_id() + ";gpu=NVIDIA H200"
+    assert "torch=" in versions("torch")
+    assert "jaxlib=" in versions("jax")
+    assert versions("no-such-framework").endswith("no-such-framework=none")
+    assert len(k.digest()) == 64
+    assert k.digest() == key().digest() != key(what="rows").digest()
+    with pytest.raises(InputTypeError, match=r"TuneKey\.signature must be a string.*got int 3"):
+        TuneKey("sha256:m", 3, "mode")  # type: ignore[arg-type]
+
+
+def test_keys_of_models_use_the_computation_fingerprint() -> None:
+    def make(w: np.ndarray) -> object:
+        return lambda x: np.tanh(x @ w)
+
+    rng = np.random.default_rng(0)
+    a = TuneKey.make(make(rng.normal(size=(5, 4))), "sig", "mode", framework="numpy")
+    b = TuneKey.make(make(rng.normal(size=(5, 4))), "sig", "mode", framework="numpy")  # retrained
+    c = TuneKey.make(make(rng.normal(size=(5, 3))), "sig", "mode", framework="numpy")  # narrower
+    assert a == b != c
+
+
+# -- the store ------------------------------------------------------------------------------------
+
+
+def test_put_then_get_round_trips(cache_env: Path) -> None:
+    cache = default_cache()
+    assert cache.enabled
+    assert cache.directory == cache_env
+    assert cache.get(key()) is None  # nothing stored yet: a miss, silently
+    cache.put(key(), DECISION)
+    assert cache.get(key()) == DECISION
+    assert cache.get(key(what="rows")) is None
+    cache.put(key(), {**DECISION, "mode": "reverse"})  # replaced
+    assert cache.get(key()) == {**DECISION, "mode": "reverse"}
+    path = cache_env / "v1" / f"{key().digest()}.json"
+    assert cache.path(key()) == path
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    stored = json.loads(path.read_text())  # readable, and holds its key
+    assert stored["schema"] == "batchjac-tunecache"
+    assert stored["version"] == 1
+    assert stored["key"] == dataclasses.asdict(key())
+    assert stored["decision"]["mode"] == "reverse"
+    if os.name == "posix":
+        assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_another_process_reads_what_this_one_wrote_and_vice_versa(cache_env: Path) -> None:
+    make_key = 'TuneKey.make("sha256:model", "rows:float32:(5,)|(3,)", "mode", 1000, framework="numpy")'
+    default_cache().put(key(), DECISION)
+    child = _run(f"""
+        import json
+        from batchjac._tunecache import TuneKey, default_cache
+        cache = default_cache()
+        print(json.dumps(cache.get({make_key})))
+        cache.put({make_key.replace('"mode"', '"rows"')}, {{"chunk_size": 250}})
+        """, cache_env)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == DECISION
+    assert default_cache().get(key(what="rows")) == {"chunk_size": 250}
+
+
+def test_corrupt_and_truncated_files_are_ignored_with_one_warning(cache_env: Path) -> None:
+    cache = default_cache()
+    for what in ("mode", "rows", "variant"):
+        cache.put(key(what), DECISION)
+    truncated, corrupt = cache.path(key("mode")), cache.path(key("rows"))
+    assert truncated is not None
+    assert corrupt is not None
+    truncated.write_bytes(truncated.read_bytes()[:40])
+    corrupt.write_bytes(b"\x00\xff garbage \x89PNG")
+    with pytest.warns(TuneCacheWarning, match=r"ignores the tuning cache file .*not valid JSON") as caught:
+        found = [cache.get(key(what)) for what in ("mode", "rows", "variant")]
+    assert found == [None, None, DECISION]  # the sound file is still read
+    assert len(caught) == 1
+    assert issubclass(TuneCacheWarning, BatchJacWarning)
+    assert "BATCHJAC_CACHE=off" in str(caught[0].message)
+    cache.put(key("mode"), DECISION)  # the next tuning overwrites the file
+    assert cache.get(key("mode")) == DECISION
+
+
+@pytest.mark.parametrize(("document", "match"), [
+    ({"key": "other"}, r"belongs to another key \(its model differ"),
+    ({"schema": "someone-else"}, "not a batchjac tuning cache file"),
+    ({"version": 2}, "cache format version 2"),
+    ({"decision": ["forward"]}, "not a JSON object"),
+    (None, "not a batchjac tuning cache file"),
+])
+def test_foreign_files_are_ignored(cache_env: Path, document: dict[str, object] | None, match: str) -> None:
+    cache = default_cache()
+    cache.put(key(), DECISION)
+    path = cache.path(key())
+    assert path is not None
+    stored = json.loads(path.read_text())
+    if document is None:
+        stored = [1, 2, 3]
+    elif document.get("key") == "other":
+        stored["key"] = {**stored["key"], "model": "sha256:other"}  # a collision, or a copied file
+    else:
+        stored.update(document)
+    path.write_text(json.dumps(stored))
+    with pytest.warns(TuneCacheWarning, match=match):
+        assert cache.get(key()) is None
+
+
+def test_a_file_copied_from_another_key_is_not_used(cache_env: Path) -> None:
+    cache = default_cache()
+    cache.put(key(what="rows"), {"chunk_size": 64})
+    source, target = cache.path(key(what="rows")), cache.path(key(what="mode"))
+    assert source is not None
+    assert target is not None
+    target.write_bytes(source.read_bytes())
+    with pytest.warns(TuneCacheWarning, match=r"another key \(its what differ"):
+        assert cache.get(key(what="mode")) is None
+
+
+def test_decisions_the_caller_rejects_are_ignored(cache_env: Path) -> None:
+    cache = default_cache()
+    cache.put(key(), {"mode": "sideways", "chunk_size": True})
+    schema = {"mode": {"forward", "reverse"}, "chunk_size": int}
+
+    def check(decision: dict[str, object]) -> None:
+        if decision["mode"] not in ("forward", "reverse"):
+            raise ValueError(f"unknown mode {decision['mode']!r}")
+
+    with pytest.warns(TuneCacheWarning, match=r"rejects its decision .*unknown mode 'sideways'"):
+        assert cache.get(key(), validate=check) is None
+    _tunecache._reset_warnings()
+    with pytest.warns(TuneCacheWarning, match=r"'mode' is 'sideways', which is not one of 'forward', 're"):
+        assert cache.get(key(), validate=schema) is None
+    cache.put(key(), {"mode": "forward", "chunk_size": True})  # JSON's true is no chunk size
+    _tunecache._reset_warnings()
+    with pytest.warns(TuneCacheWarning, match=r"'chunk_size' is True, which is not of type int"):
+        assert cache.get(key(), validate=schema) is None
+    _tunecache._reset_warnings()
+    with pytest.warns(TuneCacheWarning, match="rejects its decision"):
+        assert cache.get(key(), validate=lambda d: False) is None
+    cache.put(key(), {"mode": "reverse", "chunk_size": 512})
+    assert cache.get(key(), validate=schema) == {"mode": "reverse", "chunk_size": 512}
+    assert cache.get(key(), validate=check) == {"mode": "reverse", "chunk_size": 512}
+
+
+def test_decisions_must_be_json(cache_env: Path) -> None:
+    cache = default_cache()
+    with pytest.raises(InputTypeError, match=r"JSON values only .*int\(\) or float\(\)"):
+        cache.put(key(), {"chunk_size": np.int64(3), "seconds": np.float32(1.0)})
+    with pytest.raises(InputTypeError, match="dict with string keys"):
+        cache.put(key(), {1: "forward"})  # type: ignore[dict-item]
+    with pytest.raises(InputTypeError, match="must be a TuneKey"):
+        cache.put("mode", DECISION)  # type: ignore[arg-type]
+    assert not cache_env.exists()
+
+
+WRITER = """
+    import sys, time
+    from pathlib import Path
+    from batchjac._tunecache import TuneKey, default_cache
+    me, go = int(sys.argv[1]), Path(sys.argv[2])
+    key = TuneKey.make("sha256:model", "sig", "rows", 1000, framework="numpy")
+    cache = default_cache()
+    while not go.exists():
+        time.sleep(0.001)
+    for i in range(200):
+        # sizes vary, so a torn write would show as a truncated or mixed file
+        cache.put(key, {"writer": me, "i": i, "pad": "x" * (1 + (i * 37 + me * 4000) % 6000)})
+    """
+
+
+def test_concurrent_writers_leave_a_whole_file(cache_env: Path, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": SRC, "BATCHJAC_CACHE_DIR": str(cache_env)}
+    code = textwrap.dedent(WRITER)
+    writers = [subprocess.Popen([sys.executable, "-W", "error", "-c", code, str(me), str(go)],
+                                env=env, stderr=subprocess.PIPE, text=True) for me in (1, 2)]
+    the_key = TuneKey.make("sha256:model", "sig", "rows", 1000, framework="numpy")
+    cache, seen = default_cache(), set()
+    try:
+        time.sleep(0.5)  # both started and waiting, so that their writes overlap
+        go.touch()
+        deadline = time.monotonic() + 120
+        while any(w.poll() is None for w in writers) and time.monotonic() < deadline:
+            # filterwarnings=error: a torn file read here would fail the test
+            decision = cache.get(the_key, validate={"writer": int, "i": int, "pad": str})
+            if decision is not None:
+                seen.add(decision["writer"])
+        errors = [w.communicate(timeout=120)[1] for w in writers]
+    finally:
+        for w in writers:
+            if w.poll() is None:
+                w.kill()
+    assert [w.returncode for w in writers] == [0, 0], errors
+    final = cache.get(the_key, validate={"writer": int, "i": int, "pad": str})
+    assert final is not None
+    assert final["writer"] in (1, 2)
+    assert final["i"] == 199
+    assert len(final["pad"]) == 1 + (199 * 37 + final["writer"] * 4000) % 6000
+    assert [p.name for p in (cache_env / "v1").iterdir()] == [f"{the_key.digest()}.json"]  # no temp files
+    assert seen <= {1, 2}
+
+
+# -- the environment ------------------------------------------------------------------------------
+
+
+def test_cache_off_reads_and_writes_nothing(cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    default_cache().put(key("rows"), DECISION)
+    monkeypatch.setenv("BATCHJAC_CACHE", " OFF ")
+    assert not cache_enabled()
+    cache = default_cache()
+    assert not cache.enabled
+    assert cache.directory is None
+    assert cache.path(key()) is None
+    assert cache.get(key("rows")) is None  # not read, though it is there
+    other = cache_env.parent / "elsewhere"
+    monkeypatch.setenv("BATCHJAC_CACHE_DIR", str(other))
+    default_cache().put(key(), DECISION)
+    assert not other.exists()
+
+
+def test_invalid_cache_switch_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHJAC_CACHE", "maybe")
+    with pytest.raises(InputError, match=r"BATCHJAC_CACHE must be 'on' or 'off'; got 'maybe'"):
+        default_cache()
+
+
+def test_an_unwritable_directory_warns_once_and_carries_on(cache_env: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # a regular file where the directory should be: mkdir and open fail even for root, who may
+    # write into a directory of mode 0o500
+    cache_env.write_text("not a directory")
+    cache = default_cache()
+    with pytest.warns(TuneCacheWarning, match=r"cannot write its tuning cache in .*BATCHJAC_CACHE_DIR") as w:
+        _put_all(cache, key(), key("rows"))
+    assert len(w) == 1
+    assert cache.get(key()) is None  # nothing stored: a miss, and not a second warning
+    assert cache_env.read_text() == "not a directory"
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_directory_warns_once(cache_env: Path) -> None:
+    (cache_env / "v1").mkdir(parents=True)
+    (cache_env / "v1").chmod(0o500)
+    try:
+        with pytest.warns(TuneCacheWarning, match="cannot write") as caught:
+            _put_all(default_cache(), key(), key("rows"))
+        assert len(caught) == 1
+    finally:
+        (cache_env / "v1").chmod(0o700)
+
+
+def test_unreadable_files_warn(cache_env: Path) -> None:
+    cache = default_cache()
+    path = cache.path(key())
+    assert path is not None
+    path.mkdir(parents=True)  # a directory where the file should be: open fails, also for root
+    with pytest.warns(TuneCacheWarning, match="cannot read the tuning cache file"):
+        assert cache.get(key()) is None
+
+
+def test_where_the_cache_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BATCHJAC_CACHE_DIR", "relative/cache")
+    assert cache_dir() == tmp_path / "relative" / "cache"  # absolute: other cwds find it too
+    monkeypatch.setenv("BATCHJAC_CACHE_DIR", "")  # empty is unset, as for XDG variables
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "batchjac"
+    monkeypatch.setenv("XDG_CACHE_HOME", "not/absolute")  # ignored, as the XDG spec says
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "batchjac"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir() == tmp_path / "home" / ".cache" / "batchjac"
+    assert not (tmp_path / "home").exists()  # nothing created until a decision is written
+
+
+def test_the_test_suite_writes_its_caches_in_a_temporary_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/conftest.py points BATCHJAC_CACHE_DIR at a temporary directory for the session."""
+    import tempfile
+
+    from tests import conftest
+
+    monkeypatch.undo()  # what this module's fixture set: the session's own setting is left
+    session = conftest.SESSION_CACHE_DIR
+    assert session is not None
+    assert os.environ.get("BATCHJAC_CACHE_DIR") == session
+    assert Path(session).resolve().is_relative_to(Path(tempfile.gettempdir()).resolve())
+    assert os.path.isdir(session)
