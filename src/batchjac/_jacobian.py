@@ -219,11 +219,13 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
         jac = out if out is not None else np.empty(j_shape, spec.dtype)
         return (np.empty(y_shape, spec.dtype), jac) if return_outputs else jac
 
-    plan = _choose(bound, spec, plan, return_outputs, rows_free=chunk_size is None and out is None)
+    plan = _choose(bound, spec, plan, return_outputs, rows_free=chunk_size is None and out is None,
+                   backend=backend)
     if explain:
         sys.stderr.write(f"batchjac: {plan.reason}\n")
     log.debug("batchjac plan: %s", plan.reason)
     kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
+    tuning.recall_variant(bound, backend, kernel)
     if out is None and fast_key is not None:  # the next call with these shapes skips to here
         _fastpath.remember(fast_key, model, bound, plan, spec, backend)
     if out is None and plan.n_chunks == 1:
@@ -234,24 +236,28 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
             kernel, spec, bound, return_outputs, out, progress))
     tuning.settle(bound, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
                                                     kernel.chunk_size))
+    tuning.persist(bound, backend, kernel)
     _explain_kernel(kernel, explain)
     return result
 
 
 def _choose(bound: _backends.BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, *,
-            rows_free: bool) -> Plan:
+            rows_free: bool, backend: str) -> Plan:
     """The cost model's plan, on a kernel compiled already where padding is cheaper than a new
     one, and the races that pay for themselves (:mod:`batchjac._tuning`): the mode (one more
     kernel to build) and, where the chunk size is free, the ladder of chunk sizes."""
     tuning.begin(bound)
     if rows_free:  # with out= or chunk_size=, the size asked for is the constraint
         plan = tuning.reuse(bound, plan, spec.n, with_outputs)
+    tuning.recall(bound, backend, plan, with_outputs)
     if plan.uncertain and ((plan.chunk_size, with_outputs) in bound.tuned
                            or tuning.worth(bound, spec.n, compilations=1)):
         plan = tune(bound, spec, plan, with_outputs)
-    if rows_free and (tuned_rows(bound, plan, with_outputs)
-                      or tuning.worth(bound, spec.n, compilations=ROWS_COMPILATIONS)):
-        plan = tune_rows(bound, spec, plan, with_outputs)
+    if rows_free:
+        tuning.recall_rows(bound, backend, plan, with_outputs)
+        if tuned_rows(bound, plan, with_outputs) or tuning.worth(bound, spec.n,
+                                                                 compilations=ROWS_COMPILATIONS):
+            plan = tune_rows(bound, spec, plan, with_outputs)
     return plan
 
 

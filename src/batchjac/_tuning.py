@@ -16,6 +16,13 @@ with no measurement yet is never raced. ``BATCHJAC_AUTOTUNE=off`` turns every ra
 
 Backends ask :func:`race_allowed` before racing the builds of a kernel on its first call; the
 caller says, with :func:`allowed`, whether the call at hand may pay for it.
+
+Every decision a race takes (the mode for a chunk size, the chunk size for a plan, a kernel's
+build) is written to the on-disk cache (:mod:`batchjac._tunecache`), keyed by the model's
+computation (not its weights), the batch signature, the versions and the machine, and read
+back by the first call of a later process: that call runs the tuned kernel, with one
+compilation, and never races on this machine again. Stores never read it: their kernel is the
+one recorded in their manifest.
 """
 
 from __future__ import annotations
@@ -90,6 +97,91 @@ def record(bound: Any, rows: int, seconds: float, *, new_kernel: bool) -> None:
         book.seconds += seconds
 
 
+# -- decisions remembered on disk ---------------------------------------------------------------
+
+_MODES = {"mode": {"forward", "reverse"}}
+
+
+def _key(bound: Any, backend: str, what: str, shape: str) -> Any:
+    from ._tunecache import TuneKey, default_cache
+
+    cache = default_cache()
+    if not cache.enabled:
+        return None, None
+    fingerprint = getattr(bound, "_computation", None)
+    if fingerprint is None:
+        from ._fingerprint import computation_fingerprint
+
+        model = getattr(bound, "model", None)
+        fingerprint = bound._computation = computation_fingerprint(model) if model is not None else ""
+    if not fingerprint:
+        return None, None
+    return cache, TuneKey.make(fingerprint, repr(bound.signature), what, shape, framework=backend)
+
+
+def recall(bound: Any, backend: str, plan: Plan, with_outputs: bool) -> None:
+    """Fill the bound model's tuning tables from the disk cache for this plan: the mode for
+    its chunk size, and the chunk size for its mode (races later calls would run)."""
+    if not autotune_enabled():
+        return
+    mode_key = (plan.chunk_size, with_outputs)
+    if plan.uncertain and mode_key not in bound.tuned:
+        cache, key = _key(bound, backend, "mode", f"{plan.chunk_size}/{int(with_outputs)}")
+        found = cache.get(key, validate=_MODES) if key is not None else None
+        if found is not None:
+            bound.tuned[mode_key] = (found["mode"], f"remembered: {found.get('timings', '')}")
+            bound._persisted.add(("mode", mode_key))
+
+
+def recall_rows(bound: Any, backend: str, plan: Plan, with_outputs: bool) -> None:
+    rows_key = ("rows", plan.mode, plan.chunk_size, with_outputs)
+    if not autotune_enabled() or rows_key in bound.tuned_rows:
+        return
+    cache, key = _key(bound, backend, "rows", f"{plan.mode}/{plan.chunk_size}/{int(with_outputs)}")
+    found = cache.get(key, validate={"chunk_size": int}) if key is not None else None
+    if found is not None and 0 < found["chunk_size"] <= plan.chunk_size:
+        bound.tuned_rows[rows_key] = (found["chunk_size"], f"remembered: {found.get('timings', '')}")
+        bound._persisted.add(rows_key)
+
+
+def recall_variant(bound: Any, backend: str, kernel: Any) -> None:
+    """Before a kernel's first call: the build an earlier race chose, fixed (one compilation)."""
+    if not autotune_enabled() or len(kernel.variants) < 2 or kernel.variant is not None:
+        return
+    cache, key = _key(bound, backend, "variant",
+                      f"{kernel.mode}/{kernel.chunk_size}/{int(kernel.with_outputs)}")
+    found = cache.get(key, validate={"variant": set(kernel.variants)}) if key is not None else None
+    if found is not None:
+        kernel.use(found["variant"])
+        kernel.note = f"{found['variant']} (remembered: {found.get('timings', '')})"
+
+
+def persist(bound: Any, backend: str, kernel: Any | None = None) -> None:
+    """Write the decisions races took on this bound model (and ``kernel``'s build) to disk."""
+    done = getattr(bound, "_persisted", None)
+    if done is None:
+        done = bound._persisted = set()
+    for (size, wo), (mode, timings) in list(bound.tuned.items()):
+        if ("mode", (size, wo)) not in done:
+            done.add(("mode", (size, wo)))
+            cache, key = _key(bound, backend, "mode", f"{size}/{int(wo)}")
+            if key is not None:
+                cache.put(key, {"mode": mode, "timings": timings})
+    for rows_key, (best, timings) in list(bound.tuned_rows.items()):
+        if rows_key not in done:
+            done.add(rows_key)
+            _, mode, size, wo = rows_key
+            cache, key = _key(bound, backend, "rows", f"{mode}/{size}/{int(wo)}")
+            if key is not None:
+                cache.put(key, {"chunk_size": int(best), "timings": timings})
+    if kernel is not None and getattr(kernel, "raced", False) and ("variant", id(kernel)) not in done:
+        done.add(("variant", id(kernel)))
+        cache, key = _key(bound, backend, "variant",
+                          f"{kernel.mode}/{kernel.chunk_size}/{int(kernel.with_outputs)}")
+        if key is not None and kernel.variant is not None:
+            cache.put(key, {"variant": kernel.variant, "timings": kernel.note})
+
+
 def repeated(bound: Any, rows: int, seconds: float) -> bool:
     """Record a repeated call (the fast path's); True when a race skipped so far is now due."""
     book = ledger(bound)
@@ -161,9 +253,12 @@ def timed(bound: Any, kernel: Any, rows: int, run: Callable[[], T]) -> T:
     may race the kernel's builds only when the work seen repays it."""
     new = kernel.variant is None
     builds = max(0, len(kernel.variants) - 1)
-    with allowed(new and builds > 0 and worth(bound, rows, builds)), Stopwatch() as watch:
+    race = new and builds > 0 and kernel._forced is None and worth(bound, rows, builds)
+    with allowed(race), Stopwatch() as watch:
         out = run()
     record(bound, rows, watch.seconds, new_kernel=new)
+    if race and not kernel.untimed:
+        kernel.raced = True
     return out
 
 
@@ -171,6 +266,7 @@ def settle(bound: Any, kernel: Any, args: Callable[[], tuple[Any, Any]]) -> None
     """After a call: race the builds a first call skipped, once the work seen repays it."""
     if kernel.untimed and worth(bound, 0, max(1, len(kernel.variants) - 1)):
         kernel.retune(*args())
+        kernel.raced = not kernel.untimed
 
 
 @contextlib.contextmanager

@@ -87,6 +87,8 @@ class Kernel(ABC):
     #: whether the implementation in use was chosen without timing the others (the call that
     #: met the kernel first was too small to repay a race); :meth:`retune` may time them later
     untimed: bool = False
+    #: whether the implementation in use was chosen by a race here (the decision to remember)
+    raced: bool = False
 
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:  # noqa: B027 - optional
         """Time the builds now, on ``(u, ctx)``, and keep the fastest: the race the first call
