@@ -222,7 +222,6 @@ def run_case(cmd: Sequence[str], *, cache_dir: str, timeout: float) -> dict[str,
     """One fresh process; its COLD-JSON, or ``{"error": ...}``."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore",
            "BATCHJAC_CACHE_DIR": cache_dir}
-    env.pop("BATCHJAC_CACHE", None)  # the cache as users get it (unless the caller disables it)
     try:
         proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -283,7 +282,7 @@ def measure_round(workload: str, backend: str, n: int, *, timeout: float = 900,
         errs = {}
         for variant in native_variants(workload, backend):
             name = native_name(backend, variant)
-            path = os.path.join(check, f"native-{variant}.npy")
+            path = os.path.join(check, f"native-{variant}.npy" if variant else "native.npy")
             rnd["native"][name] = res = go(name, command("native", workload, backend, n,
                                                          variant=variant, check=path), cache)
             if "error" not in res and "error" not in rnd["batchjac"]:
