@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import cold as _cold
+
 
 @dataclass(frozen=True)
 class Job:
@@ -108,8 +110,41 @@ def _fmt_x(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def summary_rows(results: list[dict[str, Any]],
+                 cold_summaries: dict[tuple[str, int, str], dict[str, Any]]) -> list[str]:
+    """The rows of the summary table: every steady-state result with its cold and warm-cache
+    cells, then the cold results that have no steady-state row (``--only-cold``)."""
+    lines = []
+    seen = set()
+    for res in results:
+        key = (res["workload"], res["n"], res["backend"])
+        seen.add(key)
+        cold, warm = _cold.headline_cells(cold_summaries.get(key))
+        if "error" in res:
+            lines.append(f"| {res['workload']} | {res['n']:,} | {res['backend']} | failed: "
+                         f"{res['error'][:200]} ||| {cold} | {warm} ||||||")
+            continue
+        s = summarise(res)
+        lines.append(
+            f"| {res['workload']} | {res['n']:,} | {res['backend']} | {_fmt_t(s['t'])} | "
+            f"{s['best_name']}: {_fmt_t(s['t_best'])} | **{_fmt_x(s['ratio_best'])}** | "
+            f"{cold} | {warm} | "
+            f"{_fmt_x(s['vs_b1'], 1)}{'x' if s['vs_b1'] else ''} | "
+            f"{_fmt_x(s['vs_b0'], 0)}{'x' if s['vs_b0'] else ''} | {_fmt_x(s['bound'])} | "
+            f"{s['err']:.1e} | {s['compile']:.2f} s | {s['rss']:.0f} MB |"
+        )
+    for key, cs in cold_summaries.items():
+        if key not in seen:
+            cold, warm = _cold.headline_cells(cs)
+            lines.append(f"| {key[0]} | {key[1]:,} | {key[2]} | - | - | - | {cold} | {warm} "
+                         "| - | - | - | - | - | - |")
+    return lines
+
+
 def write_markdown(path: Path, results: list[dict[str, Any]], extra: list[dict[str, Any]], *,
-                   command: str, started: str, wall: float, chart: str | None) -> None:
+                   command: str, started: str, wall: float, chart: str | None,
+                   cold: list[dict[str, Any]] | None = None) -> None:
+    cold_summaries = _cold.by_key(cold or [])
     info = machine()
     lines = [
         "# Benchmarks",
@@ -137,25 +172,22 @@ def write_markdown(path: Path, results: list[dict[str, Any]], extra: list[dict[s
         "",
         "## Summary",
         "",
-        "| workload | N | backend | batchjac | best baseline | batchjac / best | speed-up vs B1 | "
+        "| workload | N | backend | batchjac | best baseline | batchjac / best | cold: first call "
+        "/ native first call | warm cache | speed-up vs B1 | "
         "speed-up vs B0 | autodiff-bound ratio | max rel err | compile | peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for res in results:
-        if "error" in res:
-            lines.append(f"| {res['workload']} | {res['n']:,} | {res['backend']} | failed: "
-                         f"{res['error'][:200]} |||||||||")
-            continue
-        s = summarise(res)
-        lines.append(
-            f"| {res['workload']} | {res['n']:,} | {res['backend']} | {_fmt_t(s['t'])} | "
-            f"{s['best_name']}: {_fmt_t(s['t_best'])} | **{_fmt_x(s['ratio_best'])}** | "
-            f"{_fmt_x(s['vs_b1'], 1)}{'x' if s['vs_b1'] else ''} | "
-            f"{_fmt_x(s['vs_b0'], 0)}{'x' if s['vs_b0'] else ''} | {_fmt_x(s['bound'])} | "
-            f"{s['err']:.1e} | {s['compile']:.2f} s | {s['rss']:.0f} MB |"
-        )
+    lines += summary_rows(results, cold_summaries)
+    if cold_summaries:
+        lines += ["", "batchjac / best is steady state (the same framework's best baseline); "
+                  "cold is the first call of each in a fresh process (compilation, probes and "
+                  "tuning included) and warm cache a second fresh batchjac process with the same "
+                  "`BATCHJAC_CACHE_DIR`: see \"First call in a fresh process\" below."]
+        lines += _cold.closure_lines(cold_summaries)
     if chart:
         lines += ["", f"![ratios]({chart})"]
+    if cold:
+        lines += ["", *_cold.section(cold)]
     lines += ["", "## All cases", ""]
     for res in results:
         if "error" in res:
@@ -180,22 +212,66 @@ def write_markdown(path: Path, results: list[dict[str, Any]], extra: list[dict[s
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_chart(path: Path, results: list[dict[str, Any]]) -> bool:
-    """Grouped bars: one group per workload and N, one bar per backend (colour, legend)."""
+#: bar styles of the cold panel: (label, hatch, alpha)
+_KINDS = {"steady": ("steady state", "", 1.0), "cold": ("first call, fresh process", "//", 0.75),
+          "warm": ("first call, warm cache", "..", 0.5),
+          "closure_1": ("JAX fresh closure, call 1", "xx", 0.75),
+          "closure_rest": ("JAX fresh closure, calls 2+", "--", 0.5)}
+_COLORS = {"tensorflow": "#ff8f00", "torch": "#ee4c2c", "jax": "#4285f4"}
+
+
+def cold_bars(results: list[dict[str, Any]], cold_summaries: dict[tuple[str, int, str], dict[str, Any]]
+              ) -> tuple[list[str], list[tuple[float, float, str, str]], float]:
+    """The cold panel's groups (one per workload and N with cold results) and bars
+    ``(x, ratio, backend, kind)``: per backend steady, cold and warm-cache ratios side by side,
+    and for JAX the fresh-closure ratios."""
+    steady = {(r["workload"], r["n"], r["backend"]): summarise(r)["ratio_best"]
+              for r in results if "error" not in r}
+    groups = list(dict.fromkeys((w, n) for w, n, _ in cold_summaries))
+    backends = list(dict.fromkeys(b for _, _, b in cold_summaries))
+    slots = [(b, kind) for b in backends for kind in ("steady", "cold", "warm")]
+    if "jax" in backends:
+        at = slots.index(("jax", "warm")) + 1
+        slots[at:at] = [("jax", "closure_1"), ("jax", "closure_rest")]
+    width = 0.85 / len(slots)
+    bars = []
+    for (w, n, b), cs in cold_summaries.items():
+        lp = cs["loop"] or {}
+        values = {"steady": steady.get((w, n, b)), "cold": cs["ratio"], "warm": cs["ratio_warm"],
+                  "closure_1": lp.get("ratio_1"), "closure_rest": lp.get("ratio_rest")}
+        for j, (sb, kind) in enumerate(slots):
+            v = values[kind]
+            if sb == b and v is not None and v > 0:
+                bars.append((groups.index((w, n)) + (j - (len(slots) - 1) / 2) * width, v, b, kind))
+    return [f"{w}\nN={n:,}" for w, n in groups], bars, width
+
+
+def write_chart(path: Path, results: list[dict[str, Any]],
+                cold: list[dict[str, Any]] | None = None) -> bool:
+    """Grouped bars: one group per workload and N, one bar per backend (colour, legend); with
+    cold results a second row: steady, cold and warm-cache ratios side by side (log scale)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError:
         return False
     ok = [r for r in results if "error" not in r]
+    cold_summaries = _cold.by_key(cold or [])
     groups = list(dict.fromkeys((r["workload"], r["n"]) for r in ok))
     backends = list(dict.fromkeys(r["backend"] for r in ok))
-    colors = {"tensorflow": "#ff8f00", "torch": "#ee4c2c", "jax": "#4285f4"}
+    colors = _COLORS
     labels = [f"{w}\nN={n:,}" for w, n in groups]
     width = 0.8 / max(1, len(backends))
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    if cold_summaries:
+        fig = plt.figure(figsize=(18, 11))
+        grid = fig.add_gridspec(2, 3)
+        axes = [fig.add_subplot(grid[0, i]) for i in range(3)]
+        ax_cold = fig.add_subplot(grid[1, :])
+    else:
+        fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
 
     def grouped(ax: Any, value: Callable[[dict[str, Any]], float | None]) -> None:
         for j, backend in enumerate(backends):
@@ -211,37 +287,74 @@ def write_chart(path: Path, results: list[dict[str, Any]]) -> bool:
     grouped(axes[0], lambda s: s["ratio_best"])
     axes[0].axhline(1.0, color="black", lw=1, ls="--")
     axes[0].set_title("batchjac time / best baseline, same framework\n(goal <= 1)")
-    axes[0].legend(fontsize=8)
+    if backends:
+        axes[0].legend(fontsize=8)
     grouped(axes[1], lambda s: s["bound"])
     axes[1].axhline(1.0, color="black", lw=1, ls="--")
     axes[1].set_title("autodiff-bound ratio T_jac / (T_F (1 + min(k, m)))\n(goal <= 1)")
     tf_runs = [r for r in ok if r["backend"] == "tensorflow"]
     tf_sums = [summarise(r) for r in tf_runs]
-    axes[2].bar([i - 0.2 for i in range(len(tf_runs))], [s["vs_b1"] for s in tf_sums], 0.4,
+    axes[2].bar([i - 0.2 for i in range(len(tf_runs))], [s["vs_b1"] or 0 for s in tf_sums], 0.4,
                 label="vs B1 eager batch_jacobian", color="#ffb74d")
-    axes[2].bar([i + 0.2 for i in range(len(tf_runs))], [s["vs_b0"] for s in tf_sums], 0.4,
+    axes[2].bar([i + 0.2 for i in range(len(tf_runs))], [s["vs_b0"] or 0 for s in tf_sums], 0.4,
                 label="vs B0 per-instance loop", color="#e65100")
-    axes[2].set_yscale("log")
+    if any(s["vs_b1"] or s["vs_b0"] for s in tf_sums):
+        axes[2].set_yscale("log")
+        axes[2].legend(fontsize=8)
     axes[2].set_xticks(range(len(tf_runs)), [f"{r['workload']}\nN={r['n']:,}" for r in tf_runs],
                        fontsize=9)
     axes[2].set_title("TensorFlow: batchjac speed-up over what users write (log)")
-    axes[2].legend(fontsize=8)
+    if cold_summaries:
+        cold_labels, bars, slot_w = cold_bars(results, cold_summaries)
+        for x, v, b, kind in bars:
+            _, hatch, alpha = _KINDS[kind]
+            ax_cold.bar(x, v, slot_w * 0.95, color=colors.get(b, "grey"), alpha=alpha, hatch=hatch,
+                        edgecolor="black", linewidth=0.5)
+            ax_cold.annotate(_cold.fmt_ratio(v), (x, v), ha="center", va="bottom", fontsize=7)
+        ax_cold.set_yscale("log")
+        if bars:  # headroom for the legend above the tallest bar
+            ax_cold.set_ylim(min(0.5, min(v for _, v, _, _ in bars) / 1.5),
+                             max(2.0, max(v for _, v, _, _ in bars)) * 6)
+        ax_cold.axhline(1.0, color="black", lw=1, ls="--")
+        ax_cold.set_xticks(range(len(cold_labels)), cold_labels, fontsize=9)
+        ax_cold.set_title("batchjac / best native code, same framework: steady state beside the "
+                          "first call in a fresh process (log; goal <= 1)")
+        shown = list(dict.fromkeys(b for _, _, b, _ in bars))
+        kinds = list(dict.fromkeys(k for _, _, _, k in bars))
+        handles = [Patch(color=colors.get(b, "grey"), label=b) for b in shown] + [
+            Patch(facecolor="white", edgecolor="black", hatch=_KINDS[k][1], label=_KINDS[k][0])
+            for k in kinds]
+        ax_cold.legend(handles=handles, fontsize=8, ncol=4, loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
 
+def cold_jobs(quick: bool, workloads: list[str] | None) -> dict[str, int]:
+    """Workload -> N of the cold cases: W1-W4 at the steady run's N (W1 at 1,000); the quick
+    run does W1 only unless workloads are named."""
+    jobs: dict[str, int] = {}
+    for job in QUICK if quick else FULL:
+        if job.workload not in jobs and (job.workload in (workloads or []) or
+                                         (not workloads and (not quick or job.workload == "W1"))):
+            jobs[job.workload] = job.n
+    return jobs
+
+
 def main(*, quick: bool, output: Path, backends: list[str] | None, workloads: list[str] | None,
-         log: Callable[[str], None], command: str, extras: list[Callable[[], dict[str, Any]]] | None = None
+         log: Callable[[str], None], command: str, extras: list[Callable[[], dict[str, Any]]] | None = None,
+         cold: bool = True, only_cold: bool = False, cold_rounds: int | None = None
          ) -> list[dict[str, Any]]:
+    """The whole run. ``cold``: also the first calls in fresh processes (W1 only with
+    ``quick``); ``only_cold``: those alone (no steady-state cases, no extra sections)."""
     started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
     t0 = time.perf_counter()
     jobs = [j for j in (QUICK if quick else FULL) if not workloads or j.workload in workloads]
     chosen = [b for b in installed_backends() if not backends or b in backends]
     repeats, loop_rows = (3, 10) if quick else (11, 100)
     results = []
-    for job in jobs:
+    for job in [] if only_cold else jobs:
         for backend in chosen:
             log(f"bench {job.workload} N={job.n:,} {backend} ...")
             res = run_job(job, backend, repeats=repeats, loop_rows=loop_rows, timeout=1200)
@@ -252,14 +365,23 @@ def main(*, quick: bool, output: Path, backends: list[str] | None, workloads: li
                 log(f"  batchjac {_fmt_t(s['t'])}, best {s['best_name']} {_fmt_t(s['t_best'])}, "
                     f"ratio {s['ratio_best']:.2f}, bound {s['bound']:.2f}")
             results.append(res)
+    cold_results: list[dict[str, Any]] = []
+    if cold or only_cold:
+        rounds = cold_rounds or (_cold.QUICK_ROUNDS if quick else _cold.FULL_ROUNDS)
+        cold_results = _cold.run_all(cold_jobs(quick, workloads), chosen, rounds=rounds, log=log)
+        for key, cs in _cold.by_key(cold_results).items():
+            log(f"cold {' '.join(map(str, key))}: batchjac {_cold.fmt_s(cs['t'])}, "
+                f"{cs['best_name']} {_cold.fmt_s(cs['t_best'])}, ratio {_cold.fmt_ratio(cs['ratio'])}, "
+                f"warm cache {_cold.fmt_ratio(cs['ratio_warm'])}")
     extra_blocks = []
-    for fn in extras or []:
+    for fn in [] if only_cold else extras or []:
         log(f"section {fn.__module__.rsplit('.', 1)[-1]} ...")
         extra_blocks.append(fn())
     output.parent.mkdir(parents=True, exist_ok=True)
     chart = output.with_name(output.stem.lower() + "-ratios.png")
-    has_chart = write_chart(chart, results)
+    has_chart = write_chart(chart, results, cold_results)
     write_markdown(output, results, extra_blocks, command=command, started=started,
-                   wall=time.perf_counter() - t0, chart=chart.name if has_chart else None)
+                   wall=time.perf_counter() - t0, chart=chart.name if has_chart else None,
+                   cold=cold_results)
     log(f"wrote {output}" + (f" and {chart}" if has_chart else ""))
     return results

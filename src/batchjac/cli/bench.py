@@ -23,9 +23,12 @@ SECTIONS = {"memory": "memory", "w5": "w5", "solve": "solve_bench", "dask": "das
               help="Only these workloads (repeatable).")
 @click.option("--skip", "skipped", multiple=True, type=click.Choice(list(SECTIONS)),
               help="Leave out an extra section of the full run (repeatable).")
+@click.option("--cold/--no-cold", default=True, show_default=True,
+              help="Also time first calls in fresh processes (W1 only with --quick).")
+@click.option("--only-cold", is_flag=True, help="Only the first calls in fresh processes.")
 @guard("bench")
 def bench(quick: bool, output: str, backends: tuple[str, ...], workloads: tuple[str, ...],
-          skipped: tuple[str, ...]) -> None:
+          skipped: tuple[str, ...], cold: bool, only_cold: bool) -> None:
     """Time batchjac beside the hand-written baselines and write BENCHMARKS.md.
 
     The full run adds, after W1-W4: out-of-core memory (W2, N=100,000), W5 (10M rows streamed
@@ -42,7 +45,8 @@ def bench(quick: bool, output: str, backends: tuple[str, ...], workloads: tuple[
     ]
     run_bench(quick=quick, output=Path(output), backends=list(backends) or None,
               workloads=list(workloads) or None, log=lambda s: click.echo(s, err=True),
-              command="batchjac " + " ".join(sys.argv[1:]), extras=extras)
+              command="batchjac " + " ".join(sys.argv[1:]), extras=extras, cold=cold,
+              only_cold=only_cold)
 
 
 command = bench
