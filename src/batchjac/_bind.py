@@ -9,6 +9,7 @@ options into a :class:`~batchjac._plan.Plan`. Every verb (``jacobian``, stores, 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Literal
 
 from . import _backends
@@ -27,6 +28,11 @@ def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any]
     sig = _backends.Signature(layout=spec.layout, dtype=spec.dtype,
                               unknown_shape=spec.unknown_shape, ctx=spec.ctx_specs())
     bound = _backends.bind(be, model, sig, **options)
+    if getattr(bound, "_source", None) is None:  # what the tuning cache fingerprints, if asked
+        try:
+            bound._source = weakref.ref(model)  # type: ignore[attr-defined]
+        except TypeError:  # not weakly referenceable: no cached decisions for it
+            bound._source = lambda: None  # type: ignore[attr-defined]
     bound.refresh()
     if not bound.probed:
         unknown_name = spec.names[0 if spec.layout.kind == "concat" else spec.layout.wrt_index]

@@ -112,7 +112,8 @@ def _key(bound: Any, backend: str, what: str, shape: str) -> Any:
     if fingerprint is None:
         from ._fingerprint import computation_fingerprint
 
-        model = getattr(bound, "model", None)
+        source = getattr(bound, "_source", None)
+        model = source() if source is not None else None
         fingerprint = bound._computation = computation_fingerprint(model) if model is not None else ""
     if not fingerprint:
         return None, None
@@ -130,7 +131,7 @@ def recall(bound: Any, backend: str, plan: Plan, with_outputs: bool) -> None:
         found = cache.get(key, validate=_MODES) if key is not None else None
         if found is not None:
             bound.tuned[mode_key] = (found["mode"], f"remembered: {found.get('timings', '')}")
-            bound._persisted.add(("mode", mode_key))
+            _persisted(bound).add(("mode", mode_key))
 
 
 def recall_rows(bound: Any, backend: str, plan: Plan, with_outputs: bool) -> None:
@@ -141,7 +142,7 @@ def recall_rows(bound: Any, backend: str, plan: Plan, with_outputs: bool) -> Non
     found = cache.get(key, validate={"chunk_size": int}) if key is not None else None
     if found is not None and 0 < found["chunk_size"] <= plan.chunk_size:
         bound.tuned_rows[rows_key] = (found["chunk_size"], f"remembered: {found.get('timings', '')}")
-        bound._persisted.add(rows_key)
+        _persisted(bound).add(rows_key)
 
 
 def recall_variant(bound: Any, backend: str, kernel: Any) -> None:
@@ -158,9 +159,7 @@ def recall_variant(bound: Any, backend: str, kernel: Any) -> None:
 
 def persist(bound: Any, backend: str, kernel: Any | None = None) -> None:
     """Write the decisions races took on this bound model (and ``kernel``'s build) to disk."""
-    done = getattr(bound, "_persisted", None)
-    if done is None:
-        done = bound._persisted = set()
+    done = _persisted(bound)
     for (size, wo), (mode, timings) in list(bound.tuned.items()):
         if ("mode", (size, wo)) not in done:
             done.add(("mode", (size, wo)))
@@ -180,6 +179,14 @@ def persist(bound: Any, backend: str, kernel: Any | None = None) -> None:
                           f"{kernel.mode}/{kernel.chunk_size}/{int(kernel.with_outputs)}")
         if key is not None and kernel.variant is not None:
             cache.put(key, {"variant": kernel.variant, "timings": kernel.note})
+
+
+def _persisted(bound: Any) -> set[Any]:
+    """The decisions of ``bound`` that are on disk already (read from it, or written)."""
+    done = getattr(bound, "_persisted", None)
+    if done is None:
+        done = bound._persisted = set()
+    return done
 
 
 def repeated(bound: Any, rows: int, seconds: float) -> bool:
