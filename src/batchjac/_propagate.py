@@ -290,31 +290,12 @@ def propagate(
     inputs = (mean,) if known is None else (mean, known)
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy="raise")
     unc = _Uncertainty(cov, std, spec.n, spec.unknown_shape)
-    if method == "monte_carlo" and (isinstance(n_samples, bool) or
-                                    not isinstance(n_samples, (int, np.integer)) or n_samples < 2):
-        raise InputError(f"`n_samples` must be an integer >= 2; got {n_samples!r}.")
-    kappa = 3.0 - spec.k if kappa is None else float(kappa)
-    if method == "unscented":
-        lam = alpha**2 * (spec.k + kappa) - spec.k
-        if not alpha > 0 or not spec.k + lam > 0:
-            raise InputError(
-                f"The unscented transform needs alpha > 0 and alpha^2 (k + kappa) > 0; got "
-                f"alpha={alpha}, kappa={kappa} with k={spec.k} unknowns."
-            )
+    kappa = _check_method_options(method, spec.k, n_samples=n_samples, alpha=alpha, kappa=kappa)
     name, bound = bind(model, spec, backend, backend_options)
     assert bound.output_shape is not None
     out_shape = tuple(bound.output_shape)
     m = output_size(bound)
-    mean_shape, cov_shape = (spec.n, *out_shape), (spec.n, m, m)
-    if out is not None:
-        if not isinstance(out, tuple) or len(out) != 2:
-            raise InputError("`out` must be a tuple (mean_out, cov_out) of writable arrays; "
-                             f"got {type(out).__name__}.")
-        check_out(out[0], mean_shape, "mean")
-        check_out(out[1], cov_shape, "cov")
-        mean_out, cov_out = out
-    else:
-        mean_out, cov_out = np.empty(mean_shape), np.empty(cov_shape)
+    mean_out, cov_out = _outputs(out, (spec.n, *out_shape), (spec.n, m, m))
     sink = ArraySink({"cov": cov_out, "mean": mean_out})
     clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
@@ -332,18 +313,54 @@ def propagate(
     except BatchJacError as e:
         raise add_context(e, context(spec, name)) from e
     if clipped[0]:
-        warnings.warn(
-            f"The unscented transform gave {clipped[0]} of {spec.n} instances a covariance with "
-            f"negative eigenvalues (its centre weight is negative: k={spec.k} unknowns, "
-            f"alpha={alpha}, beta={beta}, kappa={kappa}); batchjac set them to zero, the "
-            f"nearest valid covariance, which still understates a strongly curved output. "
-            f"Use method='monte_carlo' for such outputs, or weights that are all >= 0 "
-            f"(alpha=1 with kappa >= 0 and beta >= 0).",
-            CovarianceClippedWarning, stacklevel=2,
-        )
+        _warn_clipped(clipped[0], spec, alpha=alpha, beta=beta, kappa=kappa)
     return Propagation(mean=mean_out, cov=cov_out, method=method, output_shape=out_shape,
                        n_samples=int(n_samples) if method == "monte_carlo" else None,
                        clipped=clipped[0])
+
+
+def _check_method_options(method: str, k: int, *, n_samples: int, alpha: float,
+                          kappa: float | None) -> float:
+    """Check the options of ``method``; return ``kappa`` (its default ``3 - k`` filled in)."""
+    if method == "monte_carlo" and (isinstance(n_samples, bool) or
+                                    not isinstance(n_samples, (int, np.integer)) or n_samples < 2):
+        raise InputError(f"`n_samples` must be an integer >= 2; got {n_samples!r}.")
+    kappa = 3.0 - k if kappa is None else float(kappa)
+    if method == "unscented":
+        lam = alpha**2 * (k + kappa) - k
+        if not alpha > 0 or not k + lam > 0:
+            raise InputError(
+                f"The unscented transform needs alpha > 0 and alpha^2 (k + kappa) > 0; got "
+                f"alpha={alpha}, kappa={kappa} with k={k} unknowns."
+            )
+    return kappa
+
+
+def _outputs(out: tuple[Any, Any] | None, mean_shape: tuple[int, ...],
+             cov_shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """The arrays the results go into: the caller's ``out`` (checked), or new ones."""
+    if out is None:
+        return np.empty(mean_shape), np.empty(cov_shape)
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise InputError("`out` must be a tuple (mean_out, cov_out) of writable arrays; "
+                         f"got {type(out).__name__}.")
+    check_out(out[0], mean_shape, "mean")
+    check_out(out[1], cov_shape, "cov")
+    return out
+
+
+def _warn_clipped(clipped: int, spec: BatchSpec, *, alpha: float, beta: float,
+                  kappa: float) -> None:
+    """Say that ``clipped`` instances' covariances were projected onto the PSD cone."""
+    warnings.warn(
+        f"The unscented transform gave {clipped} of {spec.n} instances a covariance with "
+        f"negative eigenvalues (its centre weight is negative: k={spec.k} unknowns, "
+        f"alpha={alpha}, beta={beta}, kappa={kappa}); batchjac set them to zero, the "
+        f"nearest valid covariance, which still understates a strongly curved output. "
+        f"Use method='monte_carlo' for such outputs, or weights that are all >= 0 "
+        f"(alpha=1 with kappa >= 0 and beta >= 0).",
+        CovarianceClippedWarning, stacklevel=3,  # the caller of propagate()
+    )
 
 
 def _linear(bound: Any, spec: BatchSpec, unc: _Uncertainty, sink: ArraySink, m: int, *,

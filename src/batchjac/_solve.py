@@ -59,8 +59,9 @@ from ._autotune import time_modes, tune
 from ._bind import BackendName, prepare
 from ._config import autotune_enabled, default_max_memory, parse_bytes
 from ._errors import BatchJacError, InputError, InputTypeError, add_context
-from ._plan import ModeArg, make_plan
+from ._plan import ModeArg, Plan, make_plan
 from ._runner import call, pad_args
+from ._spec import BatchSpec
 from ._validate import DTypeLike, normalize, resolve_dtype, to_numpy
 
 __all__ = ["IterationInfo", "SolveResult", "Status", "solve"]
@@ -208,124 +209,258 @@ def solve(
                          f"got {method!r}.")
     max_iter = _count(max_iter, "max_iter", minimum=0)
     n_starts = _count(n_starts, "n_starts", minimum=1)
+    data = _read_data(targets, known, x0, bounds, n_unknowns=n_unknowns, dtype=dtype,
+                      xtol=xtol, ftol=ftol, gtol=gtol)
+    fitted = _bind_model(model, data, backend, backend_options)
+    sqrt_w, absolute = _weights(weights, sigma, data.n, fitted.output_shape)
+    plan, timed = _solve_plan(fitted, data, n_starts, mode=mode, chunk_size=chunk_size,
+                              max_memory=max_memory, reproducible=reproducible)
+    job = _Job(
+        data=data, model=fitted, n_starts=n_starts, method=method, max_iter=max_iter,
+        callback=callback,
+        ctx=fitted.spec.chunk(0, data.n)[1],  # known inputs in the compute dtype
+        evaluator=_Evaluator(fitted.bound, plan.mode, plan.chunk_size, adaptive=not reproducible,
+                             tune_modes=timed),
+        target=data.targets.reshape(data.n, fitted.m).astype(np.float64),
+        sqrt_w=sqrt_w, absolute=absolute, starts=_drawn_starts(data, n_starts, seed),
+    )
+    rows = _Rows.empty(data.n * n_starts, data.k, fitted.m, data.dtype, jacobian=return_jacobian,
+                       covariance=return_covariance)
+    block = max(1, plan.chunk_size // n_starts)  # instances per block, all their starts in it
+    for lo_i in range(0, data.n, block):
+        _solve_block(job, np.arange(lo_i, min(data.n, lo_i + block)), rows)
+    return _result(job, rows, plan, start_time)
 
+
+# -- the steps of solve() -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Data:
+    """The arrays of one solve call, checked and converted; nothing here needed the model."""
+
+    targets: np.ndarray  # (N, *output_shape) as given
+    known: np.ndarray | None  # (N, h) as given
+    k: int  # unknowns per instance
+    dtype: np.dtype  # compute dtype
+    tols: tuple[float, float, float]  # xtol, ftol, gtol
+    lo: np.ndarray  # (N, k) float64 bounds as given (±inf: none)
+    hi: np.ndarray
+    lo_c: np.ndarray  # the bounds rounded inwards to the compute dtype
+    hi_c: np.ndarray
+    x0: np.ndarray  # (N, k) float64 starts, representable in the compute dtype, inside the box
+    valid: np.ndarray  # (N,) bool: finite targets and known inputs, the instances solved
+
+    @property
+    def n(self) -> int:
+        return int(self.targets.shape[0])
+
+
+def _read_data(targets: Any, known: Any, x0: Any, bounds: Any, *, n_unknowns: int | None,
+               dtype: DTypeLike, xtol: float | None, ftol: float | None, gtol: float | None
+               ) -> _Data:
+    """Check and convert the targets, known inputs, starts, bounds, dtype and tolerances."""
     t_arr = to_numpy(targets, "targets")
     n = t_arr.shape[0]
-    h_arr = None if known is None else to_numpy(known, "known")
-    if h_arr is not None:
-        if h_arr.ndim != 2:
-            raise InputError(f"`known` must be (N, h), one row of known inputs per instance; got "
-                             f"shape {h_arr.shape}.")
-        if h_arr.shape[0] != n:
-            raise InputError(f"`known` has {h_arr.shape[0]} rows but `targets` has {n}; they must "
-                             f"have one row per instance.")
+    h_arr = None if known is None else _known_rows(to_numpy(known, "known"), n)
     x0_arr = None if x0 is None else to_numpy(x0, "x0")
     k = _n_unknowns(x0_arr, bounds, n_unknowns, n)
     dt = resolve_dtype(dtype, [a for a, raw in ((t_arr, targets), (h_arr, known), (x0_arr, x0))
                                if a is not None and not isinstance(raw, (list, tuple))])
     tols = _tolerances(dt, xtol=xtol, ftol=ftol, gtol=gtol)
+    lo, hi, lo_c, hi_c = _box(bounds, n, k, dt)
+    x0_full = _start_points(x0_arr, lo, hi, n, k)
+    x0_full = np.clip(x0_full.astype(dt).astype(np.float64), lo_c, hi_c)
+    return _Data(targets=t_arr, known=h_arr, k=k, dtype=dt, tols=tols, lo=lo, hi=hi, lo_c=lo_c,
+                 hi_c=hi_c, x0=x0_full, valid=_solvable(t_arr, h_arr))
 
+
+def _known_rows(h_arr: np.ndarray, n: int) -> np.ndarray:
+    """``known``, checked to be one row of known inputs per instance."""
+    if h_arr.ndim != 2:
+        raise InputError(f"`known` must be (N, h), one row of known inputs per instance; got "
+                         f"shape {h_arr.shape}.")
+    if h_arr.shape[0] != n:
+        raise InputError(f"`known` has {h_arr.shape[0]} rows but `targets` has {n}; they must "
+                         f"have one row per instance.")
+    return h_arr
+
+
+def _box(bounds: Any, n: int, k: int, dt: np.dtype
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The bounds as given, (N, k) float64, and rounded inwards to the compute dtype."""
     lo, hi = _bounds(bounds, n, k)
     lo_c, hi_c = _inward(lo, dt), _inward(hi, dt, up=False)
     if np.any(lo_c > hi_c):
         i, j = np.argwhere(lo_c > hi_c)[0]
         raise InputError(f"`bounds` for instance {i}, unknown {j} ([{lo[i, j]}, {hi[i, j]}]) are "
                          f"closer than {dt} can resolve; widen them or use dtype='float64'.")
-    x0_full = _start_points(x0_arr, lo, hi, n, k)
-    x0_full = np.clip(x0_full.astype(dt).astype(np.float64), lo_c, hi_c)
+    return lo, hi, lo_c, hi_c
 
-    # which instances can be solved: finite targets and known inputs
+
+def _solvable(t_arr: np.ndarray, h_arr: np.ndarray | None) -> np.ndarray:
+    """Which instances can be solved: finite targets and known inputs."""
+    n = t_arr.shape[0]
     t_rows = t_arr.reshape(n, int(np.prod(t_arr.shape[1:], dtype=np.int64)))
     valid = np.isfinite(t_rows).all(axis=1) if t_arr.dtype.kind == "f" else np.ones(n, bool)
     if h_arr is not None and h_arr.dtype.kind == "f":
         valid &= np.isfinite(h_arr).all(axis=1)
+    return valid
 
-    # bind the model (cached) and learn its output shape; the probes use valid rows
-    inputs = (x0_full.astype(dt),) if h_arr is None else (x0_full.astype(dt), h_arr)
+
+@dataclass(frozen=True)
+class _Model:
+    """The model bound to the call's inputs (unknowns, then the known inputs)."""
+
+    backend: str
+    bound: Any
+    spec: BatchSpec
+    output_shape: tuple[int, ...]  # of one instance
+    m: int  # flattened output size
+
+
+def _bind_model(model: Any, data: _Data, backend: BackendName | None,
+                backend_options: dict[str, Any] | None) -> _Model:
+    """Bind the model (cached) and learn its output shape, which the targets must have; the
+    probes use valid rows."""
+    dt, h_arr = data.dtype, data.known
+    inputs = (data.x0.astype(dt),) if h_arr is None else (data.x0.astype(dt), h_arr)
     spec = normalize(inputs, wrt=None, dtype=dt, nan_policy="propagate")
     name = backend or _backends.detect(model)
     try:
         bound = prepare(model, spec, name, backend_options or {})
     except BatchJacError as e:
-        raise add_context(e, f"backend={name}; solve: x {x0_full.shape}, known "
+        raise add_context(e, f"backend={name}; solve: x {data.x0.shape}, known "
                              f"{None if h_arr is None else h_arr.shape}; dtype {dt}") from e
     assert bound.output_shape is not None
     out_shape = bound.output_shape
     m = int(np.prod(out_shape, dtype=np.int64))
-    if t_arr.shape[1:] != out_shape:
+    t_shape, n = data.targets.shape, data.n
+    if t_shape[1:] != out_shape:
         raise InputError(
-            f"`targets` has shape {t_arr.shape}, but the model's output for one instance has "
+            f"`targets` has shape {t_shape}, but the model's output for one instance has "
             f"shape {out_shape}; targets must be (N, *output_shape) = {(n, *out_shape)}."
         )
-    sqrt_w, absolute = _weights(weights, sigma, n, out_shape)
+    return _Model(backend=name, bound=bound, spec=spec, output_shape=out_shape, m=m)
 
-    rows_total = n * n_starts
+
+def _solve_plan(fitted: _Model, data: _Data, n_starts: int, *, mode: ModeArg,
+                chunk_size: int | None, max_memory: int | str | None, reproducible: bool
+                ) -> tuple[Plan, bool]:
+    """The kernels' mode and chunk size, and whether each chunk size's mode is timed."""
+    rows_total = data.n * n_starts
     budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
-    plan = make_plan(n=max(rows_total, 1), k=k, m=m, in_elems=k + (0 if h_arr is None else
-                     h_arr.shape[1]), dtype=dt, mode=mode, chunk_size=chunk_size,
-                     max_memory=budget)
+    plan = make_plan(n=max(rows_total, 1), k=data.k, m=fitted.m, in_elems=data.k + (
+                     0 if data.known is None else data.known.shape[1]), dtype=data.dtype,
+                     mode=mode, chunk_size=chunk_size, max_memory=budget)
     timed = plan.uncertain and not reproducible and autotune_enabled()
     if timed and rows_total:
-        plan = tune(bound, spec, plan, True)
+        plan = tune(fitted.bound, fitted.spec, plan, True)
+    return plan, timed
 
-    ctx_all = spec.chunk(0, n)[1]  # known inputs in the compute dtype
-    evaluator = _Evaluator(bound, plan.mode, plan.chunk_size, adaptive=not reproducible,
-                           tune_modes=timed)
-    t_flat = t_arr.reshape(n, m).astype(np.float64)
-    drawn = None
-    if n_starts > 1:  # drawn up front: the same starts whatever the chunk size (or a resume)
-        rows_i, rows_s = np.repeat(np.arange(n), n_starts), np.tile(np.arange(n_starts), n)
-        drawn = _random_starts(x0_full[rows_i], lo[rows_i], hi[rows_i], rows_s,
-                               np.random.default_rng(seed))
-        drawn = np.clip(drawn.astype(dt).astype(np.float64), lo_c[rows_i], hi_c[rows_i])
 
-    # per instance-start row results
-    res_x = np.full((rows_total, k), np.nan)
-    res_cost = np.full(rows_total, np.nan)
-    res_status = np.full(rows_total, int(Status.INVALID_INPUT), np.int8)
-    res_iter = np.zeros(rows_total, np.int64)
-    res_rank = np.zeros(rows_total, np.int64)
-    res_jac = np.full((rows_total, m, k), np.nan, dt) if return_jacobian else None
-    res_cov = np.full((rows_total, k, k), np.nan) if return_covariance else None
+def _drawn_starts(data: _Data, n_starts: int, seed: int | None) -> np.ndarray | None:
+    """The start of every (instance, start) row, ``x0`` for start 0; None for one start.
+    Drawn up front: the same starts whatever the chunk size (or a resume)."""
+    if n_starts == 1:
+        return None
+    n, dt = data.n, data.dtype
+    rows_i, rows_s = np.repeat(np.arange(n), n_starts), np.tile(np.arange(n_starts), n)
+    drawn = _random_starts(data.x0[rows_i], data.lo[rows_i], data.hi[rows_i], rows_s,
+                           np.random.default_rng(seed))
+    return np.clip(drawn.astype(dt).astype(np.float64), data.lo_c[rows_i], data.hi_c[rows_i])
 
-    block_inst = max(1, plan.chunk_size // n_starts)
-    for lo_i in range(0, n, block_inst):
-        hi_i = min(n, lo_i + block_inst)
-        inst = np.arange(lo_i, hi_i)
-        inst = inst[valid[inst]]
-        if inst.size == 0:
-            continue
-        rows_inst = np.repeat(inst, n_starts)
-        rows_start = np.tile(np.arange(n_starts), inst.size)
-        dest = rows_inst * n_starts + rows_start
-        xs = x0_full[rows_inst] if drawn is None else drawn[dest]
-        sw = None if sqrt_w is None else np.broadcast_to(sqrt_w, (n, m))[rows_inst]
-        problem = _Problem(
-            x0=xs, lo=lo_c[rows_inst], hi=hi_c[rows_inst], target=t_flat[rows_inst], sqrt_w=sw,
-            ctx=tuple(c[rows_inst] for c in ctx_all), instance=rows_inst, start=rows_start,
+
+@dataclass(frozen=True)
+class _Job:
+    """What the blocks of one solve call share."""
+
+    data: _Data
+    model: _Model
+    n_starts: int
+    method: str
+    max_iter: int
+    callback: Callable[[IterationInfo], None] | None
+    ctx: tuple[np.ndarray, ...]  # known inputs of every instance, in the compute dtype
+    evaluator: _Evaluator
+    target: np.ndarray  # (N, m) float64
+    sqrt_w: np.ndarray | None  # (1 or N, m) square roots of the weights
+    absolute: bool  # weights from sigma: the covariance is not scaled by the residual
+    starts: np.ndarray | None  # (N * n_starts, k) every row's start; None for one start
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Results per (instance, start) row ``instance * n_starts + start``; rows not solved keep
+    NaN and ``INVALID_INPUT``."""
+
+    x: np.ndarray  # (R, k)
+    cost: np.ndarray  # (R,)
+    status: np.ndarray  # (R,) int8
+    iterations: np.ndarray  # (R,)
+    rank: np.ndarray  # (R,)
+    jac: np.ndarray | None  # (R, m, k) compute dtype, if asked for
+    cov: np.ndarray | None  # (R, k, k), if asked for
+
+    @classmethod
+    def empty(cls, rows: int, k: int, m: int, dt: np.dtype, *, jacobian: bool, covariance: bool
+              ) -> _Rows:
+        return cls(
+            x=np.full((rows, k), np.nan),
+            cost=np.full(rows, np.nan),
+            status=np.full(rows, int(Status.INVALID_INPUT), np.int8),
+            iterations=np.zeros(rows, np.int64),
+            rank=np.zeros(rows, np.int64),
+            jac=np.full((rows, m, k), np.nan, dt) if jacobian else None,
+            cov=np.full((rows, k, k), np.nan) if covariance else None,
         )
-        out = _iterate(problem, evaluator, dt, method=method, max_iter=max_iter, tols=tols,
-                       callback=callback)
-        res_x[dest], res_cost[dest], res_status[dest] = out.x, out.cost, out.status
-        res_iter[dest] = out.iterations
-        res_rank[dest], cov = _rank_and_covariance(out.jac, out.gram, sw, dt, absolute=absolute,
-                                                   cost=out.cost, want_cov=return_covariance)
-        if res_jac is not None:
-            res_jac[dest] = out.jac
-        if res_cov is not None:
-            res_cov[dest] = cov
 
-    # the best start per instance: the lowest finite cost; among equal costs, a converged one
-    cost_by = res_cost.reshape(n, n_starts)
-    key = np.where(np.isfinite(cost_by), cost_by, np.inf)
+
+def _solve_block(job: _Job, inst: np.ndarray, rows: _Rows) -> None:
+    """Solve every start of the valid instances among ``inst`` together, into ``rows``."""
+    data, n_starts = job.data, job.n_starts
+    inst = inst[data.valid[inst]]
+    if inst.size == 0:
+        return
+    rows_inst = np.repeat(inst, n_starts)
+    rows_start = np.tile(np.arange(n_starts), inst.size)
+    dest = rows_inst * n_starts + rows_start
+    xs = data.x0[rows_inst] if job.starts is None else job.starts[dest]
+    sw = None if job.sqrt_w is None else np.broadcast_to(job.sqrt_w, (data.n, job.model.m))[rows_inst]
+    problem = _Problem(
+        x0=xs, lo=data.lo_c[rows_inst], hi=data.hi_c[rows_inst], target=job.target[rows_inst],
+        sqrt_w=sw, ctx=tuple(c[rows_inst] for c in job.ctx), instance=rows_inst, start=rows_start,
+    )
+    out = _iterate(problem, job.evaluator, data.dtype, method=job.method, max_iter=job.max_iter,
+                   tols=data.tols, callback=job.callback)
+    rows.x[dest], rows.cost[dest], rows.status[dest] = out.x, out.cost, out.status
+    rows.iterations[dest] = out.iterations
+    rows.rank[dest], cov = _rank_and_covariance(out.jac, out.gram, sw, data.dtype,
+                                                absolute=job.absolute, cost=out.cost,
+                                                want_cov=rows.cov is not None)
+    if rows.jac is not None:
+        rows.jac[dest] = out.jac
+    if rows.cov is not None:
+        rows.cov[dest] = cov
+
+
+def _best_start(cost: np.ndarray, status: np.ndarray) -> np.ndarray:
+    """Per instance (a row of the (N, n_starts) inputs), the start to keep: the lowest finite
+    cost; among equal costs, a converged one."""
+    key = np.where(np.isfinite(cost), cost, np.inf)
     best_cost = key.min(axis=1, keepdims=True, initial=np.inf)
     lowest = key <= best_cost + 1e-9 * np.abs(best_cost) + 1e-300  # equal up to rounding
-    best = np.argmax(lowest * (1 + (res_status.reshape(n, n_starts) > 0)), axis=1)
-    pick = np.arange(n) * n_starts + best
-    x = res_x[pick]
-    cost = res_cost[pick]
-    status = res_status[pick]
-    rank = res_rank[pick]
+    return np.argmax(lowest * (1 + (status > 0)), axis=1)
+
+
+def _result(job: _Job, rows: _Rows, plan: Plan, start_time: float) -> SolveResult:
+    """The best start of every instance, with what the call did in ``info``."""
+    n, k, dt, tols = job.data.n, job.data.k, job.data.dtype, job.data.tols
+    evaluator = job.evaluator
+    best = _best_start(rows.cost.reshape(n, job.n_starts), rows.status.reshape(n, job.n_starts))
+    pick = np.arange(n) * job.n_starts + best
+    x = rows.x[pick]
+    cost = rows.cost[pick]
+    status = rows.status[pick]
+    rank = rows.rank[pick]
     invalid = status == Status.INVALID_INPUT
     x_out = x.astype(dt)
     return SolveResult(
@@ -334,16 +469,17 @@ def solve(
         cost=cost,
         success=status > 0,
         status=status,
-        iterations=res_iter[pick],
+        iterations=rows.iterations[pick],
         rank=rank,
         rank_deficient=(rank < k) & ~invalid,
         start=np.where(invalid, 0, best),
-        jacobian=None if res_jac is None else res_jac[pick].reshape(n, *out_shape, k),
-        covariance=None if res_cov is None else res_cov[pick],
-        info={"method": method, "backend": name, "dtype": str(dt), "mode": plan.mode,
-              "chunk_size": plan.chunk_size, "xtol": tols[0], "ftol": tols[1], "gtol": tols[2],
-              "max_iter": max_iter, "n_starts": n_starts, "seconds": time.perf_counter() - start_time,
-              "kernel_calls": evaluator.calls, "kernel_seconds": evaluator.seconds,
+        jacobian=None if rows.jac is None else rows.jac[pick].reshape(n, *job.model.output_shape, k),
+        covariance=None if rows.cov is None else rows.cov[pick],
+        info={"method": job.method, "backend": job.model.backend, "dtype": str(dt),
+              "mode": plan.mode, "chunk_size": plan.chunk_size, "xtol": tols[0], "ftol": tols[1],
+              "gtol": tols[2], "max_iter": job.max_iter, "n_starts": job.n_starts,
+              "seconds": time.perf_counter() - start_time, "kernel_calls": evaluator.calls,
+              "kernel_seconds": evaluator.seconds,
               "compiled_chunk_sizes": sorted(evaluator.compiled)},
     )
 
@@ -623,151 +759,247 @@ class _Outcome:
 def _iterate(p: _Problem, evaluate: _Evaluator, dt: np.dtype, *, method: str, max_iter: int,
              tols: tuple[float, float, float], callback: Callable[[IterationInfo], None] | None
              ) -> _Outcome:
-    xtol, ftol, gtol = tols
-    rows, k = p.x0.shape
     gn = method == "gn"
-
-    def weighted(idx: np.ndarray, y: np.ndarray, jac: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        r = y - p.target[idx]
-        if p.sqrt_w is not None:
-            r = r * p.sqrt_w[idx]
-            jac = jac * p.sqrt_w[idx][:, :, None]
-        return r, jac
-
-    def call(idx: np.ndarray, x: np.ndarray, it: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                              np.ndarray, np.ndarray]:
-        xc = x.astype(dt)
-        y, jac = evaluate(xc, tuple(c[idx] for c in p.ctx))
-        finite = np.isfinite(y).all(axis=1) & np.isfinite(jac).all(axis=(1, 2))
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf rows are rejected below
-            r, jw = weighted(idx, y, jac)
-            cost = np.where(finite, 0.5 * np.einsum("ij,ij->i", r, r), np.inf)
-        if callback is not None:
-            callback(IterationInfo(iteration=it, instance=p.instance[idx], start=p.start[idx],
-                                   x=xc, cost=cost))
-        return jac, r, jw, cost, finite
-
-    x = p.x0.copy()
-    status = np.full(rows, _RUNNING, np.int64)
-    iters = np.zeros(rows, np.int64)
-    jac_store = np.full((rows, p.target.shape[1], k), np.nan, dt)
-    jtj = np.zeros((rows, k, k))
-    grad = np.zeros((rows, k))
-    colnorm = np.zeros((rows, k))
-    cost = np.full(rows, np.inf)
-    scale = np.zeros((rows, k))  # Moré's D
-    mu = np.full(rows, 1e-3)
-    nu = np.full(rows, 2.0)
-    alpha = np.ones(rows)
-    direction = np.zeros((rows, k))
-    fresh = np.ones(rows, bool)  # GN: the direction must be recomputed
-    nonfinite_run = np.zeros(rows, np.int64)
-
-    def store(idx: np.ndarray, jac: np.ndarray, r: np.ndarray, jw: np.ndarray, c: np.ndarray
-              ) -> None:
-        at: Any = slice(None) if idx.size == rows else idx  # every row: no gather/scatter
-        jac_store[at] = jac
-        # JᵀJ from a contiguous copy of Jᵀ: ~3x faster than matmul on the transposed view
-        a = np.matmul(np.ascontiguousarray(jw.transpose(0, 2, 1)), jw)
-        jtj[at] = a
-        grad[at] = np.matmul(r[:, None, :], jw)[:, 0]
-        diag = np.einsum("ikk->ik", a)
-        colnorm[at] = np.sqrt(diag)
-        scale[at] = np.maximum(scale[at], diag)
-        cost[at] = c
-
-    def store_some(idx: np.ndarray, keep: np.ndarray, jac: np.ndarray, r: np.ndarray,
-                   jw: np.ndarray, c: np.ndarray) -> None:
-        if keep.all():  # the usual case: no copies of the kept rows
-            store(idx, jac, r, jw, c)
-        else:
-            store(idx[keep], jac[keep], r[keep], jw[keep], c[keep])
-
-    idx = np.arange(rows)
-    jac, r, jw, c0, finite = call(idx, x, 0)
-    status[~finite] = Status.NON_FINITE
-    ok = idx[finite]
-    store_some(idx, finite, jac, r, jw, c0)
-    conv, flat = _gtol_test(x[ok], p.lo[ok], p.hi[ok], grad[ok], colnorm[ok], cost[ok], gtol)
-    status[ok[conv]] = Status.GTOL
-    status[ok[flat]] = Status.STALLED
-
+    s = _State.start(p, dt)
+    _first_point(p, s, _evaluate(p, evaluate, dt, callback, np.arange(len(s.x)), s.x, 0), tols[2])
     for it in range(1, max_iter + 1):
-        act = np.flatnonzero(status == _RUNNING)
+        act = np.flatnonzero(s.status == _RUNNING)
         if act.size == 0:
             break
-        xa, lo, hi, g, a = x[act], p.lo[act], p.hi[act], grad[act], jtj[act]
-        free = ~(((xa <= lo) & (g > 0)) | ((xa >= hi) & (g < 0)))
-        if gn:
-            need = fresh[act]
-            if need.any():
-                direction[act[need]] = _gn_direction(a[need], g[need], free[need], dt)
-                fresh[act[need]] = False
-                alpha[act[need]] = 1.0
-            h = alpha[act, None] * direction[act]
-        else:
-            d = np.maximum(scale[act], 1e-12 * scale[act].max(axis=1, keepdims=True) + 1e-300)
-            h = _lm_step(a, g, mu[act, None] * d, free)
-        xt = np.clip(xa + h, lo, hi)
-        xt = np.clip(xt.astype(dt).astype(np.float64), lo, hi)  # representable, still inside
-        step = xt - xa
-        pred = -(np.einsum("ik,ik->i", g, step) +
-                 0.5 * np.einsum("ik,ikl,il->i", step, a, step))
-        jac, r, jw, ct, finite = call(act, xt, it)
-        iters[act] += 1
-        ared = cost[act] - ct
-        if gn:
-            accept = finite & (ct <= cost[act] + _ARMIJO * np.einsum("ik,ik->i", g, step)) & \
-                (ared >= 0) & (np.abs(step).max(axis=1) > 0)
-        else:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                rho = np.where(pred > 0, ared / pred, -np.inf)
-            accept = finite & (rho > _ACCEPT_RHO)
+        trial = _propose(p, s, act, dt, gn=gn)
+        ev = _evaluate(p, evaluate, dt, callback, act, trial.x, it)
+        s.iters[act] += 1
+        verdict = _judge(s, trial, ev, gn=gn)
+        _take_step(s, trial, ev, verdict, gn=gn)
+        s.status[act] = _new_status(p, s, trial, ev, verdict, tols, gn=gn)
+    s.status[s.status == _RUNNING] = Status.MAX_ITER
+    rows, k = p.x0.shape
+    return _Outcome(x=s.x, cost=s.cost, status=s.status.astype(np.int8), iterations=s.iters,
+                    jac=s.jac.reshape(rows, -1, k), gram=s.jtj)
 
-        old_cost = cost[act].copy()
-        acc = act[accept]
-        store_some(act, accept, jac, r, jw, ct)
-        x[acc] = xt[accept]
-        nonfinite_run[act] = np.where(finite, 0, nonfinite_run[act] + 1)
-        if gn:
-            fresh[acc] = True
-            rej = act[~accept]
-            alpha[rej] *= np.where(finite[~accept], 0.5, 0.25)
+
+@dataclass(frozen=True)
+class _Eval:
+    """The model at some points: raw Jacobian, weighted residual and Jacobian, cost."""
+
+    jac: np.ndarray  # (A, m, k) model Jacobian (compute dtype)
+    r: np.ndarray  # (A, m) sqrt(w) (y - target)
+    jw: np.ndarray  # (A, m, k) sqrt(w) J
+    cost: np.ndarray  # (A,) 0.5 |r|^2, inf where the model returned NaN/Inf
+    finite: np.ndarray  # (A,) bool: outputs and Jacobian finite
+
+
+@dataclass
+class _State:
+    """Every row's current point with what the next step needs from it, the damping (LM) or
+    line search (GN), and the row's status."""
+
+    x: np.ndarray  # (R, k) current points
+    status: np.ndarray  # (R,) _RUNNING until a Status is reached
+    iters: np.ndarray  # (R,) trial steps taken
+    jac: np.ndarray  # (R, m, k) model Jacobian at x (compute dtype)
+    jtj: np.ndarray  # (R, k, k) JᵀWJ at x
+    grad: np.ndarray  # (R, k) JᵀWr at x
+    colnorm: np.ndarray  # (R, k) column norms of sqrt(W) J at x
+    cost: np.ndarray  # (R,) cost at x
+    scale: np.ndarray  # (R, k) Moré's D
+    mu: np.ndarray  # (R,) LM damping
+    nu: np.ndarray  # (R,) LM: factor for mu after a rejected step
+    alpha: np.ndarray  # (R,) GN line-search step
+    direction: np.ndarray  # (R, k) GN direction
+    fresh: np.ndarray  # (R,) GN: the direction must be recomputed
+    nonfinite_run: np.ndarray  # (R,) consecutive non-finite trial points
+
+    @classmethod
+    def start(cls, p: _Problem, dt: np.dtype) -> _State:
+        rows, k = p.x0.shape
+        return cls(
+            x=p.x0.copy(),
+            status=np.full(rows, _RUNNING, np.int64),
+            iters=np.zeros(rows, np.int64),
+            jac=np.full((rows, p.target.shape[1], k), np.nan, dt),
+            jtj=np.zeros((rows, k, k)),
+            grad=np.zeros((rows, k)),
+            colnorm=np.zeros((rows, k)),
+            cost=np.full(rows, np.inf),
+            scale=np.zeros((rows, k)),
+            mu=np.full(rows, 1e-3),
+            nu=np.full(rows, 2.0),
+            alpha=np.ones(rows),
+            direction=np.zeros((rows, k)),
+            fresh=np.ones(rows, bool),
+            nonfinite_run=np.zeros(rows, np.int64),
+        )
+
+    def store(self, idx: np.ndarray, jac: np.ndarray, r: np.ndarray, jw: np.ndarray,
+              c: np.ndarray) -> None:
+        """Rows ``idx`` take the Jacobian, gradient and cost of their newly accepted points."""
+        at: Any = slice(None) if idx.size == len(self.x) else idx  # every row: no gather/scatter
+        self.jac[at] = jac
+        # JᵀJ from a contiguous copy of Jᵀ: ~3x faster than matmul on the transposed view
+        a = np.matmul(np.ascontiguousarray(jw.transpose(0, 2, 1)), jw)
+        self.jtj[at] = a
+        self.grad[at] = np.matmul(r[:, None, :], jw)[:, 0]
+        diag = np.einsum("ikk->ik", a)
+        self.colnorm[at] = np.sqrt(diag)
+        self.scale[at] = np.maximum(self.scale[at], diag)
+        self.cost[at] = c
+
+    def store_some(self, idx: np.ndarray, keep: np.ndarray, ev: _Eval) -> None:
+        """:meth:`store` the rows of ``ev`` (evaluated at rows ``idx``) where ``keep``."""
+        if keep.all():  # the usual case: no copies of the kept rows
+            self.store(idx, ev.jac, ev.r, ev.jw, ev.cost)
         else:
-            rho_acc = rho[accept]
-            mu[acc] = np.maximum(mu[acc] * np.maximum(1 / 3, 1 - (2 * rho_acc - 1) ** 3), _MU_MIN)
-            nu[acc] = 2.0
-            rej = act[~accept]
-            mu[rej] *= nu[rej]
-            nu[rej] *= 2.0
+            self.store(idx[keep], ev.jac[keep], ev.r[keep], ev.jw[keep], ev.cost[keep])
 
-        # per-instance convergence tests, in order of precedence
-        snorm = np.linalg.norm(step, axis=1)
-        xnorm = np.linalg.norm(xt, axis=1)
-        small_step = finite & (snorm < xtol * (xtol + xnorm))
-        small_f = accept & (np.abs(ared) <= ftol * old_cost) & (pred <= ftol * old_cost)
-        g_ok = np.zeros(act.size, bool)
-        g_flat = np.zeros(act.size, bool)
-        if acc.size:
-            g_ok[accept], g_flat[accept] = _gtol_test(x[acc], p.lo[acc], p.hi[acc], grad[acc],
-                                                      colnorm[acc], cost[acc], gtol)
-        new = np.full(act.size, _RUNNING, np.int64)
-        new[small_step] = Status.XTOL
-        new[small_f] = Status.FTOL
-        new[g_ok] = Status.GTOL
-        new[g_flat] = Status.STALLED
-        still = new == _RUNNING
-        stuck_nf = still & ~finite & ((nonfinite_run[act] >= _MAX_NONFINITE) |
-                                      (snorm < xtol * (xtol + xnorm)))
-        new[stuck_nf] = Status.NON_FINITE
-        stalled = (new == _RUNNING) & ~accept & ((alpha[act] < _ALPHA_MIN) if gn
-                                                 else (mu[act] > _MU_MAX))
-        new[stalled] = Status.STALLED
-        status[act] = new
 
-    status[status == _RUNNING] = Status.MAX_ITER
-    return _Outcome(x=x, cost=cost, status=status.astype(np.int8), iterations=iters,
-                    jac=jac_store.reshape(rows, -1, k), gram=jtj)
+@dataclass(frozen=True)
+class _Trial:
+    """A trial step of the active rows."""
+
+    act: np.ndarray  # (A,) the rows taking it
+    x: np.ndarray  # (A, k) trial points: representable in the compute dtype, inside the box
+    step: np.ndarray  # (A, k) trial point minus current point
+    pred: np.ndarray  # (A,) cost reduction the linear model predicts
+    g: np.ndarray  # (A, k) gradient at the current points
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """Which trial points are accepted, and the cost reductions that decided it."""
+
+    accept: np.ndarray  # (A,) bool
+    old_cost: np.ndarray  # (A,) cost at the current points
+    ared: np.ndarray  # (A,) actual cost reduction
+    rho: np.ndarray | None  # (A,) LM gain ratio (None for GN)
+
+
+def _evaluate(p: _Problem, evaluate: _Evaluator, dt: np.dtype,
+              callback: Callable[[IterationInfo], None] | None, idx: np.ndarray, x: np.ndarray,
+              it: int) -> _Eval:
+    """The model at points ``x`` of rows ``idx`` (one batched call), reported to ``callback``."""
+    xc = x.astype(dt)
+    y, jac = evaluate(xc, tuple(c[idx] for c in p.ctx))
+    finite = np.isfinite(y).all(axis=1) & np.isfinite(jac).all(axis=(1, 2))
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf rows are rejected below
+        r, jw = _weighted(p, idx, y, jac)
+        cost = np.where(finite, 0.5 * np.einsum("ij,ij->i", r, r), np.inf)
+    if callback is not None:
+        callback(IterationInfo(iteration=it, instance=p.instance[idx], start=p.start[idx],
+                               x=xc, cost=cost))
+    return _Eval(jac=jac, r=r, jw=jw, cost=cost, finite=finite)
+
+
+def _weighted(p: _Problem, idx: np.ndarray, y: np.ndarray, jac: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+    r = y - p.target[idx]
+    if p.sqrt_w is not None:
+        r = r * p.sqrt_w[idx]
+        jac = jac * p.sqrt_w[idx][:, :, None]
+    return r, jac
+
+
+def _first_point(p: _Problem, s: _State, ev: _Eval, gtol: float) -> None:
+    """Take the starting points: non-finite there stops a row; one may be converged already."""
+    idx = np.arange(len(s.x))
+    s.status[~ev.finite] = Status.NON_FINITE
+    ok = idx[ev.finite]
+    s.store_some(idx, ev.finite, ev)
+    conv, flat = _gtol_test(s.x[ok], p.lo[ok], p.hi[ok], s.grad[ok], s.colnorm[ok], s.cost[ok],
+                            gtol)
+    s.status[ok[conv]] = Status.GTOL
+    s.status[ok[flat]] = Status.STALLED
+
+
+def _propose(p: _Problem, s: _State, act: np.ndarray, dt: np.dtype, *, gn: bool) -> _Trial:
+    """The trial step of rows ``act``: damped (LM) or line-searched (GN), unknowns held at a
+    bound frozen, the trial point clipped into the box."""
+    xa, lo, hi, g, a = s.x[act], p.lo[act], p.hi[act], s.grad[act], s.jtj[act]
+    free = ~(((xa <= lo) & (g > 0)) | ((xa >= hi) & (g < 0)))
+    if gn:
+        need = s.fresh[act]
+        if need.any():
+            s.direction[act[need]] = _gn_direction(a[need], g[need], free[need], dt)
+            s.fresh[act[need]] = False
+            s.alpha[act[need]] = 1.0
+        h = s.alpha[act, None] * s.direction[act]
+    else:
+        d = np.maximum(s.scale[act], 1e-12 * s.scale[act].max(axis=1, keepdims=True) + 1e-300)
+        h = _lm_step(a, g, s.mu[act, None] * d, free)
+    xt = np.clip(xa + h, lo, hi)
+    xt = np.clip(xt.astype(dt).astype(np.float64), lo, hi)  # representable, still inside
+    step = xt - xa
+    pred = -(np.einsum("ik,ik->i", g, step) +
+             0.5 * np.einsum("ik,ikl,il->i", step, a, step))
+    return _Trial(act=act, x=xt, step=step, pred=pred, g=g)
+
+
+def _judge(s: _State, t: _Trial, ev: _Eval, *, gn: bool) -> _Verdict:
+    """Accept a trial point on Armijo's condition (GN) or a gain ratio above 1e-4 (LM)."""
+    act = t.act
+    ared = s.cost[act] - ev.cost
+    rho = None
+    if gn:
+        accept = ev.finite & (ev.cost <= s.cost[act] + _ARMIJO * np.einsum("ik,ik->i", t.g, t.step)) \
+            & (ared >= 0) & (np.abs(t.step).max(axis=1) > 0)
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rho = np.where(t.pred > 0, ared / t.pred, -np.inf)
+        accept = ev.finite & (rho > _ACCEPT_RHO)
+    return _Verdict(accept=accept, old_cost=s.cost[act].copy(), ared=ared, rho=rho)
+
+
+def _take_step(s: _State, t: _Trial, ev: _Eval, v: _Verdict, *, gn: bool) -> None:
+    """Move the accepted rows to their trial points; update every row's line search (GN) or
+    damping (LM, Nielsen's rule)."""
+    act, accept = t.act, v.accept
+    acc = act[accept]
+    s.store_some(act, accept, ev)
+    s.x[acc] = t.x[accept]
+    s.nonfinite_run[act] = np.where(ev.finite, 0, s.nonfinite_run[act] + 1)
+    if gn:
+        s.fresh[acc] = True
+        rej = act[~accept]
+        s.alpha[rej] *= np.where(ev.finite[~accept], 0.5, 0.25)
+    else:
+        assert v.rho is not None
+        rho_acc = v.rho[accept]
+        s.mu[acc] = np.maximum(s.mu[acc] * np.maximum(1 / 3, 1 - (2 * rho_acc - 1) ** 3), _MU_MIN)
+        s.nu[acc] = 2.0
+        rej = act[~accept]
+        s.mu[rej] *= s.nu[rej]
+        s.nu[rej] *= 2.0
+
+
+def _new_status(p: _Problem, s: _State, t: _Trial, ev: _Eval, v: _Verdict,
+                tols: tuple[float, float, float], *, gn: bool) -> np.ndarray:
+    """The status of rows ``t.act`` after their step: the per-instance convergence tests in
+    order of precedence, then the reasons to give up; ``_RUNNING`` for the rows that go on."""
+    xtol, ftol, gtol = tols
+    act, accept, finite = t.act, v.accept, ev.finite
+    acc = act[accept]
+    snorm = np.linalg.norm(t.step, axis=1)
+    xnorm = np.linalg.norm(t.x, axis=1)
+    small_step = finite & (snorm < xtol * (xtol + xnorm))
+    small_f = accept & (np.abs(v.ared) <= ftol * v.old_cost) & (t.pred <= ftol * v.old_cost)
+    g_ok = np.zeros(act.size, bool)
+    g_flat = np.zeros(act.size, bool)
+    if acc.size:
+        g_ok[accept], g_flat[accept] = _gtol_test(s.x[acc], p.lo[acc], p.hi[acc], s.grad[acc],
+                                                  s.colnorm[acc], s.cost[acc], gtol)
+    new = np.full(act.size, _RUNNING, np.int64)
+    new[small_step] = Status.XTOL
+    new[small_f] = Status.FTOL
+    new[g_ok] = Status.GTOL
+    new[g_flat] = Status.STALLED
+    still = new == _RUNNING
+    stuck_nf = still & ~finite & ((s.nonfinite_run[act] >= _MAX_NONFINITE) |
+                                  (snorm < xtol * (xtol + xnorm)))
+    new[stuck_nf] = Status.NON_FINITE
+    stalled = (new == _RUNNING) & ~accept & ((s.alpha[act] < _ALPHA_MIN) if gn
+                                             else (s.mu[act] > _MU_MAX))
+    new[stalled] = Status.STALLED
+    return new
 
 
 def _gtol_test(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, g: np.ndarray, colnorm: np.ndarray,

@@ -201,63 +201,14 @@ def normalize(
     if nan_policy not in ("raise", "propagate"):
         raise InputError(f"`nan_policy` must be 'raise' or 'propagate'; got {nan_policy!r}.")
     kind, raw, keys = _split_inputs(inputs)
-    if kind == "concat":
-        names: tuple[str, ...] = ("unknown", "known")
-    elif kind == "single":
-        names = ("x",)
-    elif kind == "dict":
-        assert keys is not None
-        names = tuple(f"inputs[{k!r}]" for k in keys)
-    else:
-        names = tuple(f"inputs[{i}]" for i in range(len(raw)))
-    names = tuple(_label(a, n) for a, n in zip(raw, names))
+    names = _input_names(kind, raw, keys)
     arrays = [as_input(a, n) for a, n in zip(raw, names)]
     lazy = tuple(is_lazy(a) for a in arrays)
-
-    n = arrays[0].shape[0]
-    for a, name in zip(arrays[1:], names[1:]):
-        if a.shape[0] != n:
-            raise InputError(
-                f"`{name}` has {a.shape[0]} rows but `{names[0]}` has {n}; they must have one "
-                f"row per instance."
-            )
-
+    n = _row_count(arrays, names)
     if kind == "concat":
-        if wrt is not None:
-            raise InputError(
-                "`wrt` cannot be combined with the (unknown, known) call form: there every column "
-                "of `unknown` is unknown. Either drop `wrt`, or pass one array with "
-                "jacobian(model, x, wrt=[...])."
-            )
-        u, h = arrays
-        if u.ndim < 2 or h.ndim < 2 or u.shape[1:-1] != h.shape[1:-1]:
-            raise InputError(
-                f"`unknown` {u.shape} and `known` {h.shape} must both be (N, ..., features) with "
-                f"equal middle axes, since the model takes concat([unknown, known], axis=-1)."
-            )
-        layout = Layout(kind="concat", n_inputs=1)
-        unknown_shape = u.shape[1:]
+        layout, unknown_shape = _concat_layout(wrt, arrays)
     else:
-        wrt_index, cols_sel = _resolve_wrt(kind, wrt, arrays, names, keys)
-        target = arrays[wrt_index]
-        cols = None
-        if cols_sel is not None:
-            if target.ndim < 2:
-                raise InputError(
-                    f"`wrt` selects columns, but `{names[wrt_index]}` has shape {target.shape}, "
-                    f"with no feature axis. Give it shape (N, features)."
-                )
-            cols_sel = _named_columns(cols_sel, target, names[wrt_index])
-            cols = _columns(cols_sel, target.shape[-1], names[wrt_index])
-        if cols is None:
-            layout = Layout(kind=kind, n_inputs=len(arrays), wrt_index=wrt_index, keys=keys)
-            unknown_shape = target.shape[1:]
-        else:
-            layout = Layout(
-                kind=kind, n_inputs=len(arrays), wrt_index=wrt_index, keys=keys,
-                columns=cols, perm=_perm(cols, target.shape[-1]),
-            )
-            unknown_shape = (*target.shape[1:-1], len(cols))
+        layout, unknown_shape = _selected_layout(kind, wrt, arrays, names, keys)
     if arrays[0 if kind == "concat" else layout.wrt_index].dtype.kind == "b":
         raise InputTypeError("The unknown input is boolean; unknowns must be real numbers.")
 
@@ -272,6 +223,74 @@ def normalize(
     return BatchSpec(arrays=arrays, layout=layout, dtype=dt, n=n,
                      unknown_shape=tuple(unknown_shape), names=names,
                      finite_check=tuple(lz and nan_policy == "raise" for lz in lazy))
+
+
+def _input_names(kind: InputKind, raw: list[Any], keys: tuple[str, ...] | None
+                 ) -> tuple[str, ...]:
+    """The name of each input in messages: the argument or the input's place, and its file."""
+    if kind == "concat":
+        names: tuple[str, ...] = ("unknown", "known")
+    elif kind == "single":
+        names = ("x",)
+    elif kind == "dict":
+        assert keys is not None
+        names = tuple(f"inputs[{k!r}]" for k in keys)
+    else:
+        names = tuple(f"inputs[{i}]" for i in range(len(raw)))
+    return tuple(_label(a, n) for a, n in zip(raw, names))
+
+
+def _row_count(arrays: list[Any], names: tuple[str, ...]) -> int:
+    """The number of instances: the rows of every input, which must agree."""
+    n = arrays[0].shape[0]
+    for a, name in zip(arrays[1:], names[1:]):
+        if a.shape[0] != n:
+            raise InputError(
+                f"`{name}` has {a.shape[0]} rows but `{names[0]}` has {n}; they must have one "
+                f"row per instance."
+            )
+    return n
+
+
+def _concat_layout(wrt: Any, arrays: list[Any]) -> tuple[Layout, tuple[int, ...]]:
+    """The (unknown, known) call form: the model takes ``concat([unknown, known], -1)``."""
+    if wrt is not None:
+        raise InputError(
+            "`wrt` cannot be combined with the (unknown, known) call form: there every column "
+            "of `unknown` is unknown. Either drop `wrt`, or pass one array with "
+            "jacobian(model, x, wrt=[...])."
+        )
+    u, h = arrays
+    if u.ndim < 2 or h.ndim < 2 or u.shape[1:-1] != h.shape[1:-1]:
+        raise InputError(
+            f"`unknown` {u.shape} and `known` {h.shape} must both be (N, ..., features) with "
+            f"equal middle axes, since the model takes concat([unknown, known], axis=-1)."
+        )
+    return Layout(kind="concat", n_inputs=1), u.shape[1:]
+
+
+def _selected_layout(kind: InputKind, wrt: Any, arrays: list[Any], names: tuple[str, ...],
+                     keys: tuple[str, ...] | None) -> tuple[Layout, tuple[int, ...]]:
+    """The model's own inputs, one of them (or some of its columns) unknown, named by ``wrt``."""
+    wrt_index, cols_sel = _resolve_wrt(kind, wrt, arrays, names, keys)
+    target = arrays[wrt_index]
+    cols = None
+    if cols_sel is not None:
+        if target.ndim < 2:
+            raise InputError(
+                f"`wrt` selects columns, but `{names[wrt_index]}` has shape {target.shape}, "
+                f"with no feature axis. Give it shape (N, features)."
+            )
+        cols_sel = _named_columns(cols_sel, target, names[wrt_index])
+        cols = _columns(cols_sel, target.shape[-1], names[wrt_index])
+    if cols is None:
+        layout = Layout(kind=kind, n_inputs=len(arrays), wrt_index=wrt_index, keys=keys)
+        return layout, target.shape[1:]
+    layout = Layout(
+        kind=kind, n_inputs=len(arrays), wrt_index=wrt_index, keys=keys,
+        columns=cols, perm=_perm(cols, target.shape[-1]),
+    )
+    return layout, (*target.shape[1:-1], len(cols))
 
 
 def _named_columns(sel: Any, target: Any, name: str) -> Any:
