@@ -38,3 +38,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     else:
         os.environ["BATCHJAC_CACHE_DIR"] = _PREVIOUS
     SESSION_CACHE_DIR = None
+
+
+@pytest.fixture(autouse=True)
+def _own_tuning_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test its own cache directory: a decision one test's race wrote must not change what
+    a later test's first call does (tests would depend on their order)."""
+    monkeypatch.setenv("BATCHJAC_CACHE_DIR", str(tmp_path_factory.mktemp("tunecache")))
+
+
+@pytest.fixture(autouse=True)
+def _no_siblings() -> None:
+    """Models of identical code share what binding taught (batchjac._bind): tests build such
+    models independently and must not inherit each other's ledgers and decisions."""
+    from batchjac import _bind
+
+    _bind._SIBLINGS.clear()

@@ -18,7 +18,7 @@ DOCUMENTED = ["jacobian", "check", "propagate", "solve", "sensitivity", "write_r
               "NotConnectedError", "RowInteractionError", "StoreError", "StoreExistsError",
               "StoreMismatchError", "StoreBusyError", "StoreWriteError", "BatchJacWarning",
               "CovarianceClippedWarning", "ForwardModeFallbackWarning", "TrainingModeWarning",
-              "XLAFallbackWarning"]
+              "XLAFallbackWarning", "RebindWarning", "TuneCacheWarning"]
 
 
 def test_documented_names_are_public() -> None:

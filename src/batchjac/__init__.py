@@ -19,6 +19,7 @@ from ._errors import (
     ModelError as ModelError,
     ModelLoadError as ModelLoadError,
     NotConnectedError as NotConnectedError,
+    RebindWarning as RebindWarning,
     RowInteractionError as RowInteractionError,
     StoreBusyError as StoreBusyError,
     StoreError as StoreError,
@@ -26,6 +27,7 @@ from ._errors import (
     StoreMismatchError as StoreMismatchError,
     StoreWriteError as StoreWriteError,
     TrainingModeWarning as TrainingModeWarning,
+    TuneCacheWarning as TuneCacheWarning,
     XLAFallbackWarning as XLAFallbackWarning,
 )
 from ._jacobian import jacobian as jacobian
@@ -79,6 +81,8 @@ __all__ = [
     "BatchJacWarning",
     "ForwardModeFallbackWarning",
     "TrainingModeWarning",
+    "RebindWarning",
+    "TuneCacheWarning",
     "XLAFallbackWarning",
     "__version__",
 ]

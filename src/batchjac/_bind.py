@@ -8,12 +8,18 @@ options into a :class:`~batchjac._plan.Plan`. Every verb (``jacobian``, stores, 
 
 from __future__ import annotations
 
+import functools
 import math
+import types
+import warnings
 import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import _backends
 from ._config import default_max_memory, parse_bytes, probes_enabled
+from ._errors import RebindWarning
 from ._plan import ModeArg, Plan, make_plan
 from ._probes import run_probes
 from ._spec import BatchSpec
@@ -34,7 +40,7 @@ def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any]
         except TypeError:  # not weakly referenceable: no cached decisions for it
             bound._source = lambda: None  # type: ignore[attr-defined]
     bound.refresh()
-    if not bound.probed:
+    if not bound.probed and not _same_code(model, bound, backend):
         unknown_name = spec.names[0 if spec.layout.kind == "concat" else spec.layout.wrt_index]
         if probes_enabled():
             run_probes(bound, spec, unknown_name)
@@ -42,7 +48,81 @@ def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any]
             u, ctx = spec.chunk(0, min(spec.n, 2))
             bound.output_shape = tuple(bound.forward(u, ctx).shape[1:])
             bound.probed = True
+        _remember_code(bound, backend)
     return bound
+
+
+@dataclass
+class _Sibling:
+    """What binding a function taught, for new function objects with the same code."""
+
+    output_shape: tuple[int, ...]
+    ledger: Any  # the first bound model's tuning ledger (batchjac._tuning.Ledger)
+    tuned: dict[Any, Any]
+    tuned_rows: dict[Any, Any]
+    binds: int = 1
+    warned: bool = False
+
+
+#: computation fingerprint and signature -> what its first bound model learnt (probes passed,
+#: the output shape, the tuning decisions); bounded, least recently used dropped first
+_SIBLINGS: OrderedDict[tuple[str, str, str], _Sibling] = OrderedDict()
+_MAX_SIBLINGS = 256
+#: new function objects of one code after which a warning names the cost of rebinding
+REBIND_WARNING = 3
+
+
+def _code_key(model: Any, bound: _backends.BoundModel, backend: str) -> tuple[str, str, str] | None:
+    """Plain functions only (closures, lambdas, partials): the everyday ``jacobian(lambda z:
+    net(params, z), ...)`` in a loop passes a new one per call. Modules and Keras models are
+    bound once per object and have state of their own; they are not matched by code."""
+    stateless = isinstance(model, (types.FunctionType, functools.partial)) or \
+        getattr(type(model), "__batchjac_backend__", None) == "numpy"  # batchjac.ClosedForm
+    if not stateless:
+        return None
+    from ._fingerprint import computation_fingerprint
+
+    return computation_fingerprint(model), repr(bound.signature), backend
+
+
+def _same_code(model: Any, bound: _backends.BoundModel, backend: str) -> bool:
+    """A new function object with the code (and closure shapes) of one bound before: it passed
+    the same probes, so it is not probed again, and it starts from the decisions the first
+    one's calls took (as the native ``jit(vmap(jacrev(f)))`` rebuilt per call would)."""
+    key = _code_key(model, bound, backend)
+    bound._code_key = key  # type: ignore[attr-defined]
+    sibling = _SIBLINGS.get(key) if key is not None else None
+    if sibling is None:
+        return False
+    _SIBLINGS.move_to_end(key)  # type: ignore[arg-type]
+    bound.output_shape = sibling.output_shape
+    bound.probed = True
+    bound._ledger = sibling.ledger  # type: ignore[attr-defined]
+    bound.tuned.update(sibling.tuned)
+    bound.tuned_rows.update(sibling.tuned_rows)
+    sibling.binds += 1
+    if sibling.binds >= REBIND_WARNING and not sibling.warned:
+        sibling.warned = True
+        cost = sibling.ledger.compile_seconds
+        warnings.warn(
+            f"batchjac was given {sibling.binds} new function objects with the same code; each "
+            f"one is traced and compiled again (about {cost:.2f} s each, against "
+            f"{(sibling.ledger.seconds_per_row or 0) * 1e6:.1f} us a row of compute). Define the "
+            f"function once outside the loop and pass what changes as arguments: "
+            f"backend_options={{'params': params}} with a model f(params, x).",
+            RebindWarning, stacklevel=4)
+    return True
+
+
+def _remember_code(bound: _backends.BoundModel, backend: str) -> None:
+    key = getattr(bound, "_code_key", None)
+    if key is None or bound.output_shape is None:
+        return
+    from ._tuning import ledger
+
+    _SIBLINGS[key] = _Sibling(bound.output_shape, ledger(bound), bound.tuned, bound.tuned_rows)
+    while len(_SIBLINGS) > _MAX_SIBLINGS:
+        _SIBLINGS.popitem(last=False)
 
 
 def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,

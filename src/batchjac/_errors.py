@@ -92,6 +92,11 @@ class TrainingModeWarning(BatchJacWarning):
     batchjac evaluates it in eval mode."""
 
 
+class RebindWarning(BatchJacWarning):
+    """New function objects with the same code, one per call: each is traced and compiled
+    again. Define the function once and pass what changes as arguments."""
+
+
 class XLAFallbackWarning(BatchJacWarning):
     """XLA could not compile the model; batchjac runs it as a plain TensorFlow graph."""
 

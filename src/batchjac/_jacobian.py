@@ -224,16 +224,18 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
     if explain:
         sys.stderr.write(f"batchjac: {plan.reason}\n")
     log.debug("batchjac plan: %s", plan.reason)
-    kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
+    new = not bound.has_kernel(plan.mode, plan.chunk_size, return_outputs)
+    with tuning.Stopwatch() as build:
+        kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
     tuning.recall_variant(bound, backend, kernel)
     if out is None and fast_key is not None:  # the next call with these shapes skips to here
         _fastpath.remember(fast_key, model, bound, plan, spec, backend)
     if out is None and plan.n_chunks == 1:
-        result = _unpack(tuning.timed(bound, kernel, spec.n, lambda: run_single(kernel, spec)),
-                         return_outputs)
+        result = _unpack(tuning.timed(bound, kernel, spec.n, lambda: run_single(kernel, spec),
+                                      new=new, built_seconds=build.seconds), return_outputs)
     else:
         result = tuning.timed(bound, kernel, spec.n, lambda: _run_in_memory(
-            kernel, spec, bound, return_outputs, out, progress))
+            kernel, spec, bound, return_outputs, out, progress), new=new, built_seconds=build.seconds)
     tuning.settle(bound, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
                                                     kernel.chunk_size))
     tuning.persist(bound, backend, kernel)

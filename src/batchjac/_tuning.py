@@ -255,15 +255,17 @@ def reuse(bound: Any, plan: Plan, n: int, with_outputs: bool) -> Plan:
                f"reused: padding {chunks * size - n} rows costs less than compiling {plan.chunk_size})")
 
 
-def timed(bound: Any, kernel: Any, rows: int, run: Callable[[], T]) -> T:
-    """Run the computation of ``rows`` rows on ``kernel`` and record its time; its first call
-    may race the kernel's builds only when the work seen repays it."""
-    new = kernel.variant is None
+def timed(bound: Any, kernel: Any, rows: int, run: Callable[[], T], *, new: bool,
+          built_seconds: float = 0.0) -> T:
+    """Run the computation of ``rows`` rows on ``kernel`` and record its time (with the
+    ``built_seconds`` its construction took, for a ``new`` kernel: JAX compiles there); its
+    first call may race the kernel's builds only when the work seen repays it."""
     builds = max(0, len(kernel.variants) - 1)
-    race = new and builds > 0 and kernel._forced is None and worth(bound, rows, builds)
+    race = kernel.variant is None and builds > 0 and kernel._forced is None and \
+        worth(bound, rows, builds)
     with allowed(race), Stopwatch() as watch:
         out = run()
-    record(bound, rows, watch.seconds, new_kernel=new)
+    record(bound, rows, watch.seconds + (built_seconds if new else 0.0), new_kernel=new)
     if race and not kernel.untimed:
         kernel.raced = True
     return out

@@ -1,0 +1,227 @@
+"""The cold-start rule (batchjac._tuning): a race runs only when the work it can save repays
+its cost; new batch sizes reuse compiled kernels; decisions persist across processes; new
+function objects with the same code are not probed again. Decisions are asserted, not times:
+the ledger's timings are injected where a test needs a job of a given size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchjac
+from batchjac import ClosedForm, _backends, _tuning
+
+D, M = 4, 3  # 4 unknowns, 3 outputs: the cost model cannot tell the modes apart (a race decides)
+_rng = np.random.default_rng(5)
+A = _rng.normal(size=(M, D))
+
+
+def f(z: np.ndarray) -> np.ndarray:
+    return np.sin(z @ A.T)
+
+
+def jac(z: np.ndarray) -> np.ndarray:
+    return np.cos(z @ A.T)[:, :, None] * A[None]
+
+
+def bound_of(model: Any) -> Any:
+    return next(iter(_backends._bound[model].values()))
+
+
+def data(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, D))
+
+
+# -- the rule, on injected timings ------------------------------------------------------------------
+
+def test_no_race_before_any_measurement() -> None:
+    model = ClosedForm(f, jac)
+    z = data(500)
+    np.testing.assert_allclose(batchjac.jacobian(model, z), jac(z), rtol=1e-12)
+    bound = bound_of(model)
+    assert bound.tuned == {}  # the first call took the cost model's mode, untimed
+    assert not _tuning.worth(bound, 10**9, compilations=1)  # no steady call measured yet
+
+
+def test_a_race_waits_for_work_that_repays_it() -> None:
+    model = ClosedForm(f, jac)
+    batchjac.jacobian(model, data(500))
+    bound = bound_of(model)
+    book = _tuning.ledger(bound)
+    book.compile_seconds = 0.5  # a compilation costs half a second
+    book.rows, book.seconds = 500, 0.001  # and a call of 500 rows a millisecond
+    assert not _tuning.worth(bound, 500, compilations=1)  # 0.5 * 2 ms < 0.75 s
+    batchjac.jacobian(model, data(500, 1))
+    assert bound.tuned == {}  # too small a job: no race
+    # the work seen grows (the ledger says 3 s of compute so far): the race now pays
+    book.seconds, book.rows = 3.0, 1_500_000
+    assert _tuning.worth(bound, 500, compilations=1)
+    batchjac.jacobian(model, data(500, 2))  # a repeated call (fast path): sees the race is due
+    assert bound.tuned == {}
+    got = batchjac.jacobian(model, data(500, 2))  # the next call takes the full path and races
+    assert (500, False) in bound.tuned  # raced, once, and kept
+    np.testing.assert_allclose(got, jac(data(500, 2)), rtol=1e-12)
+
+
+def test_a_large_first_job_is_still_not_raced_blind() -> None:
+    """Nothing measured yet: not even a big job races on its first call (its price is unknown);
+    the decision comes with the second call's measurement."""
+    model = ClosedForm(f, jac)
+    batchjac.jacobian(model, data(20_000))
+    assert bound_of(model).tuned == {}
+
+
+def test_the_fast_path_hands_a_due_race_to_the_full_path() -> None:
+    model = ClosedForm(f, jac)
+    z = data(300)
+    batchjac.jacobian(model, z)
+    batchjac.jacobian(model, z)  # a repeated call: the fast path
+    bound = bound_of(model)
+    book = _tuning.ledger(bound)
+    assert book.rows >= 300  # the fast path's calls are counted
+    book.compile_seconds = 0.01
+    book.seconds, book.rows = 1.0, 10**6
+    book.next_check = 0.0  # what a skipped race sets once it is due
+    batchjac.jacobian(model, z)  # counted; the entry is dropped
+    batchjac.jacobian(model, z)  # the full path: the race runs
+    assert (300, False) in bound.tuned
+
+
+def test_autotune_off_never_races(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ClosedForm(f, jac)
+    batchjac.jacobian(model, data(300))
+    bound = bound_of(model)
+    book = _tuning.ledger(bound)
+    book.compile_seconds, book.seconds, book.rows = 0.01, 100.0, 10**6
+    monkeypatch.setenv("BATCHJAC_AUTOTUNE", "off")
+    assert not _tuning.worth(bound, 300, compilations=1)
+    batchjac.jacobian(model, data(300, 1))
+    assert bound.tuned == {}
+
+
+# -- new batch sizes --------------------------------------------------------------------------------
+
+def test_new_batch_sizes_reuse_the_compiled_kernel() -> None:
+    model = ClosedForm(f, jac)
+    batchjac.jacobian(model, data(1000))
+    bound = bound_of(model)
+    kernels = dict(bound._kernels)
+    for n in (999, 37, 5000, 1000):
+        z = data(n, n)
+        np.testing.assert_allclose(batchjac.jacobian(model, z), jac(z), rtol=1e-12)
+    assert bound._kernels == kernels  # every N ran on the 1,000-row kernel
+    assert bound.trace_count == 1
+
+
+def test_padding_that_adds_up_to_a_compilation_gets_its_own_kernel() -> None:
+    model = ClosedForm(f, jac)
+    batchjac.jacobian(model, data(1000))
+    bound = bound_of(model)
+    book = _tuning.ledger(bound)
+    book.rows, book.seconds, book.compile_seconds = 10**6, 1.0, 0.003  # 1 us a row
+    sizes = []
+    for seed in range(5):  # 37 rows pad 963: ~1 ms of waste a call, a compilation is 3 ms
+        z = data(37, seed)
+        np.testing.assert_allclose(batchjac.jacobian(model, z), jac(z), rtol=1e-12)
+        batchjac._fastpath._entries.clear()  # each call through the full path
+        sizes.append(sorted(bound.kernel_sizes("forward", False) + bound.kernel_sizes("reverse", False)))
+    # three calls reuse the 1,000-row kernel (2.9 ms of padding); the fourth compiles 37 rows
+    assert [37 in s for s in sizes] == [False, False, False, True, True]
+
+
+# -- decisions on disk ----------------------------------------------------------------------------
+
+CHILD = textwrap.dedent('''
+    import json, sys
+    import numpy as np
+    import batchjac
+    from batchjac import ClosedForm, _backends, _tuning
+    A = np.array(json.loads(sys.argv[1]))
+    def f(z): return np.sin(z @ A.T)
+    def jac(z): return np.cos(z @ A.T)[:, :, None] * A[None]
+    model = ClosedForm(f, jac)
+    if sys.argv[2] == "race":
+        _tuning.worth = lambda *a, **k: True  # a job large enough to repay the race
+    z = np.random.default_rng(0).normal(size=(64, A.shape[1]))
+    batchjac.jacobian(model, z, explain=True)
+    bound = next(iter(_backends._bound[model].values()))
+    print(json.dumps({"tuned": {str(k): v for k, v in bound.tuned.items()}}))
+''')
+
+
+def _child(mode: str, cache: Path, **env: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(A.tolist()), mode],
+                         capture_output=True, text=True, check=True, timeout=120,
+                         env={**os.environ, "BATCHJAC_CACHE_DIR": str(cache), **env})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_decision_persists_across_processes(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    first = _child("race", cache)
+    assert first["tuned"]  # the first process raced and kept a mode
+    assert list(cache.rglob("*.json"))  # ... and wrote it
+    second = _child("plain", cache)  # a fresh process, no race allowed: it remembers
+    (decision,) = second["tuned"].values()
+    assert decision[0] == next(iter(first["tuned"].values()))[0]
+    assert decision[1].startswith("remembered")
+
+
+def test_cache_off_writes_nothing(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    assert _child("race", cache, BATCHJAC_CACHE="off")["tuned"]
+    assert not cache.exists()
+
+
+# -- new function objects ---------------------------------------------------------------------------
+
+def test_same_code_new_objects_skip_the_probes_and_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchjac import _bind
+
+    calls = []
+    original = _bind.run_probes
+    monkeypatch.setattr(_bind, "run_probes", lambda *a: calls.append(1) or original(*a))
+    base = ClosedForm(f, jac)
+    z = data(50)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            model = ClosedForm(lambda v: base.f(v), lambda v: base.jac(v))
+            np.testing.assert_allclose(batchjac.jacobian(model, z), jac(z), rtol=1e-12)
+    assert len(calls) == 1  # the first object was probed; the others share its verdict
+    rebinds = [w for w in caught if issubclass(w.category, batchjac.RebindWarning)]
+    assert len(rebinds) == 1
+    assert "Define the function once" in str(rebinds[0].message)
+
+
+@pytest.mark.parametrize("framework", ["tensorflow", "torch", "jax"])
+def test_a_sequence_of_batch_sizes_compiles_once(framework: str) -> None:
+    """N = 1000, 999, 37, 5000, 1000 on one model: after the first call nothing traces,
+    compiles or races, and every result is the closed form's."""
+    pytest.importorskip(framework)
+    from batchjac.examples import mlp_jacobian, mlp_weights, seed_model, workload_inputs
+
+    model = seed_model(framework)
+    layers = mlp_weights((8, 64, 64, 4))
+    traces = None
+    for n in (1000, 999, 37, 5000, 1000):
+        unknown, known = workload_inputs("W1", n, seed=n)
+        got = batchjac.jacobian(model, unknown, known)
+        ref = mlp_jacobian(layers, np.concatenate([unknown, known], 1))[:, :, :5]
+        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-5)
+        (bound,) = [b for b in _backends._bound[model].values() if b.signature.dtype == np.float32]
+        if traces is None:
+            traces, kernels = bound.trace_count, set(bound._kernels)
+        assert bound.trace_count == traces, f"N={n} traced again"
+        assert set(bound._kernels) == kernels, f"N={n} built a kernel"
+        assert bound.tuned == {}, f"N={n} raced modes"
+        assert bound.tuned_rows == {}, f"N={n} raced chunk sizes"
