@@ -320,3 +320,51 @@ def test_solve_store_recomputes_tampered_block(solve_problem: tuple[Any, np.ndar
     for name in sorted(os.listdir(clean)):
         assert (out / name).read_bytes() == (clean / name).read_bytes(), name
     np.testing.assert_allclose(np.load(out / "x.npy"), x, atol=1e-8)
+
+
+# -- .npy outputs and the files beside them -------------------------------------------------
+
+def _run_npy(model: Any, u: np.ndarray, out: Path | Store, with_outputs: bool) -> Any:
+    return batchjac.jacobian(model, u, out=out, chunk_size=CS, mode="reverse",
+                             return_outputs=with_outputs)
+
+
+@pytest.mark.parametrize("with_outputs", [True, False])
+@pytest.mark.parametrize("sibling", ["jac.outputs.npy", "jac.manifest.json"])
+def test_npy_refuses_sibling_files_it_did_not_make(problem: tuple[Any, np.ndarray, np.ndarray],
+                                                   tmp_path: Path, sibling: str,
+                                                   with_outputs: bool) -> None:
+    model, w, u = problem
+    out = tmp_path / "jac.npy"
+    theirs = tmp_path / sibling
+    theirs.write_bytes(b"somebody's file\n")
+    with pytest.raises(StoreExistsError,
+                       match=rf"{re.escape(repr(os.fspath(theirs)))}.*overwrite=True \(--overwrite\)"):
+        _run_npy(model, u, out, with_outputs)
+    assert theirs.read_bytes() == b"somebody's file\n"
+    assert not os.path.lexists(out)
+
+    _run_npy(model, u, Store(out, overwrite=True), with_outputs)
+    np.testing.assert_array_equal(np.load(out), np.broadcast_to(w, (N, M, D)))
+    if sibling == "jac.outputs.npy" and not with_outputs:
+        # not written by this job, so not replaced, and never deleted
+        assert theirs.read_bytes() == b"somebody's file\n"
+        with pytest.raises(batchjac.InputError, match="has no array 'outputs'"):
+            _stores.open_store(out, "outputs")
+    else:  # replaced by the output's own file, as overwrite allows
+        assert theirs.read_bytes() != b"somebody's file\n"
+    assert _stores.read_manifest(out) is not None
+
+
+def test_npy_replaces_its_own_outputs_file(problem: tuple[Any, np.ndarray, np.ndarray],
+                                          tmp_path: Path) -> None:
+    """The outputs file of a finished output being overwritten is batchjac's: a new output
+    without outputs removes it (it would describe other Jacobians)."""
+    model, w, u = problem
+    out = tmp_path / "jac.npy"
+    _run_npy(model, u, out, True)
+    assert (tmp_path / "jac.outputs.npy").is_file()
+    _run_npy(model, u, Store(out, overwrite=True), False)
+    assert not os.path.lexists(tmp_path / "jac.outputs.npy")
+    assert _run_npy(model, u, out, False).computed_chunks == 0  # the same job: nothing to do
+    np.testing.assert_array_equal(np.load(out), np.broadcast_to(w, (N, M, D)))

@@ -49,7 +49,9 @@ storage chunk is shared by two computed chunks):
   chunks are staged as ``.npy`` files and the HDF5 file is assembled once all are done.
 - ``.npy`` (through ``np.lib.format.open_memmap``; the file is preallocated, so a full disk is
   reported at creation rather than by SIGBUS in the middle). Outputs go to
-  ``<stem>.outputs.npy`` and the manifest, with the column names, to ``<stem>.manifest.json``.
+  ``<stem>.outputs.npy`` and the manifest, with the column names, to ``<stem>.manifest.json``;
+  such files that are not part of a finished output are refused unless ``overwrite=True``, and
+  a file batchjac did not make is never deleted.
 """
 
 from __future__ import annotations
@@ -276,6 +278,11 @@ class Format:
         the digest of its result)."""
         raise NotImplementedError
 
+    def foreign_siblings(self, out: Path, work: _WorkDir) -> list[Path]:
+        """Files beside ``out`` where the output would go (other than ``out``) that exist
+        and are not part of this store (when ``out`` is not a finished output)."""
+        return []
+
     def commit(self, data: Path, out: Path, manifest: dict[str, Any], arrays: list[ArrayInfo],
                n_chunks: int) -> None:
         """Write the final manifest into the data and move it to ``out`` (idempotent: it may
@@ -314,20 +321,40 @@ class NpyFormat(Format):
     def writer(self, data: Path, arrays: list[ArrayInfo]) -> ChunkWriter:
         return _NpyWriter(data, arrays)
 
+    def _committing(self, out: Path, stored: dict[str, Any] | None) -> bool:
+        """Whether the sidecar manifest beside ``out`` is the one the commit of the store
+        ``stored`` (its work manifest) writes first: that commit was interrupted."""
+        sidecar = self.final_paths(out)[2]
+        side = _load_manifest(sidecar) if stored is not None and os.path.lexists(sidecar) else None
+        return side is not None and stored is not None and all(
+            side.get(k) == stored.get(k) for k in ("job", "plan", "arrays"))
+
     def reclaim(self, data: Path, out: Path, manifest: dict[str, Any]) -> None:
         # commit moves the outputs file out, then the Jacobians (the commit point); killed in
         # between, the outputs file is beside the output, under the sidecar manifest that
         # commit wrote first for this very store
-        _, outputs_path, sidecar = self.final_paths(out)
+        outputs_path = self.final_paths(out)[1]
         src = data / "outputs.npy"
         if "outputs" not in manifest.get("arrays", {}) or os.path.lexists(src) \
                 or not os.path.lexists(data / "jacobians.npy"):
             return
-        side = _load_manifest(sidecar, follow=False) if os.path.lexists(sidecar) else None
-        if side is not None and all(side.get(k) == manifest.get(k)
-                                    for k in ("job", "plan", "arrays")):
+        if self._committing(out, manifest):
             _check_regular(outputs_path)
             os.replace(outputs_path, src)
+
+    def foreign_siblings(self, out: Path, work: _WorkDir) -> list[Path]:
+        _, outputs_path, sidecar = self.final_paths(out)
+        stored = None
+        with contextlib.suppress(StoreError):  # a work dir with links is dealt with later
+            stored = work.manifest()
+        ours = self._committing(out, stored)
+        found = []
+        if os.path.lexists(sidecar) and not ours:
+            found.append(sidecar)
+        if os.path.lexists(outputs_path) and not (
+                ours and stored is not None and "outputs" in stored.get("arrays", {})):
+            found.append(outputs_path)
+        return found
 
     def read_chunk(self, data: Path, arrays: list[ArrayInfo], index: int, lo: int,
                    hi: int) -> list[np.ndarray]:
@@ -336,13 +363,16 @@ class NpyFormat(Format):
     def commit(self, data: Path, out: Path, manifest: dict[str, Any], arrays: list[ArrayInfo],
                n_chunks: int) -> None:
         jac_path, outputs_path, sidecar = self.final_paths(out)
-        write_json_atomic(sidecar, manifest)
         names = {a.name for a in arrays}
+        if "outputs" not in names and os.path.lexists(outputs_path):
+            # the outputs of the output being replaced (its manifest, still there, lists them)
+            # would describe other Jacobians; a file batchjac did not make is never deleted
+            old = _load_manifest(sidecar) if os.path.lexists(sidecar) else None
+            if old is not None and "outputs" in old.get("arrays", {}):
+                outputs_path.unlink()
+        write_json_atomic(sidecar, manifest)
         if "outputs" in names:
             _move(data / "outputs.npy", outputs_path)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                outputs_path.unlink()  # a stale one from an overwritten output
         _move(data / "jacobians.npy", jac_path)  # the commit point
         fsync_dir(out.parent)
 
@@ -363,9 +393,10 @@ class NpyFormat(Format):
         return manifest
 
     def open(self, out: Path, name: str) -> Any:
-        jac_path, outputs_path, _ = self.final_paths(out)
+        jac_path, outputs_path, sidecar = self.final_paths(out)
         path = {"jacobians": jac_path, "outputs": outputs_path}.get(name)
-        if path is None or not path.exists():
+        listed = (_load_manifest(sidecar) or {}).get("arrays", {})
+        if path is None or not path.exists() or name not in listed:  # not a file of another
             raise InputFileError(f"{os.fspath(out)!r} has no array {name!r}.")
         return np.load(path, mmap_mode="r")
 
@@ -1168,6 +1199,13 @@ def check_target(out: Path, fmt: Format, work: _WorkDir, overwrite: bool,
         raise StoreExistsError(
             f"{os.fspath(work.path)!r} exists but was not made by batchjac (batchjac keeps "
             f"unfinished outputs there). Move it away, or choose another output path.")
+    if existing is None and not overwrite:
+        for sibling in fmt.foreign_siblings(out, work):
+            raise StoreExistsError(
+                f"{os.fspath(sibling)!r} exists beside the output {os.fspath(out)!r}, where "
+                f"batchjac keeps the output's other files, and is not part of a finished {what}. "
+                f"Choose another output path, or pass overwrite=True (--overwrite) to write the "
+                f"output anyway (a file batchjac does not write is left as it is).")
     return existing
 
 
