@@ -57,3 +57,31 @@ def test_out_of_the_compute_dtype_is_filled(problem: tuple[np.ndarray, np.ndarra
     out64 = np.zeros((N, M, D), np.float64)
     batchjac.jacobian(linear(w, torch.float64), u, out=out64, chunk_size=7)
     np.testing.assert_array_equal(out64, np.broadcast_to(w, (N, M, D)))
+
+
+# -- chunk_size larger than N ----------------------------------------------------------------
+
+def test_chunk_size_beyond_the_rows_is_capped(problem: tuple[np.ndarray, np.ndarray],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    w, u = problem
+    model = linear(w, torch.float64)
+    ref = batchjac.jacobian(model, u)
+    got = batchjac.jacobian(model, u, chunk_size=10**12, explain=True)
+    assert "chunks of 20 rows (chunk_size was given" in capsys.readouterr().err
+    np.testing.assert_array_equal(got, np.broadcast_to(w, (N, M, D)))
+    np.testing.assert_array_equal(got, ref)
+    plan = batchjac._plan.make_plan(n=N, k=D, m=M, in_elems=D, dtype=np.dtype(np.float64),
+                                    mode="reverse", chunk_size=10**12, max_memory=10**9)
+    assert (plan.chunk_size, plan.n_chunks) == (20, 1)
+
+
+def test_chunk_size_over_the_memory_budget_is_reported() -> None:
+    from batchjac._plan import ChunkMemoryWarning, bytes_per_row, make_plan
+
+    per_row = bytes_per_row(D, M, D, 4)
+    with pytest.warns(ChunkMemoryWarning, match=r"chunk_size=1000 needs ~.* more than the "
+                                                r"memory budget \(max_memory\)"):
+        plan = make_plan(n=5000, k=D, m=M, in_elems=D, dtype=np.dtype(np.float32), mode="auto",
+                         chunk_size=1000, max_memory=100 * per_row)
+    assert plan.chunk_size == 1000  # the user's choice is kept
+    assert "more than the memory budget" in plan.reason
