@@ -7,6 +7,7 @@ The model is a PyTorch linear map x -> x @ W.T: its Jacobian is W for every row.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -85,3 +86,32 @@ def test_chunk_size_over_the_memory_budget_is_reported() -> None:
                          chunk_size=1000, max_memory=100 * per_row)
     assert plan.chunk_size == 1000  # the user's choice is kept
     assert "more than the memory budget" in plan.reason
+
+
+# -- max_memory that is not a size -----------------------------------------------------------
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), -1, -2.5, 0,
+                                   np.float64("nan"), "-5MB", "nanGB", "inf", "lots", "1.5XB",
+                                   "", [512], True])
+def test_bad_max_memory_is_refused_clearly(value: Any) -> None:
+    from batchjac._config import parse_bytes
+
+    shown = re.escape(repr(value))
+    with pytest.raises(batchjac.InputError, match=rf"`max_memory` must be .*'512MB'.*got {shown}"):
+        parse_bytes(value)
+
+
+def test_bad_max_memory_in_jacobian(problem: tuple[np.ndarray, np.ndarray]) -> None:
+    w, u = problem
+    with pytest.raises(batchjac.InputError,
+                       match=r"`max_memory` must be .*'512MB'.*got nan, which is not a finite"):
+        batchjac.jacobian(linear(w), u.astype(np.float32), max_memory=float("nan"))
+
+
+@pytest.mark.parametrize(("value", "nbytes"), [("512MB", 512 * 10**6), (2048, 2048),
+                                               (np.int64(4096), 4096), (1.5e9, 1_500_000_000),
+                                               (" 2 GiB ", 2 * 2**30)])
+def test_good_max_memory(value: Any, nbytes: int) -> None:
+    from batchjac._config import parse_bytes
+
+    assert parse_bytes(value) == nbytes
