@@ -74,6 +74,10 @@ def test_chunk_size_beyond_the_rows_is_capped(problem: tuple[np.ndarray, np.ndar
     plan = batchjac._plan.make_plan(n=N, k=D, m=M, in_elems=D, dtype=np.dtype(np.float64),
                                     mode="reverse", chunk_size=10**12, max_memory=10**9)
     assert (plan.chunk_size, plan.n_chunks) == (20, 1)
+    # a chunk a few times the rows is kept: one compiled shape serves calls with other N
+    kept = batchjac._plan.make_plan(n=5000, k=D, m=M, in_elems=D, dtype=np.dtype(np.float64),
+                                    mode="reverse", chunk_size=16384, max_memory=10**9)
+    assert (kept.chunk_size, kept.n_chunks) == (16384, 1)
 
 
 def test_chunk_size_over_the_memory_budget_is_reported() -> None:

@@ -19,6 +19,9 @@ ModeArg = Literal["auto", "forward", "reverse"]
 MAX_CHUNK = 131072
 #: below this ratio of max(k, m) / min(k, m), mode="auto" times both modes once
 UNSURE_RATIO = 4
+#: a chunk_size up to this many times the rows is kept (one compiled shape, reused by calls
+#: with other N, is worth that much padding); a larger one is capped at the rows
+MAX_PADDING_FACTOR = 4
 
 
 class ChunkMemoryWarning(UserWarning):
@@ -76,9 +79,10 @@ def make_plan(
     *, n: int, k: int, m: int, in_elems: int, dtype: np.dtype, mode: ModeArg,
     chunk_size: int | None, max_memory: int,
 ) -> Plan:
-    """The mode and chunk size for ``n`` rows. A ``chunk_size`` beyond the rows is capped at
-    them (rounded up as the planner rounds one chunk of all rows); one whose estimated memory
-    exceeds ``max_memory`` is kept, with a :class:`ChunkMemoryWarning`."""
+    """The mode and chunk size for ``n`` rows. A ``chunk_size`` more than MAX_PADDING_FACTOR
+    times the rows is capped at them (rounded up as the planner rounds one chunk of all rows);
+    one whose estimated memory exceeds ``max_memory`` is kept, with a
+    :class:`ChunkMemoryWarning`."""
     plan = _make_plan(n=n, k=k, m=m, in_elems=in_elems, dtype=dtype, mode=mode,
                       chunk_size=chunk_size, max_memory=max_memory)
     if plan.memory_note:  # outside the cache: every such call says so
@@ -98,11 +102,14 @@ def _make_plan(
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) \
                 or chunk_size < 1:
             raise InputError(f"`chunk_size` must be a positive integer; got {chunk_size!r}.")
-        # never more rows than there are: the padding would be computed for nothing
+        # padding rows are computed for nothing: a chunk far beyond the rows is the rows
         all_rows = max(1, _ceil_div(n, granule(n)) * granule(n))
-        size = min(int(chunk_size), all_rows)
-        source = "chunk_size was given" if size == chunk_size else \
-            f"chunk_size was given as {chunk_size}, capped at the {n} rows"
+        size = int(chunk_size)
+        source = "chunk_size was given"
+        if size > MAX_PADDING_FACTOR * all_rows:
+            size = all_rows
+            source = (f"chunk_size was given as {chunk_size}, more than {MAX_PADDING_FACTOR} "
+                      f"times the rows: capped at the {n} rows")
         if size * per_row > max_memory:
             note = (f"chunk_size={size} needs ~{size * per_row / 1e6:,.0f} MB by the "
                     f"planner's estimate (~{per_row} B per row), more than the memory budget "
