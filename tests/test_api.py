@@ -18,7 +18,8 @@ DOCUMENTED = ["jacobian", "check", "propagate", "solve", "sensitivity", "write_r
               "NotConnectedError", "RowInteractionError", "StoreError", "StoreExistsError",
               "StoreMismatchError", "StoreBusyError", "StoreWriteError", "BatchJacWarning",
               "CovarianceClippedWarning", "ForwardModeFallbackWarning", "TrainingModeWarning",
-              "XLAFallbackWarning", "RebindWarning", "TuneCacheWarning"]
+              "XLAFallbackWarning", "RebindWarning", "TuneCacheWarning", "StoreRecomputeWarning",
+              "ChunkMemoryWarning"]
 
 
 def test_documented_names_are_public() -> None:

@@ -205,3 +205,36 @@ def test_memmap_and_h5_inputs_stream(tmp_path: Path, data: np.ndarray) -> None:
             assert spec.finite_check == (True,)
             u, _ = spec.chunk(10, 20)
             np.testing.assert_array_equal(u, data[10:20, :2])
+
+
+@pytest.mark.parametrize("delimiter", [",", "\t"])
+def test_text_without_header_keeps_its_first_row(tmp_path: Path, delimiter: str) -> None:
+    """A first row of numbers is data, not column names: none of the 200 rows is lost."""
+    x = np.random.default_rng(19).normal(size=(200, 4))
+    x[0, 2] = 1.5  # a first row with repeated-looking values too
+    path = tmp_path / ("x.csv" if delimiter == "," else "x.tsv")
+    np.savetxt(path, x, delimiter=delimiter, fmt="%.17g")
+    with open_input(str(path)) as r:
+        assert r.shape == (200, 4)
+        assert r.columns is None
+        np.testing.assert_array_equal(r.read(0, 200), x)
+    with pytest.raises(batchjac.InputError, match="has no column names; give column indices"):
+        normalize((str(path),), wrt=["a"], dtype=None, nan_policy="raise")
+
+    np.savetxt(path, x, delimiter=delimiter, fmt="%.17g", header=delimiter.join("abcd"),
+               comments="")
+    with open_input(str(path)) as r:
+        assert r.shape == (200, 4)
+        assert r.columns == ("a", "b", "c", "d")
+        np.testing.assert_array_equal(r.read(0, 200), x)
+
+
+def test_text_with_numbered_header_reads_it_as_names(tmp_path: Path) -> None:
+    """pandas writes a frame made from an array with the header 0,1,2,...: those are names."""
+    x = np.random.default_rng(20).normal(size=(30, 3))
+    path = tmp_path / "x.csv"
+    np.savetxt(path, x, delimiter=",", fmt="%.17g", header="0,1,2", comments="")
+    with open_input(str(path)) as r:
+        assert r.shape == (30, 3)
+        assert r.columns == ("0", "1", "2")
+        np.testing.assert_array_equal(r.read(0, 30), x)

@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 import re
 from pathlib import Path
@@ -27,31 +29,44 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_bytes(value: int | float | str, *, name: str = "max_memory") -> int:
-    """Turn ``"1.5GB"``, ``"512MiB"`` or a number of bytes into an int.
+    """Turn ``"1.5GB"``, ``"512MiB"`` or a number of bytes into an int; anything else (NaN,
+    infinity, zero or negative sizes, other strings and types) is an InputError naming
+    ``name``, what was received and an example.
 
     >>> parse_bytes("1.5GB")
     1500000000
     >>> parse_bytes(2048)
     2048
     """
+
+    def bad(why: str = "") -> InputError:
+        units = ", ".join(u for u in _UNITS if u)
+        return InputError(f"`{name}` must be a number of bytes or a string such as "
+                          f"'512MB' or '2GiB' (a positive size; units {units}); got "
+                          f"{value!r}{why}.")
+
     if isinstance(value, bool):
-        raise InputError(f"`{name}` must be a number of bytes or a string like '1GB'; got {value!r}.")
-    if isinstance(value, (int, float)):
+        raise bad()
+    if isinstance(value, numbers.Integral):
+        nbytes = int(value)
+    elif isinstance(value, numbers.Real):
+        if not math.isfinite(float(value)):
+            raise bad(", which is not a finite number")
         nbytes = int(value)
     elif isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _UNITS:
-            raise InputError(
-                f"`{name}` must be a number of bytes or a string like '512MB' or '2GiB'; "
-                f"got {value!r}. Valid units: {', '.join(u for u in _UNITS if u)}."
-            )
-        nbytes = int(float(match.group(1)) * _UNITS[unit])
+            raise bad()
+        size = float(match.group(1)) * _UNITS[unit]
+        if not math.isfinite(size):
+            raise bad(", which is not a finite number")
+        nbytes = int(size)
     else:
-        raise InputError(f"`{name}` must be a number of bytes or a string like '1GB'; "
-                         f"got {type(value).__name__} {value!r}.")
+        raise bad(f" (a {type(value).__name__})")
     if nbytes <= 0:
-        raise InputError(f"`{name}` must be positive; got {value!r}.")
+        raise bad(", which is not positive" if nbytes < 0 or value == 0 else
+                  ", less than one byte")
     return nbytes
 
 

@@ -209,7 +209,7 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
     u, ctx = spec.chunk(0, hi - lo)
     kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant)  # type: ignore[arg-type]
     out_ = call(kernel, *pad_args(u, ctx, chunk_size), Chunk(index, lo, hi), rows=hi - lo)
-    values = {a.name: np.ascontiguousarray(out_[a.name]) for a in arrays}
+    values = {a.name: np.ascontiguousarray(out_[a.name], dtype=a.dtype) for a in arrays}  # as stored
     writer = _FORMATS[fmt_name].writer(_WorkDir(Path(out)).data, arrays)
     try:
         return save_chunk(writer, _WorkDir(Path(out)), index, lo, hi, values, hash_arrays([u, *ctx]))

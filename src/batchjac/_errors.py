@@ -97,6 +97,15 @@ class RebindWarning(BatchJacWarning):
     again. Define the function once and pass what changes as arguments."""
 
 
+class StoreRecomputeWarning(BatchJacWarning):
+    """A chunk recorded as done no longer matched the digest recorded when it was written
+    (its stored bytes changed since); it is computed again."""
+
+
+class ChunkMemoryWarning(BatchJacWarning):
+    """The chunk size asked for needs more memory than the budget (``max_memory``)."""
+
+
 class XLAFallbackWarning(BatchJacWarning):
     """XLA could not compile the model; batchjac runs it as a plain TensorFlow graph."""
 

@@ -15,7 +15,9 @@ streamed chunk by chunk and memory does not grow with the number of rows:
   numeric data, never memory.
 
 Column names (CSV/TSV header, Parquet schema, a ``columns`` attribute of an HDF5 dataset or a
-Zarr array) are kept in :attr:`Reader.columns`, so ``wrt`` can name unknown columns.
+Zarr array) are kept in :attr:`Reader.columns`, so ``wrt`` can name unknown columns. A CSV/TSV
+file whose first row is all numbers has no header: that row is data, and the columns have no
+names.
 
 Only numpy is imported here; h5py, zarr and pyarrow are imported when a file of that kind is
 opened (they come with ``pip install batchjac[io]``).
@@ -372,10 +374,17 @@ def _open_text(source: str, path: str, delimiter: str) -> Reader:
     """Parse CSV/TSV in a streaming pass into a float64 temporary file (see module docstring)."""
     pa = _pyarrow("csv")
     csv = pa.csv
-    reader = csv.open_csv(path, parse_options=csv.ParseOptions(delimiter=delimiter),
+    parse = csv.ParseOptions(delimiter=delimiter)
+    reader = csv.open_csv(path, parse_options=parse,
                           read_options=csv.ReadOptions(block_size=1 << 22))
-    names = tuple(reader.schema.names)
-    for i, name in enumerate(names):
+    names: tuple[str, ...] | None = tuple(reader.schema.names)
+    assert names is not None
+    if _is_data_row(names):  # no header: the first row is data, read it as such
+        reader.close()
+        reader = csv.open_csv(path, parse_options=parse, read_options=csv.ReadOptions(
+            block_size=1 << 22, autogenerate_column_names=True))
+        names = None
+    for i, name in enumerate(reader.schema.names):
         _numeric_dtype(reader.schema.field(i).type, name, source)
     tmp = _temporary_file(".raw")
     rows = 0
@@ -389,9 +398,23 @@ def _open_text(source: str, path: str, delimiter: str) -> Reader:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    result = RawReader(source, tmp, 0, (rows, len(names)), np.dtype(np.float64), names, temporary=True)
+    result = RawReader(source, tmp, 0, (rows, len(reader.schema.names)), np.dtype(np.float64),
+                       names, temporary=True)
     result.carries_dtype = False
     return result
+
+
+def _is_data_row(fields: Sequence[str]) -> bool:
+    """Whether the first row of a text file, read as its header, is a row of numbers (a file
+    without a header). One exception: the header ``0,1,...,k-1`` that pandas writes for a frame
+    made from an array is read as column names."""
+    try:
+        [float(f) for f in fields]
+    except ValueError:
+        return False
+    if any("_" in f for f in fields):  # Python's float() reads "1_000"; a CSV parser does not
+        return False
+    return [f.strip() for f in fields] != [str(i) for i in range(len(fields))]
 
 
 def _open_h5(source: str, path: str, key: str | None) -> Reader:

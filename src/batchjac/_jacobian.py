@@ -214,7 +214,7 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
     y_shape = (spec.n, *bound.output_shape)
     j_shape = (*y_shape, *spec.unknown_shape)
     if out is not None:
-        _check_out(out, j_shape)
+        _check_out(out, j_shape, spec.dtype)
     if spec.n == 0:
         jac = out if out is not None else np.empty(j_shape, spec.dtype)
         return (np.empty(y_shape, spec.dtype), jac) if return_outputs else jac
@@ -297,16 +297,30 @@ def _wrt_key(wrt: Any) -> Any:
     return wrt
 
 
-def _check_out(out: Any, shape: tuple[int, ...]) -> None:
+def _check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
     got = getattr(out, "shape", None)
     if got is None or not hasattr(out, "__setitem__"):
         raise InputError(
             f"`out` must be a writable array of shape {shape} (e.g. np.empty or np.memmap); "
             f"got {type(out).__name__}."
         )
+    want = np.dtype(dtype)
     if tuple(got) != shape:
         raise InputError(f"`out` has shape {tuple(got)} but the Jacobians have shape {shape}; "
-                         f"allocate it as np.empty({shape}, dtype=np.float32) or a memmap of "
-                         f"that shape.")
+                         f"allocate it as np.empty({shape}, dtype=np.{want.name}) or a memmap "
+                         f"of that shape.")
+    # slice assignment casts silently: int32 truncates, bool is all True, float16 rounds
+    out_dtype = getattr(out, "dtype", None)
+    try:
+        same = out_dtype is not None and np.dtype(out_dtype) == want
+    except TypeError:  # not a numpy dtype (a framework's tensor)
+        same = False
+    if not same:
+        shown = np.dtype(out_dtype).name if isinstance(out_dtype, np.dtype) else out_dtype
+        raise InputError(
+            f"`out` has dtype {shown}, but the Jacobians are computed in {want.name}; they would "
+            f"be cast into it silently (losing values or precision). Allocate `out` with "
+            f"dtype=np.{want.name} (np.empty({shape}, dtype=np.{want.name}) or a memmap of that "
+            f"dtype), or pass dtype= to compute in another floating dtype.")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise InputError("`out` is read-only; open the memmap with mode='r+' or 'w+'.")

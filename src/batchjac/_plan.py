@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
-from ._errors import InputError
+from ._errors import ChunkMemoryWarning as ChunkMemoryWarning, InputError
 
 ModeArg = Literal["auto", "forward", "reverse"]
 
@@ -18,6 +19,9 @@ ModeArg = Literal["auto", "forward", "reverse"]
 MAX_CHUNK = 131072
 #: below this ratio of max(k, m) / min(k, m), mode="auto" times both modes once
 UNSURE_RATIO = 4
+#: a chunk_size up to this many times the rows is kept (one compiled shape, reused by calls
+#: with other N, is worth that much padding); a larger one is capped at the rows
+MAX_PADDING_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class Plan:
     uncertain: bool = False
     #: the most rows a chunk may have within the memory budget (None: a chunk_size was given)
     budget_rows: int | None = None
+    #: why the chunk size the caller asked for needs more memory than the budget ("" if not)
+    memory_note: str = ""
 
 
 def choose_mode(mode: ModeArg, k: int, m: int) -> tuple[Literal["forward", "reverse"], str]:
@@ -66,21 +72,50 @@ def granule(n: int) -> int:
     return 1 << max(0, int(math.log2(max(n, 1))) - 10)
 
 
-@functools.lru_cache(maxsize=256)  # called on every jacobian(); the inputs are small and hashable
 def make_plan(
+    *, n: int, k: int, m: int, in_elems: int, dtype: np.dtype, mode: ModeArg,
+    chunk_size: int | None, max_memory: int,
+) -> Plan:
+    """The mode and chunk size for ``n`` rows. A ``chunk_size`` more than MAX_PADDING_FACTOR
+    times the rows is capped at them (rounded up as the planner rounds one chunk of all rows);
+    one whose estimated memory exceeds ``max_memory`` is kept, with a
+    :class:`ChunkMemoryWarning`."""
+    plan = _make_plan(n=n, k=k, m=m, in_elems=in_elems, dtype=dtype, mode=mode,
+                      chunk_size=chunk_size, max_memory=max_memory)
+    if plan.memory_note:  # outside the cache: every such call says so
+        warnings.warn(f"batchjac: {plan.memory_note}.", ChunkMemoryWarning, stacklevel=2)
+    return plan
+
+
+@functools.lru_cache(maxsize=256)  # called on every jacobian(); the inputs are small and hashable
+def _make_plan(
     *, n: int, k: int, m: int, in_elems: int, dtype: np.dtype, mode: ModeArg,
     chunk_size: int | None, max_memory: int,
 ) -> Plan:
     chosen, why = choose_mode(mode, k, m)
     budget_rows: int | None = None
+    per_row = bytes_per_row(k, m, in_elems, dtype.itemsize)
+    note = ""
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) \
                 or chunk_size < 1:
             raise InputError(f"`chunk_size` must be a positive integer; got {chunk_size!r}.")
+        # padding rows are computed for nothing: a chunk far beyond the rows is the rows
+        all_rows = max(1, _ceil_div(n, granule(n)) * granule(n))
         size = int(chunk_size)
         source = "chunk_size was given"
+        if size > MAX_PADDING_FACTOR * all_rows:
+            size = all_rows
+            source = (f"chunk_size was given as {chunk_size}, more than {MAX_PADDING_FACTOR} "
+                      f"times the rows: capped at the {n} rows")
+        if size * per_row > max_memory:
+            note = (f"chunk_size={size} needs ~{size * per_row / 1e6:,.0f} MB by the "
+                    f"planner's estimate (~{per_row} B per row), more than the memory budget "
+                    f"(max_memory) of {max_memory / 1e6:,.0f} MB: pass a smaller chunk_size "
+                    f"(at most {max(1, max_memory // per_row)} rows), a larger max_memory, or "
+                    f"no chunk_size to let batchjac choose")
+            source += f"; {note}"
     else:
-        per_row = bytes_per_row(k, m, in_elems, dtype.itemsize)
         budget_rows = int(max(1, min(MAX_CHUNK, max_memory // per_row)))
         if n <= budget_rows:
             size = max(1, _ceil_div(n, granule(n)) * granule(n))
@@ -93,4 +128,5 @@ def make_plan(
     n_chunks = -(-n // size) if n else 0
     uncertain = mode == "auto" and max(k, m) <= UNSURE_RATIO * min(k, m)
     return Plan(mode=chosen, chunk_size=size, n_chunks=n_chunks, uncertain=uncertain,
-                budget_rows=budget_rows, reason=f"{chosen} mode ({why}); chunks of {size} rows ({source})")
+                budget_rows=budget_rows, reason=f"{chosen} mode ({why}); chunks of {size} rows ({source})",
+                memory_note=note)

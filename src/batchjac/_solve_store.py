@@ -48,7 +48,6 @@ from ._stores import (
     ArrayInfo,
     ChunkWriter,
     Format,
-    NpyFormat,
     StoreMismatchError,
     _digest,
     _dims,
@@ -63,10 +62,13 @@ from ._stores import (
     _WorkDir,
     _write_error,
     check_target,
+    create_npy,
     fsync_dir,
     hash_arrays,
     progress_bar,
+    read_npy_rows,
     storage_rows,
+    verify_kept,
     write_json_atomic,
 )
 from ._version import __version__
@@ -282,6 +284,7 @@ def solve_to_store(
     except OSError as e:
         raise _write_error(e, out_path, "the work directory") from e
     try:
+        work.vet(overwrite)
         stored = work.manifest()
         if stored is not None:
             problem = _job_problem(stored, job, probe)
@@ -345,6 +348,7 @@ def solve_to_store(
                     return_jacobian=return_jacobian, max_memory=max_memory,
                     block_size=block_size, progress=progress, explain=explain)
 
+        verify_kept(fmt, work, arrays, done, block_size, n, unit="block", stacklevel=3)
         todo = [i for i in range(n_blocks) if i not in done]
         bar = progress_bar(progress, n, sum(r["hi"] - r["lo"] for r in done.values()))
         try:
@@ -371,11 +375,10 @@ def solve_to_store(
                         from ._errors import add_context
 
                         raise add_context(e, f"block {index}, instances {lo}:{hi}") from e
-                    values = {f: np.ascontiguousarray(getattr(res, f)) for f in RESULT_FIELDS}
-                    if return_covariance:
-                        values["covariance"] = np.ascontiguousarray(res.covariance)
-                    if return_jacobian:
-                        values["jacobian"] = np.ascontiguousarray(res.jacobian)
+                    # as stored (each array's dtype): the digest is checked against the stored
+                    # bytes when the output is resumed
+                    values = {a.name: np.ascontiguousarray(getattr(res, a.name), dtype=a.dtype)
+                              for a in arrays}
                     result_hash = hash_arrays(list(values.values()))
                     try:
                         assert writer is not None
@@ -505,10 +508,15 @@ class NpyDirFormat(Format):
     name = "npy-dir"
 
     def create(self, data: Path, arrays: list[ArrayInfo]) -> None:
-        NpyFormat().create(data, arrays)  # preallocated memmaps, space reserved
+        for a in arrays:  # preallocated, space reserved, never through a link
+            create_npy(data / f"{a.name}.npy", a)
 
     def writer(self, data: Path, arrays: list[ArrayInfo]) -> ChunkWriter:
         return _NpyWriter(data, arrays)  # the same .npy files as a Jacobian store's
+
+    def read_chunk(self, data: Path, arrays: list[ArrayInfo], index: int, lo: int,
+                   hi: int) -> list[np.ndarray]:
+        return [read_npy_rows(data / f"{a.name}.npy", a, lo, hi) for a in arrays]
 
     def commit(self, data: Path, out: Path, manifest: dict[str, Any], arrays: list[ArrayInfo],
                n_chunks: int) -> None:

@@ -28,6 +28,15 @@ crash-safe and resumable.
   outputs on fixed probe inputs are recorded too and compared with a tolerance, which catches
   a changed model even where the fingerprint cannot see inside it. A different job is refused
   unless ``overwrite=True``.
+- **Kept chunks are checked, and links are never followed.** Each done record also holds the
+  sha256 of the chunk's result as written; a resumed run reads every kept chunk back and
+  compares before trusting it (a chunk changed on disk since is computed again, with a
+  warning, so the finished output is still the one an uninterrupted run writes). Work files
+  are opened without following symbolic links (``O_NOFOLLOW``, new files with ``O_EXCL``) and
+  a resumed work directory must hold only regular files and directories: a link planted there
+  would make the remaining chunks go into the file it points to, the kept chunks be read from
+  it and the finished output be that link. Such a store is refused (``overwrite=True``
+  discards it: the links are removed, never what they point to).
 
 Formats (all chunked by rows, chunk boundaries aligned with the computation's chunks, so no
 storage chunk is shared by two computed chunks):
@@ -40,7 +49,9 @@ storage chunk is shared by two computed chunks):
   chunks are staged as ``.npy`` files and the HDF5 file is assembled once all are done.
 - ``.npy`` (through ``np.lib.format.open_memmap``; the file is preallocated, so a full disk is
   reported at creation rather than by SIGBUS in the middle). Outputs go to
-  ``<stem>.outputs.npy`` and the manifest, with the column names, to ``<stem>.manifest.json``.
+  ``<stem>.outputs.npy`` and the manifest, with the column names, to ``<stem>.manifest.json``;
+  such files that are not part of a finished output are refused unless ``overwrite=True``, and
+  a file batchjac did not make is never deleted.
 """
 
 from __future__ import annotations
@@ -54,8 +65,10 @@ import math
 import os
 import re
 import shutil
+import stat
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +82,7 @@ from ._errors import (
     StoreError as StoreError,
     StoreExistsError as StoreExistsError,
     StoreMismatchError as StoreMismatchError,
+    StoreRecomputeWarning as StoreRecomputeWarning,
     StoreWriteError as StoreWriteError,
 )
 from ._io import InputFileError
@@ -232,6 +246,21 @@ class Format:
     def clean(self, data: Path) -> None:
         """Remove temporaries a kill may have left in the data (before resuming)."""
 
+    def reclaim(self, data: Path, out: Path, manifest: dict[str, Any]) -> None:
+        """Before resuming: undo the first steps of a commit a kill interrupted before its
+        commit point (data already moved out of the work directory is moved back)."""
+
+    def read_chunk(self, data: Path, arrays: list[ArrayInfo], index: int, lo: int,
+                   hi: int) -> list[np.ndarray]:
+        """Rows ``lo:hi`` of every array as stored in the data (to check a done chunk against
+        the digest of its result)."""
+        raise NotImplementedError
+
+    def foreign_siblings(self, out: Path, work: _WorkDir) -> list[Path]:
+        """Files beside ``out`` where the output would go (other than ``out``) that exist
+        and are not part of this store (when ``out`` is not a finished output)."""
+        return []
+
     def commit(self, data: Path, out: Path, manifest: dict[str, Any], arrays: list[ArrayInfo],
                n_chunks: int) -> None:
         """Write the final manifest into the data and move it to ``out`` (idempotent: it may
@@ -265,31 +294,63 @@ class NpyFormat(Format):
 
     def create(self, data: Path, arrays: list[ArrayInfo]) -> None:
         for a in arrays:
-            path = data / f"{a.name}.npy"
-            mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.dtype(a.dtype), shape=a.shape)
-            del mm
-            # reserve the blocks now: a full disk fails here, not with SIGBUS in a memmap write
-            fd = os.open(path, os.O_RDWR)
-            try:
-                if hasattr(os, "posix_fallocate") and os.path.getsize(path):
-                    os.posix_fallocate(fd, 0, os.path.getsize(path))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            create_npy(data / f"{a.name}.npy", a)
 
     def writer(self, data: Path, arrays: list[ArrayInfo]) -> ChunkWriter:
         return _NpyWriter(data, arrays)
 
+    def _committing(self, out: Path, stored: dict[str, Any] | None) -> bool:
+        """Whether the sidecar manifest beside ``out`` is the one the commit of the store
+        ``stored`` (its work manifest) writes first: that commit was interrupted."""
+        sidecar = self.final_paths(out)[2]
+        side = _load_manifest(sidecar) if stored is not None and os.path.lexists(sidecar) else None
+        return side is not None and stored is not None and all(
+            side.get(k) == stored.get(k) for k in ("job", "plan", "arrays"))
+
+    def reclaim(self, data: Path, out: Path, manifest: dict[str, Any]) -> None:
+        # commit moves the outputs file out, then the Jacobians (the commit point); killed in
+        # between, the outputs file is beside the output, under the sidecar manifest that
+        # commit wrote first for this very store
+        outputs_path = self.final_paths(out)[1]
+        src = data / "outputs.npy"
+        if "outputs" not in manifest.get("arrays", {}) or os.path.lexists(src) \
+                or not os.path.lexists(data / "jacobians.npy"):
+            return
+        if self._committing(out, manifest):
+            _check_regular(outputs_path)
+            os.replace(outputs_path, src)
+
+    def foreign_siblings(self, out: Path, work: _WorkDir) -> list[Path]:
+        _, outputs_path, sidecar = self.final_paths(out)
+        stored = None
+        with contextlib.suppress(StoreError):  # a work dir with links is dealt with later
+            stored = work.manifest()
+        ours = self._committing(out, stored)
+        found = []
+        if os.path.lexists(sidecar) and not ours:
+            found.append(sidecar)
+        if os.path.lexists(outputs_path) and not (
+                ours and stored is not None and "outputs" in stored.get("arrays", {})):
+            found.append(outputs_path)
+        return found
+
+    def read_chunk(self, data: Path, arrays: list[ArrayInfo], index: int, lo: int,
+                   hi: int) -> list[np.ndarray]:
+        return [read_npy_rows(data / f"{a.name}.npy", a, lo, hi) for a in arrays]
+
     def commit(self, data: Path, out: Path, manifest: dict[str, Any], arrays: list[ArrayInfo],
                n_chunks: int) -> None:
         jac_path, outputs_path, sidecar = self.final_paths(out)
-        write_json_atomic(sidecar, manifest)
         names = {a.name for a in arrays}
+        if "outputs" not in names and os.path.lexists(outputs_path):
+            # the outputs of the output being replaced (its manifest, still there, lists them)
+            # would describe other Jacobians; a file batchjac did not make is never deleted
+            old = _load_manifest(sidecar) if os.path.lexists(sidecar) else None
+            if old is not None and "outputs" in old.get("arrays", {}):
+                outputs_path.unlink()
+        write_json_atomic(sidecar, manifest)
         if "outputs" in names:
             _move(data / "outputs.npy", outputs_path)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                outputs_path.unlink()  # a stale one from an overwritten output
         _move(data / "jacobians.npy", jac_path)  # the commit point
         fsync_dir(out.parent)
 
@@ -310,17 +371,17 @@ class NpyFormat(Format):
         return manifest
 
     def open(self, out: Path, name: str) -> Any:
-        jac_path, outputs_path, _ = self.final_paths(out)
+        jac_path, outputs_path, sidecar = self.final_paths(out)
         path = {"jacobians": jac_path, "outputs": outputs_path}.get(name)
-        if path is None or not path.exists():
+        listed = (_load_manifest(sidecar) or {}).get("arrays", {})
+        if path is None or not path.exists() or name not in listed:  # not a file of another
             raise InputFileError(f"{os.fspath(out)!r} has no array {name!r}.")
         return np.load(path, mmap_mode="r")
 
 
 class _NpyWriter(ChunkWriter):
     def __init__(self, data: Path, arrays: list[ArrayInfo]) -> None:
-        self.maps = {a.name: np.lib.format.open_memmap(data / f"{a.name}.npy", mode="r+")
-                     for a in arrays}
+        self.maps = {a.name: map_npy(data / f"{a.name}.npy", a) for a in arrays}
         self.sink = ArraySink(self.maps)
 
     def write(self, index: int, lo: int, hi: int, arrays: dict[str, np.ndarray]) -> None:
@@ -370,6 +431,11 @@ class ZarrFormat(Format):
                 if name.endswith(".partial"):
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(root, name))
+
+    def read_chunk(self, data: Path, arrays: list[ArrayInfo], index: int, lo: int,
+                   hi: int) -> list[np.ndarray]:
+        group = self._zarr().open_group(str(data / "store.zarr"), mode="r")
+        return [np.asarray(group[a.name][lo:hi]) for a in arrays]
 
     def commit(self, data: Path, out: Path, manifest: dict[str, Any], arrays: list[ArrayInfo],
                n_chunks: int) -> None:
@@ -447,14 +513,20 @@ class HDF5Format(Format):
         with contextlib.suppress(OSError):
             (data / "out.h5.tmp").unlink()
 
+    def read_chunk(self, data: Path, arrays: list[ArrayInfo], index: int, lo: int,
+                   hi: int) -> list[np.ndarray]:
+        return [load_npy(data / "chunks" / f"{index:08d}.{a.name}.npy") for a in arrays]
+
     def commit(self, data: Path, out: Path, manifest: dict[str, Any], arrays: list[ArrayInfo],
                n_chunks: int) -> None:
         h5py = self._h5py()
         tmp = data / "out.h5.tmp"
         staged = data / "chunks"
-        if not (data / "out.h5").exists():
+        if not os.path.lexists(data / "out.h5"):
             plan = manifest["plan"]
-            with h5py.File(tmp, "w") as f:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # a stale one (or a link planted there: removed, not followed)
+            with h5py.File(tmp, "x") as f:  # created exclusively (O_EXCL): no link is followed
                 dsets = {}
                 for a in arrays:
                     dsets[a.name] = f.create_dataset(
@@ -470,10 +542,11 @@ class HDF5Format(Format):
                 for index in range(n_chunks):
                     lo, hi = index * cs, min(n, (index + 1) * cs)
                     for a in arrays:
-                        dsets[a.name][lo:hi] = np.load(staged / f"{index:08d}.{a.name}.npy")
+                        dsets[a.name][lo:hi] = load_npy(staged / f"{index:08d}.{a.name}.npy")
                 f.attrs["batchjac"] = json.dumps(manifest, sort_keys=True)
             fsync_file(tmp)
             os.replace(tmp, data / "out.h5")
+        _check_regular(data / "out.h5")
         os.replace(data / "out.h5", out)  # the commit point (replaces an overwritten output)
         fsync_dir(out.parent)
 
@@ -506,11 +579,13 @@ class _StagedWriter(ChunkWriter):
         self.staged = staged
 
     def write(self, index: int, lo: int, hi: int, arrays: dict[str, np.ndarray]) -> None:
+        with contextlib.suppress(FileNotFoundError):  # assembled before: not from this chunk
+            os.unlink(self.staged.parent / "out.h5")
         for name, values in arrays.items():
             final = self.staged / f"{index:08d}.{name}.npy"
             tmp = final.with_name(final.name + ".tmp")
             try:
-                with open(tmp, "wb") as f:
+                with os.fdopen(create_new(tmp), "wb") as f:
                     np.save(f, values)
                     f.flush()
                     os.fsync(f.fileno())
@@ -555,7 +630,7 @@ def fsync_tree(path: Path) -> None:
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "w") as f:
+        with os.fdopen(create_new(tmp), "w") as f:
             json.dump(data, f, sort_keys=True, indent=1)
             f.flush()
             os.fsync(f.fileno())
@@ -568,20 +643,137 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def _move(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst``; already done (after a kill in the middle) is fine."""
-    if src.exists():
+    """Rename ``src`` (a regular file of the work directory) to ``dst``; already done (after a
+    kill in the middle) is fine."""
+    if os.path.lexists(src):
+        _check_regular(src)
         os.replace(src, dst)
     elif not dst.exists():
         raise StoreWriteError(f"The finished data {os.fspath(src)!r} is missing.")
 
 
-def _load_manifest(path: Path) -> dict[str, Any] | None:
+def _load_manifest(path: Path, follow: bool = True) -> dict[str, Any] | None:
+    """The manifest in ``path``, or None; ``follow=False`` for work files: a link there is
+    refused (StoreError), not read."""
     try:
-        with open(path) as f:
+        with (open(path) if follow else os.fdopen(open_regular(path), "r")) as f:
             manifest = json.load(f)
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) and "job" in manifest else None
+
+
+# -- work files: never through a link ---------------------------------------------------------
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class _NotRegularFileError(StoreError):
+    def __init__(self, path: Path | str) -> None:
+        self.path = os.fspath(path)
+        super().__init__(
+            f"{self.path!r} is a symbolic link or not a regular file. batchjac does not follow "
+            f"links in its work files: it would write the remaining chunks into, read kept chunks "
+            f"from, or commit as the output, whatever the link points to.")
+
+
+def _check_regular(path: Path | str) -> None:
+    """Refuse ``path`` unless it is a regular file (a link is not followed)."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise _NotRegularFileError(path)
+
+
+def open_regular(path: Path | str, flags: int = os.O_RDONLY) -> int:
+    """A descriptor of the regular file ``path``, opened without following a link at its
+    last component (``O_NOFOLLOW``) and checked (``fstat``) to be a regular file; a link, a
+    FIFO or a device is refused with a StoreError naming it."""
+    try:
+        fd = os.open(path, flags | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        if os.path.islink(path):
+            raise _NotRegularFileError(path) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _NotRegularFileError(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_new(path: Path | str, mode: int = 0o666) -> int:
+    """A descriptor of a new regular file ``path`` opened for writing. A stale file under that
+    name (a temporary left by a kill) is removed first; a link there is removed itself, never
+    followed, and the file is created exclusively (``O_EXCL``), so no link is written through."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+
+
+def _npy_header(f: Any, path: Path | str, info: ArrayInfo | None) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, data offset) of the open .npy ``f``; checked against ``info``."""
+    version = np.lib.format.read_magic(f)
+    read = {(1, 0): np.lib.format.read_array_header_1_0,
+            (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+    if read is None:
+        raise StoreError(f"{os.fspath(path)!r} is not a .npy file batchjac wrote "
+                         f"(format version {version}).")
+    shape, fortran, dtype = read(f)
+    if info is not None and (fortran or tuple(shape) != tuple(info.shape)
+                             or dtype != np.dtype(info.dtype)):
+        raise StoreError(
+            f"{os.fspath(path)!r} holds a {'Fortran-ordered ' if fortran else ''}{dtype} array "
+            f"of shape {tuple(shape)}, not the store's {info.dtype} array of shape {info.shape}: "
+            f"it is not the file batchjac made. Pass overwrite=True (--overwrite) to start again.")
+    return tuple(shape), dtype, f.tell()
+
+
+def create_npy(path: Path, info: ArrayInfo) -> None:
+    """A new .npy file for ``info``, created exclusively (never through a link), with its
+    blocks reserved now: a full disk fails here, not with SIGBUS in a memmap write."""
+    dtype = np.dtype(info.dtype)
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": tuple(info.shape)}
+    with os.fdopen(create_new(path), "wb") as f:
+        try:
+            np.lib.format.write_array_header_1_0(f, header)
+        except ValueError:  # a header over 64 KiB
+            np.lib.format.write_array_header_2_0(f, header)
+        size = f.tell() + math.prod(info.shape) * dtype.itemsize
+        f.truncate(size)
+        f.flush()
+        if hasattr(os, "posix_fallocate") and size:
+            os.posix_fallocate(f.fileno(), 0, size)
+        os.fsync(f.fileno())
+
+
+def map_npy(path: Path, info: ArrayInfo) -> np.memmap:
+    """The work .npy ``path`` mapped for writing (``np.memmap``, mode r+), opened without
+    following links and checked to hold ``info``'s array."""
+    with os.fdopen(open_regular(path, os.O_RDWR), "r+b") as f:
+        shape, dtype, offset = _npy_header(f, path, info)
+        # the mapping keeps its own duplicate of the descriptor
+        return np.memmap(f, dtype=dtype, mode="r+", shape=shape, offset=offset)
+
+
+def read_npy_rows(path: Path, info: ArrayInfo, lo: int, hi: int) -> np.ndarray:
+    """Rows ``lo:hi`` of the work .npy ``path`` (read, not mapped: one chunk in memory)."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        shape, dtype, offset = _npy_header(f, path, info)
+        row = math.prod(shape[1:]) * dtype.itemsize
+        f.seek(offset + lo * row)
+        buf = f.read((hi - lo) * row)
+    if len(buf) != (hi - lo) * row:
+        raise ValueError(f"{os.fspath(path)!r} is shorter than its header says")
+    return np.frombuffer(buf, dtype).reshape((hi - lo, *shape[1:]))
+
+
+def load_npy(path: Path) -> np.ndarray:
+    """A whole work .npy file (a staged chunk), opened without following links."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        return np.load(f, allow_pickle=False)
 
 
 def _is_complete_manifest(manifest: Any) -> bool:
@@ -719,25 +911,36 @@ class _WorkDir:
         self._lock_fd: int | None = None
 
     def ours(self) -> bool:
-        """Made by batchjac (marker), or an empty directory (a kill right after mkdir)."""
-        if not self.path.exists():
+        """Made by batchjac (marker), or an empty directory (a kill right after mkdir); never
+        a link to a directory (batchjac would work in whatever it points to)."""
+        if not os.path.lexists(self.path):
             return True
-        if not self.path.is_dir():
+        if self.path.is_symlink() or not self.path.is_dir():
             return False
         return (self.path / MARKER).exists() or not any(self.path.iterdir())
 
     def claim(self) -> None:
         self.path.mkdir(exist_ok=True)
         marker = self.path / MARKER
-        if not marker.exists():
-            marker.write_text(f"Unfinished batchjac output for {self.out.name}: run the same "
-                              f"command again to continue, or delete this directory.\n")
+        if not os.path.isfile(marker) or marker.is_symlink():
+            with os.fdopen(create_new(marker), "w") as f:
+                f.write(f"Unfinished batchjac output for {self.out.name}: run the same "
+                        f"command again to continue, or delete this directory.\n")
         self._lock()
 
     def _lock(self) -> None:
         import fcntl
 
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = self.path / "lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+        except OSError:
+            if lock.is_symlink():
+                raise StoreError(
+                    f"{os.fspath(lock)!r} is a symbolic link; batchjac does not follow links in "
+                    f"its work directory. Delete {os.fspath(self.path)!r} (an unfinished batchjac "
+                    f"output) and run again.") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -754,7 +957,45 @@ class _WorkDir:
             self._lock_fd = None
 
     def manifest(self) -> dict[str, Any] | None:
-        return _load_manifest(self.manifest_path) if self.manifest_path.exists() else None
+        if not os.path.lexists(self.manifest_path):
+            return None
+        return _load_manifest(self.manifest_path, follow=False)
+
+    def unsafe_entry(self) -> Path | None:
+        """The first entry of the work directory that is neither a regular file nor a
+        directory (a symbolic link, a FIFO, a device...), or None."""
+        for root, dirs, files in os.walk(self.path):  # links to directories are not entered
+            for name in sorted(dirs + files):
+                path = os.path.join(root, name)
+                try:
+                    mode = os.lstat(path).st_mode
+                except FileNotFoundError:
+                    continue
+                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    return Path(path)
+        return None
+
+    def vet(self, overwrite: bool) -> None:
+        """Before anything in the work directory is used: refuse one holding links or other
+        non-regular files (a link planted there would be written through, read from and
+        committed as the output), or, with ``overwrite``, discard it (removing the links, never
+        what they point to). Needs the lock (:meth:`claim`)."""
+        bad = self.unsafe_entry()
+        if bad is None:
+            return
+        if overwrite:
+            self.reset()
+            return
+        raise StoreError(
+            f"{_NotRegularFileError(bad)} It is in the unfinished store "
+            f"{os.fspath(self.path)!r}, which batchjac will not resume. Pass overwrite=True "
+            f"(--overwrite) to discard it and start again (the link is removed, not what it "
+            f"points to), or delete that directory.")
+
+    def forget(self, index: int) -> None:
+        """Drop the done record of chunk ``index`` (it is computed again)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.done / f"{index:08d}.json")
 
     def reset(self) -> None:
         """Empty the directory but for its marker and lock (a fresh start)."""
@@ -795,7 +1036,7 @@ class _WorkDir:
         data = json.dumps({**(extra or {}), "index": index, "lo": lo, "hi": hi,
                            "input": input_hash, "result": result_hash}, sort_keys=True)
         try:
-            with open(tmp, "w") as f:
+            with os.fdopen(create_new(tmp), "w") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -828,7 +1069,7 @@ class _WorkDir:
 
 def _load_record(path: Path) -> dict[str, Any] | None:
     try:
-        with open(path) as f:
+        with os.fdopen(open_regular(path), "r") as f:
             rec = json.load(f)
     except (OSError, ValueError):
         return None
@@ -904,6 +1145,7 @@ def compute_to_store(
     except OSError as e:
         raise _write_error(e, out, "the work directory") from e
     try:
+        work.vet(store.overwrite)
         compute = _compute_chunks if compute_chunks is None else compute_chunks
         return _run(bound, spec, fmt, work, out, store, job, arrays_meta, probe, mode=mode,
                     chunk_size=chunk_size, max_memory=max_memory, return_outputs=return_outputs,
@@ -933,6 +1175,13 @@ def check_target(out: Path, fmt: Format, work: _WorkDir, overwrite: bool,
         raise StoreExistsError(
             f"{os.fspath(work.path)!r} exists but was not made by batchjac (batchjac keeps "
             f"unfinished outputs there). Move it away, or choose another output path.")
+    if existing is None and not overwrite:
+        for sibling in fmt.foreign_siblings(out, work):
+            raise StoreExistsError(
+                f"{os.fspath(sibling)!r} exists beside the output {os.fspath(out)!r}, where "
+                f"batchjac keeps the output's other files, and is not part of a finished {what}. "
+                f"Choose another output path, or pass overwrite=True (--overwrite) to write the "
+                f"output anyway (a file batchjac does not write is left as it is).")
     return existing
 
 
@@ -1077,6 +1326,10 @@ def _run(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, out: Path, st
         manifest = dict(stored)
         plan = manifest["plan"]
         arrays = _arrays(plan, manifest["metadata"], spec, return_outputs)
+        try:
+            fmt.reclaim(work.data, out, manifest)
+        except OSError as e:
+            raise _write_error(e, out, "the store") from e
         fmt.clean(work.data)
 
     if explain:
@@ -1099,6 +1352,7 @@ def _run(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, out: Path, st
                         return_outputs=return_outputs, explain=explain, progress=progress,
                         start=start, plan_for=plan_for, compute=compute)
 
+    verify_kept(fmt, work, arrays, done, cs, n)
     todo = [i for i in range(n_chunks) if i not in done]
     bar = progress_bar(progress, n, sum(done[i]["hi"] - done[i]["lo"] for i in done))
     try:
@@ -1134,6 +1388,31 @@ def save_chunk(writer: ChunkWriter, work: _WorkDir, index: int, lo: int, hi: int
     return {"lo": lo, "hi": hi, "input": in_hash, "result": result_hash}
 
 
+def verify_kept(fmt: Format, work: _WorkDir, arrays: list[ArrayInfo],
+                done: dict[int, dict[str, Any]], chunk_size: int, n: int,
+                unit: str = "chunk", stacklevel: int = 5) -> None:
+    """Read every done chunk back and compare it with the digest of the result recorded when
+    it was written; a chunk that differs (or cannot be read) is dropped from ``done`` and its
+    record deleted, so it is computed again: the finished output is then still the one an
+    uninterrupted run writes, and nothing is returned that the model did not compute."""
+    for index in sorted(done):
+        lo, hi = _rows(index, chunk_size, n)
+        try:
+            intact = hash_arrays(fmt.read_chunk(work.data, arrays, index, lo, hi)) \
+                == done[index].get("result")
+        except (OSError, ValueError, KeyError):
+            intact = False
+        if intact:
+            continue
+        warnings.warn(
+            f"{os.fspath(work.out)!r}: the stored result of {unit} {index} (rows {lo}:{hi}) in "
+            f"{os.fspath(work.path)!r} differs from the digest recorded when it was written (it "
+            f"was changed on disk since); it is computed again.", StoreRecomputeWarning,
+            stacklevel=stacklevel)  # the caller of jacobian()
+        work.forget(index)
+        del done[index]
+
+
 def _compute_chunks(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, out: Path,
                     arrays: list[ArrayInfo], plan: dict[str, Any], todo: list[int],
                     with_outputs: bool, bar: Any, done: dict[int, dict[str, Any]]) -> None:
@@ -1146,7 +1425,6 @@ def _compute_chunks(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, ou
     from ._runner import iter_results
 
     cs = plan["chunk_size"]
-    names = [a.name for a in arrays]  # the results the store keeps, whatever else the kernel gives
     kernel = bound.kernel(plan["mode"], cs, with_outputs, variant=plan.get("variant"))
     try:
         writer = fmt.writer(work.data, arrays)
@@ -1176,7 +1454,8 @@ def _compute_chunks(bound: Any, spec: BatchSpec, fmt: Format, work: _WorkDir, ou
         for chunk, out_, rows in iter_results(kernel, spec, todo, keep_rows=True):
             assert rows is not None
             in_hash = hash_arrays([rows[0], *rows[1]])
-            values = {name: np.ascontiguousarray(out_[name]) for name in names}
+            # as stored (the arrays' dtype): the digest is checked against the stored bytes
+            values = {a.name: np.ascontiguousarray(out_[a.name], dtype=a.dtype) for a in arrays}
             finish()
             pending = (pool.submit(save, chunk.index, chunk.lo, chunk.hi, values, in_hash),
                        chunk.index, chunk.lo, chunk.hi)
