@@ -23,6 +23,7 @@ from ._errors import RebindWarning
 from ._plan import ModeArg, Plan, make_plan
 from ._probes import run_probes
 from ._spec import BatchSpec
+from ._tuning import persist_probes, recall_probes
 
 BackendName = Literal["tensorflow", "torch", "jax"]
 
@@ -40,14 +41,17 @@ def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any]
         except TypeError:  # not weakly referenceable: no cached decisions for it
             bound._source = lambda: None  # type: ignore[attr-defined]
     bound.refresh()
-    if not bound.probed and not _same_code(model, bound, backend):
+    if not bound.probed and not _same_code(model, bound, backend) \
+            and not (probes_enabled() and recall_probes(bound, backend)):
         unknown_name = spec.names[0 if spec.layout.kind == "concat" else spec.layout.wrt_index]
         if probes_enabled():
             run_probes(bound, spec, unknown_name)
+            persist_probes(bound, backend)
         else:  # still need the output shape
             u, ctx = spec.chunk(0, min(spec.n, 2))
             bound.output_shape = tuple(bound.forward(u, ctx).shape[1:])
             bound.probed = True
+    if bound.probed:
         _remember_code(bound, backend)
     return bound
 
@@ -101,7 +105,8 @@ def _same_code(model: Any, bound: _backends.BoundModel, backend: str) -> bool:
     bound.tuned.update(sibling.tuned)
     bound.tuned_rows.update(sibling.tuned_rows)
     sibling.binds += 1
-    if sibling.binds >= REBIND_WARNING and not sibling.warned:
+    # worth a word only where the rebinding costs something (JAX and TensorFlow compile)
+    if sibling.binds >= REBIND_WARNING and not sibling.warned and bound.compiles_kernels:
         sibling.warned = True
         cost = sibling.ledger.compile_seconds
         warnings.warn(
@@ -116,7 +121,7 @@ def _same_code(model: Any, bound: _backends.BoundModel, backend: str) -> bool:
 
 def _remember_code(bound: _backends.BoundModel, backend: str) -> None:
     key = getattr(bound, "_code_key", None)
-    if key is None or bound.output_shape is None:
+    if key is None or bound.output_shape is None or key in _SIBLINGS:
         return
     from ._tuning import ledger
 

@@ -181,6 +181,36 @@ def persist(bound: Any, backend: str, kernel: Any | None = None) -> None:
             cache.put(key, {"variant": kernel.variant, "timings": kernel.note})
 
 
+def recall_probes(bound: Any, backend: str) -> bool:
+    """The verdict of the probes (passed, and the output shape) an earlier process found for
+    this model's computation and signature: connectivity, row independence and the output
+    shape are properties of the computation, not of the weights. True when found."""
+    if not autotune_enabled():
+        return False
+    cache, key = _key(bound, backend, "probes", "")
+    found = cache.get(key, validate={"output_shape": list}) if key is not None else None
+    if found is None or not all(isinstance(s, int) and s >= 0 for s in found["output_shape"]):
+        return False
+    bound.output_shape = tuple(found["output_shape"])
+    bound.probed = True
+    return True
+
+
+def persist_probes(bound: Any, backend: str) -> None:
+    if not autotune_enabled() or bound.output_shape is None:
+        return
+    cache, key = _key(bound, backend, "probes", "")
+    if key is not None:
+        cache.put(key, {"output_shape": [int(s) for s in bound.output_shape]})
+
+
+def pending(bound: Any) -> bool:
+    """Whether a race is still to come for ``bound`` as its work grows: one a call skipped, or
+    a kernel whose builds were not timed (the benchmark's steady state is measured once none
+    is)."""
+    return ledger(bound).next_check < math.inf or any(k.untimed for k in bound._kernels.values())
+
+
 def _persisted(bound: Any) -> set[Any]:
     """The decisions of ``bound`` that are on disk already (read from it, or written)."""
     done = getattr(bound, "_persisted", None)
@@ -234,6 +264,8 @@ def reuse(bound: Any, plan: Plan, n: int, with_outputs: bool) -> Plan:
     kernels compiled for earlier calls. The padding wasted per batch size is added up, and
     once it matches a compilation the planned size is compiled after all."""
     if bound.has_kernel(plan.mode, plan.chunk_size, with_outputs) or not n:
+        return plan
+    if not bound.compiles_kernels:  # an eager framework: a kernel of any size is free to make
         return plan
     book = ledger(bound)
     per_row = book.seconds_per_row

@@ -206,7 +206,12 @@ def write_markdown(path: Path, results: list[dict[str, Any]], extra: list[dict[s
         lines.append("")
         if res.get("batchjac_plan"):
             lines += ["batchjac's choices (its debug log): " +
-                      "; ".join(res["batchjac_plan"]), ""]
+                      "; ".join(dict.fromkeys(res["batchjac_plan"])), ""]
+        if res.get("batchjac_tuning"):
+            t = res["batchjac_tuning"]
+            lines += [f"Steady state measured after batchjac's tuning settled: {t['calls']} calls, "
+                      f"{t['seconds']:.1f} s" + ("" if t["settled"] else
+                                                 " (stopped at the time limit, races still due)"), ""]
     for block in extra:
         lines += block["markdown"]
     path.write_text("\n".join(lines) + "\n")

@@ -12,6 +12,7 @@ Only click is imported here; batchjac's error classes are imported when an error
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -69,7 +70,13 @@ def guard(name: str, *, interrupted: str = "run the same command again."
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> R:
             try:
-                return fn(*args, **kwargs)
+                with warnings.catch_warnings():
+                    # one command loads its model once: advice about defining a function once
+                    # per process is for the Python API (in-process runs load it again)
+                    from .._errors import RebindWarning
+
+                    warnings.simplefilter("ignore", RebindWarning)
+                    return fn(*args, **kwargs)
             except (click.ClickException, click.exceptions.Exit, click.Abort):
                 raise  # usage errors (exit 2) and deliberate exits are click's
             except KeyboardInterrupt:
