@@ -220,7 +220,11 @@ def test_batch_statistics_layer_is_refused() -> None:
         batchjac.jacobian(model, x)
 
 
-def test_xla_fallback_warns_once_and_is_correct() -> None:
+def test_xla_fallback_warns_once_and_is_correct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where XLA is tried (a race, or a store, which fixes XLA) and cannot compile the model,
+    the plain graph runs with one warning. (An untimed first call runs the graph anyway.)"""
+    race_now(monkeypatch)
+
     @tf.function
     def f(x: Any) -> Any:
         # string ops have no XLA kernel; per row, and the gradient flows through sin
@@ -306,8 +310,10 @@ def test_explain_names_the_kernel_implementation(capsys: pytest.CaptureFixture[s
     assert "batchjac: kernel: " in err
 
 
-def test_recorded_xla_variant_after_a_fallback_keeps_the_graph() -> None:
+def test_recorded_xla_variant_after_a_fallback_keeps_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchjac import _backends
+
+    race_now(monkeypatch)  # the first call tries XLA (and falls back)
 
     def f(x: Any) -> Any:  # string ops have no XLA kernel
         two = tf.strings.to_number(tf.strings.as_string(tf.round(x) * 0 + 2))
@@ -322,3 +328,22 @@ def test_recorded_xla_variant_after_a_fallback_keeps_the_graph() -> None:
     assert kernel.variant == "graph"
     ref = np.einsum("ni,ij->nij", np.cos(x.astype(np.float64)) * 2, np.eye(3))
     assert_jac_close(kernel(x, ())[1], ref)
+
+
+def test_xla_fixed_on_a_running_graph_kernel_falls_back() -> None:
+    """A kernel that ran the plain graph untimed, then fixed to XLA (a store's recorded
+    variant) on a model XLA cannot compile: the call falls back to the graph, with the warning."""
+    from batchjac import _backends
+
+    def f(x: Any) -> Any:  # string ops have no XLA kernel
+        two = tf.strings.to_number(tf.strings.as_string(tf.round(x) * 0 + 2))
+        return tf.sin(x) * two
+
+    x = np.random.default_rng(24).normal(size=(12, 3)).astype("float32")
+    batchjac.jacobian(f, x, mode="forward")  # untimed: the plain graph, XLA never tried
+    bound = next(iter(_backends._bound[f].values()))
+    kernel = bound.kernel("forward", 12, False, variant="xla")
+    with pytest.warns(XLAFallbackWarning, match="XLA could not compile"):
+        _, jac = kernel(x, ())
+    assert kernel.variant == "graph"
+    assert_jac_close(jac, np.einsum("ni,ij->nij", np.cos(x.astype(np.float64)) * 2, np.eye(3)))

@@ -205,10 +205,9 @@ def persist_probes(bound: Any, backend: str) -> None:
 
 
 def pending(bound: Any) -> bool:
-    """Whether a race is still to come for ``bound`` as its work grows: one a call skipped, or
-    a kernel whose builds were not timed (the benchmark's steady state is measured once none
-    is)."""
-    return ledger(bound).next_check < math.inf or any(k.untimed for k in bound._kernels.values())
+    """Whether a race is still to come for ``bound`` as its work grows, one its last call
+    skipped (the benchmark's steady state is measured once none is)."""
+    return ledger(bound).next_check < math.inf
 
 
 def _persisted(bound: Any) -> set[Any]:
@@ -249,7 +248,8 @@ def worth(bound: Any, rows: int, compilations: float) -> bool:
     book = ledger(bound)
     cost = race_cost(bound, compilations)
     per_row = book.seconds_per_row
-    if cost is None or per_row is None or not book.rows:  # no steady call measured yet
+    if cost is None or per_row is None or not book.rows:  # no steady call measured yet:
+        book.next_check = 0.0  # the next call (with a measurement) decides
         return False
     if MAX_GAIN * (book.seconds + rows * per_row) > cost:
         return True

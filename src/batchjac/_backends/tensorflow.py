@@ -229,6 +229,10 @@ class TFBound(BoundModel):
         return TFKernel(self, mode, chunk_size, with_outputs)
 
 
+#: what a model XLA cannot compile raises when its XLA build first runs
+_XLA_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.InternalError)
+
+
 class TFKernel(Kernel):
     """XLA (``jit_compile=True``) or a plain TensorFlow graph, whichever is faster here.
 
@@ -256,16 +260,14 @@ class TFKernel(Kernel):
 
         self._traced = traced
         self._specs = bound._specs(chunk_size)
-        self._fns: dict[str, Any] = {
-            "xla": tf.function(traced, jit_compile=True, autograph=False)
-            .get_concrete_function(*self._specs)}
-        self.variant = None
+        self._fns: dict[str, Any] = {}  # traced when first used: the untimed first call
+        self.variant = None           # traces the plain graph only
         self.note = ""
 
     def _fn(self, variant: str) -> Any:
         if variant not in self._fns:
-            self._fns[variant] = tf.function(self._traced, jit_compile=False, autograph=False) \
-                .get_concrete_function(*self._specs)
+            self._fns[variant] = tf.function(self._traced, jit_compile=variant == "xla",
+                                             autograph=False).get_concrete_function(*self._specs)
         return self._fns[variant]
 
     def _select(self, variant: str, note: str) -> None:
@@ -283,7 +285,13 @@ class TFKernel(Kernel):
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[np.ndarray | None, np.ndarray]:
         if self.variant is None:
             self._first_call(u, ctx)
-        out = self._call(u, *ctx)
+        try:
+            out = self._call(u, *ctx)
+        except _XLA_ERRORS as e:
+            if self.variant != "xla" or "graph" not in self.variants:
+                raise
+            self._xla_failed(e)  # XLA fixed (use) on a kernel that ran the graph until then
+            out = self._call(u, *ctx)
         # The Jacobians as a read-only view of TensorFlow's buffer: ``.numpy()`` would copy
         # them (78 ms of W2's 370 ms). Read-only because TensorFlow may hand out one buffer
         # twice (a constant-folded Jacobian); the runner copies chunks into the result anyway.
@@ -293,50 +301,71 @@ class TFKernel(Kernel):
 
     def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float:
         start = time.perf_counter()
-        out = self._fns[variant](u, *ctx)
+        out = self._fn(variant)(u, *ctx)
         np.asarray(out[1] if self.with_outputs else out)
         return time.perf_counter() - start
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        from .._config import autotune_enabled
+        from .._tuning import race_allowed, untimed_note
+
         if self._forced == "graph":  # no need to compile XLA at all
             self._select("graph", "graph (fixed)")
             return
+        # (with BATCHJAC_AUTOTUNE=off, the first implementation, XLA, as stores use)
+        if self._forced is None and not race_allowed() and autotune_enabled():
+            # untimed: the plain graph, which is built sooner than XLA compiles (measured here,
+            # first calls W1 0.10 s vs 0.14, W2 0.52 vs 0.57, W4 0.40 vs 0.79); XLA is tried
+            # against it once the work repays a race (retune)
+            try:
+                self._run("graph", u, ctx)
+            except tf.errors.OpError:
+                pass  # the graph fails where XLA may not: take the XLA path below
+            else:
+                self._select("graph", f"graph ({untimed_note()})")
+                self.untimed = True
+                return
         try:
             first = self._run("xla", u, ctx)
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
-                tf.errors.InternalError) as xla_error:
+        except _XLA_ERRORS as xla_error:
             try:
                 self._fn("graph")
                 self._run("graph", u, ctx)
             except tf.errors.OpError as e:
                 raise ModelError(f"The model failed while computing the Jacobian: {e.message}") from e
-            if not self._bound._xla_warned:
-                self._bound._xla_warned = True
-                text = str(getattr(xla_error, "message", xla_error)).strip().splitlines()[0][:300]
-                warnings.warn(
-                    f"XLA could not compile this model ({text}); batchjac runs it as a plain "
-                    f"TensorFlow graph instead, which is correct but can be slower.",
-                    XLAFallbackWarning, stacklevel=4,
-                )
-            self.variants = ("graph",)
-            self._select("graph", "graph (XLA could not compile the model)")
+            self._xla_failed(xla_error)
             return
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} (fixed)")
             return
-        from .._tuning import race_allowed, untimed_note
-
-        if not race_allowed():
+        if not race_allowed():  # autotune off, or the plain graph failed above: XLA, untimed
             self._select("xla", f"xla ({untimed_note()})")
-            self.untimed = True
             return
         self._race_builds(u, ctx, first)
 
+    def _xla_failed(self, xla_error: Exception) -> None:
+        """XLA cannot compile this model: the plain graph from now on, with one warning."""
+        if not self._bound._xla_warned:
+            self._bound._xla_warned = True
+            text = str(getattr(xla_error, "message", xla_error)).strip().splitlines()[0][:300]
+            warnings.warn(
+                f"XLA could not compile this model ({text}); batchjac runs it as a plain "
+                f"TensorFlow graph instead, which is correct but can be slower.",
+                XLAFallbackWarning, stacklevel=5,
+            )
+        self.variants = ("graph",)
+        self._select("graph", "graph (XLA could not compile the model)")
+
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        if not self.untimed or self._forced is not None or "graph" not in self.variants:
+        if not self.untimed or self._forced is not None or "xla" not in self.variants:
             return
         self.untimed = False
-        self._race_builds(u, ctx, self._run("xla", u, ctx))
+        try:
+            first = self._run("xla", u, ctx)
+        except _XLA_ERRORS as e:
+            self._xla_failed(e)
+            return
+        self._race_builds(u, ctx, first)
 
     def _race_builds(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], first: float) -> None:
         self._fn("graph")
