@@ -8,6 +8,7 @@ options into a :class:`~batchjac._plan.Plan`. Every verb (``jacobian``, stores, 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import types
@@ -28,9 +29,14 @@ from ._tuning import persist_probes, recall_probes
 BackendName = Literal["tensorflow", "torch", "jax"]
 
 
-def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any]
-            ) -> _backends.BoundModel:
-    """Bind the model to the batch signature (cached) and run the one-off probes."""
+def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any], *,
+            overlap: bool = False) -> _backends.BoundModel:
+    """Bind the model to the batch signature (cached) and run the one-off probes.
+
+    With ``overlap``, a backend that can tell the output shape without compiling (JAX) runs
+    the probes in a background thread while the caller compiles and runs its first kernel
+    (XLA compiles outside Python's lock, and the probes' own compilation is most of what they
+    cost); the caller must then call :func:`probed` before it hands out a result."""
     be = _backends.get_backend(backend)
     sig = _backends.Signature(layout=spec.layout, dtype=spec.dtype,
                               unknown_shape=spec.unknown_shape, ctx=spec.ctx_specs())
@@ -44,6 +50,8 @@ def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any]
     if not bound.probed and not _same_code(model, bound, backend) \
             and not (probes_enabled() and recall_probes(bound, backend)):
         unknown_name = spec.names[0 if spec.layout.kind == "concat" else spec.layout.wrt_index]
+        if probes_enabled() and overlap and _start_probes(bound, spec, unknown_name, backend):
+            return bound
         if probes_enabled():
             run_probes(bound, spec, unknown_name)
             persist_probes(bound, backend)
@@ -54,6 +62,46 @@ def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any]
     if bound.probed:
         _remember_code(bound, backend)
     return bound
+
+
+_PROBES = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjac-probes")
+
+
+def _start_probes(bound: _backends.BoundModel, spec: BatchSpec, name: str, backend: str) -> bool:
+    """Start the probes beside the caller's first kernel, if the output shape is known
+    without them (the plan needs it). False: the caller runs them now."""
+    u, ctx = spec.chunk(0, min(spec.n, 2)) if spec.n else (None, ())
+    shape = bound.output_shape_of(u, ctx) if u is not None and len(u) else None
+    if shape is None:
+        return False
+
+    settings = bound.in_thread()  # the caller's framework settings (JAX's x64 mode)
+
+    def probe() -> None:
+        with settings:
+            run_probes(bound, spec, name)
+        persist_probes(bound, backend)
+        _remember_code(bound, backend)
+
+    bound.output_shape = shape
+    bound._probing = _PROBES.submit(probe)  # type: ignore[attr-defined]
+    return True
+
+
+def probed(bound: _backends.BoundModel) -> None:
+    """Wait for probes started beside the first kernel; raise what they found (a model whose
+    output is not connected, rows that interact): the result computed meanwhile is dropped."""
+    future = getattr(bound, "_probing", None)
+    if future is None:
+        return
+    try:
+        future.result()
+    except BaseException:
+        bound.probed = False  # the next call probes again, in full, and raises again
+        bound.output_shape = None
+        raise
+    finally:
+        bound._probing = None  # type: ignore[attr-defined]
 
 
 @dataclass

@@ -27,15 +27,14 @@ one recorded in their manifest.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ._backends._base import allowed as allowed, race_allowed as race_allowed
 from ._config import autotune_enabled
 from ._plan import Plan
 
@@ -48,7 +47,6 @@ MAX_GAIN = 0.5
 #: chunk a handful of times: ~0.1-0.3 s)
 TIMING_SECONDS = 0.25
 
-_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_race_allowed", default=False)
 
 
 @dataclass
@@ -308,28 +306,6 @@ def settle(bound: Any, kernel: Any, args: Callable[[], tuple[Any, Any]]) -> None
     if kernel.untimed and worth(bound, 0, max(1, len(kernel.variants) - 1)):
         kernel.retune(*args())
         kernel.raced = not kernel.untimed
-
-
-@contextlib.contextmanager
-def allowed(flag: bool) -> Iterator[None]:
-    """Within this block, kernels meeting their first call may race their builds (``flag``)."""
-    token = _ALLOWED.set(flag)
-    try:
-        yield
-    finally:
-        _ALLOWED.reset(token)
-
-
-def untimed_note() -> str:
-    """Why a kernel's build was not timed, for ``explain=True``."""
-    if not autotune_enabled():
-        return "BATCHJAC_AUTOTUNE=off: not timed"
-    return "not timed: the work seen so far does not repay a race"
-
-
-def race_allowed() -> bool:
-    """Asked by a kernel on its first call: may it time its builds now?"""
-    return _ALLOWED.get() and autotune_enabled()
 
 
 class Stopwatch:

@@ -9,17 +9,46 @@ Nothing outside ``batchjac._backends`` imports a framework.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from .._config import autotune_enabled
 from .._spec import Layout
 
 Mode = Literal["forward", "reverse"]
+
+#: whether the call at hand may pay for racing a kernel's builds on its first call: the tuning
+#: policy (:mod:`batchjac._tuning`) decides and sets it around the call; kernels read it
+_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_race_allowed", default=False)
+
+
+@contextlib.contextmanager
+def allowed(flag: bool) -> Iterator[None]:
+    """Within this block, kernels meeting their first call may race their builds (``flag``)."""
+    token = _ALLOWED.set(flag)
+    try:
+        yield
+    finally:
+        _ALLOWED.reset(token)
+
+
+def untimed_note() -> str:
+    """Why a kernel's build was not timed, for ``explain=True``."""
+    if not autotune_enabled():
+        return "BATCHJAC_AUTOTUNE=off: not timed"
+    return "not timed: the work seen so far does not repay a race"
+
+
+def race_allowed() -> bool:
+    """Asked by a kernel on its first call: may it time its builds now?"""
+    return _ALLOWED.get() and autotune_enabled()
 
 
 @dataclass(frozen=True)
@@ -189,6 +218,17 @@ class BoundModel(ABC):
     def kernel_sizes(self, mode: Mode, with_outputs: bool) -> list[int]:
         """The chunk sizes of the kernels built so far for ``mode`` (and outputs flag)."""
         return [size for (m, size, w) in self._kernels if m == mode and w == with_outputs]
+
+    def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:
+        """The per-instance output shape without computing or compiling anything (JAX's
+        ``eval_shape``), or None where the framework cannot tell that cheaply. Where it can, the
+        probes run beside the first kernel's compilation instead of before it."""
+        return None
+
+    def in_thread(self) -> contextlib.AbstractContextManager[Any]:
+        """The framework settings of the calling thread, entered in another thread that works
+        for it (the probes beside the first kernel): JAX's x64 mode may be a thread's own."""
+        return contextlib.nullcontext()
 
     def has_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> bool:
         """Whether that kernel exists already (using it costs no compilation)."""

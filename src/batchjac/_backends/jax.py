@@ -276,6 +276,24 @@ class JaxBound(BoundModel):
         return u, ctx
 
     # -- probes ------------------------------------------------------------------------------
+    def in_thread(self) -> contextlib.AbstractContextManager[Any]:
+        x64 = x64_enabled()  # read here, in the calling thread (enable_x64() is per thread)
+        if hasattr(jax, "enable_x64"):  # jax >= 0.7: a config state usable as a context
+            return jax.enable_x64(x64)  # type: ignore[no-any-return]
+        from jax.experimental import enable_x64  # type: ignore[attr-defined]  # pragma: no cover
+
+        return enable_x64(x64)  # type: ignore[no-any-return]  # pragma: no cover
+
+    def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:
+        try:
+            out = jax.eval_shape(self._batch, self.args, u, tuple(ctx))
+        except Exception:  # the probes, run in full, will explain it
+            return None
+        shape = getattr(out, "shape", None)
+        if shape is None or len(shape) < 1 or shape[0] != u.shape[0]:
+            return None
+        return tuple(int(s) for s in shape[1:])
+
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
         if self._forward is None:
             self._forward = jax.jit(self._batch)
@@ -466,7 +484,7 @@ class JaxKernel(Kernel):
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         from .._config import autotune_enabled
-        from .._tuning import race_allowed, untimed_note
+        from ._base import race_allowed, untimed_note
 
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} (fixed)")

@@ -307,7 +307,7 @@ class TFKernel(Kernel):
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         from .._config import autotune_enabled
-        from .._tuning import race_allowed, untimed_note
+        from ._base import race_allowed, untimed_note
 
         if self._forced == "graph":  # no need to compile XLA at all
             self._select("graph", "graph (fixed)")

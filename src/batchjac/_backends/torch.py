@@ -47,8 +47,7 @@ from .._errors import (
     TrainingModeWarning as TrainingModeWarning,
 )
 from .._spec import assemble
-from .._tuning import allowed
-from ._base import Backend, BoundModel, Kernel, Mode, Signature, race
+from ._base import Backend, BoundModel, Kernel, Mode, Signature, allowed, race
 
 Engine = Literal["func", "autograd", "replicated"]
 
@@ -524,7 +523,7 @@ class TorchKernel(Kernel):
 
     def _choose_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
         """"vmap" or "replicated" for a reverse-mode kernel that runs with torch.func."""
-        from .._tuning import race_allowed, untimed_note
+        from ._base import race_allowed, untimed_note
 
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} (fixed)")
