@@ -132,3 +132,41 @@ def test_frameworks_only_in_framework_modules() -> None:
              if names & FRAMEWORKS and not (module + ".").startswith(FRAMEWORK_MODULES)
              and not module.startswith(FRAMEWORK_MODULES)}
     assert not wrong, f"framework imports outside the backend and adapter modules: {wrong}"
+
+
+#: the layers of the data flow, lowest first: a module imports only its own layer and those
+#: below (the longest matching prefix places a module)
+LAYERS = [
+    ["batchjac._version", "batchjac._errors", "batchjac._config", "batchjac._finite_diff"],
+    ["batchjac._spec", "batchjac._fingerprint", "batchjac._tunecache"],
+    ["batchjac._backends", "batchjac._loaders", "batchjac._examples"],  # the framework modules
+    ["batchjac._plan", "batchjac._probes", "batchjac._sinks", "batchjac._runner",
+     "batchjac._validate", "batchjac._io", "batchjac._fastpath"],
+    ["batchjac._autotune", "batchjac._tuning", "batchjac._bind"],
+    ["batchjac._stores", "batchjac._dask"],
+    ["batchjac._jacobian", "batchjac._evaluate", "batchjac._check", "batchjac._propagate",
+     "batchjac._solve", "batchjac._solve_store", "batchjac._sensitivity", "batchjac._report",
+     "batchjac._api"],
+    ["batchjac.cli", "batchjac._demo", "batchjac._bench", "batchjac.examples", "batchjac",
+     "batchjac.__main__"],
+]
+
+
+def _layer(module: str) -> int | None:
+    best: tuple[int, int] | None = None
+    for index, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > best[1]):
+                best = (index, len(name))
+    return None if best is None else best[0]
+
+
+def test_imports_point_down_the_layers() -> None:
+    edges, _ = _graph()
+    unplaced = sorted(m for m in edges if _layer(m) is None)
+    assert not unplaced, f"modules in no layer (place them in LAYERS): {unplaced}"
+    up = [f"{m} -> {t}" for m, targets in sorted(edges.items()) for t in sorted(targets)
+          if (_layer(t) or 0) > (_layer(m) or 0)]
+    assert not up, "imports pointing up the layers: " + "; ".join(up)
+    assert _layer("batchjac._backends.torch") == 2
+    assert _layer("batchjac._runner") == 3

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._errors import ModelLoadError as ModelLoadError
+from .._errors import InputFileError, ModelLoadError as ModelLoadError
 from .._fingerprint import file_fingerprint, model_fingerprint
-from .._io import InputFileError
 
 KERAS_SUFFIXES = (".keras", ".h5", ".hdf5")
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".jit")
