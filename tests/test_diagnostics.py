@@ -1,0 +1,44 @@
+"""Errors that say what to do (issue 19): each bad call gets one error naming the argument, what
+was received and the fix, and results that would be silently useless get a warning. Models are
+small closed forms (a Dense layer, a linear map), so right results are checked exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchjac
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+
+def _rng() -> np.random.Generator:
+    return np.random.default_rng()  # fresh inputs each run: the checks must not depend on them
+
+
+def _dense(width: int = 8, outputs: int = 4) -> Any:
+    model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(outputs)])
+    model.layers[-1].kernel.assign(_rng().normal(size=(width, outputs)).astype("f4"))
+    return model
+
+
+def _kernel(model: Any) -> np.ndarray:
+    return np.asarray(model.layers[-1].kernel)
+
+
+# -- integer known inputs are cast to the compute dtype -----------------------------------------
+
+def test_integer_known_inputs_are_cast_to_the_compute_dtype() -> None:
+    model, rng = _dense(), _rng()
+    u = rng.normal(size=(12, 5)).astype("f4")
+    h = rng.integers(-3, 4, size=(12, 3))  # int64: ConcatV2 refused float32 + int64
+    jac = batchjac.jacobian(model, u, h)
+    w = _kernel(model)
+    np.testing.assert_allclose(jac, np.broadcast_to(w[:5].T, (12, 4, 5)), rtol=1e-6)
+    # the known columns beside `wrt` of one integer table too
+    x = rng.integers(-3, 4, size=(12, 8))
+    jac = batchjac.jacobian(model, x, wrt=[1, 6])
+    np.testing.assert_allclose(jac, np.broadcast_to(w[[1, 6]].T, (12, 4, 2)), rtol=1e-6)
