@@ -66,3 +66,95 @@ def test_dataframe_columns_name_the_unknowns(tmp_path: Any) -> None:
     frame["label"] = ["a"] * 12
     with pytest.raises(batchjac.InputTypeError, match=r"column\(s\) \['label'\] are not numeric"):
         batchjac.jacobian(model, frame, wrt=["x1"])
+
+
+# -- inputs that do not fit the model's declared shape -----------------------------------------
+
+def test_one_dimensional_x_for_a_keras_model_says_n_features_expected() -> None:
+    x = _rng().normal(size=(10,)).astype("f4")
+    with pytest.raises(batchjac.InputError, match=r"`x` has shape \(10,\), one number per instance, but "
+                                                  r"the model takes \(N, 8\) inputs: \(N, features\) "
+                                                  r"expected"):
+        batchjac.jacobian(_dense(), x)
+
+
+def test_one_dimensional_x_elsewhere_adds_the_hint_to_the_framework_error() -> None:
+    torch = pytest.importorskip("torch")
+    x = _rng().normal(size=(10,)).astype("f4")
+    with pytest.raises(batchjac.ModelError, match=r"mat1 and mat2.*`x` is 1-D, shape \(10,\): one "
+                                                  r"number per instance.*\(N, features\)"):
+        batchjac.jacobian(torch.nn.Linear(8, 3), x)
+    jnp = pytest.importorskip("jax.numpy")
+    # one number per instance is a legitimate call form: nothing to say when the model works
+    jac = batchjac.jacobian(lambda z: jnp.sin(z), x)
+    np.testing.assert_allclose(jac, np.cos(x), rtol=1e-6)
+
+
+def test_forgotten_known_inputs_name_the_model_width() -> None:
+    model, rng = _dense(), _rng()
+    u = rng.normal(size=(10, 5))
+    for dtype in ("float32", "float64"):  # float64 fails while the float64 copy is built
+        with pytest.raises(batchjac.InputError, match=r"The model takes 8 input columns, `x` has 5; "
+                                                      r"forgot the known inputs\? Pass them as "
+                                                      r"jacobian\(model, unknown, known\)"):
+            batchjac.jacobian(model, u, dtype=dtype)
+    with pytest.raises(batchjac.InputError, match=r"takes 8 input columns, but `unknown` has 5 and "
+                                                  r"`known` 2: 7 in all .*the other 3 columns"):
+        batchjac.jacobian(model, u, rng.normal(size=(10, 2)))
+    with pytest.raises(batchjac.InputError, match=r"takes 8 input columns, `x` has 10: give only"):
+        batchjac.jacobian(model, rng.normal(size=(10, 10)), wrt=[0, 1])
+
+
+# -- random models and stateful RNNs ----------------------------------------------------------
+
+class TrainingDropout(keras.Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense, self.drop = keras.layers.Dense(4), keras.layers.Dropout(0.5)
+
+    def call(self, x: Any) -> Any:
+        return self.dense(self.drop(x, training=True))
+
+
+class Noise(keras.Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense, self.noise = keras.layers.Dense(4), keras.layers.GaussianNoise(1.0)
+
+    def call(self, x: Any) -> Any:
+        return self.dense(self.noise(x, training=True))
+
+
+def _torch_dropout() -> Any:
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x: Any) -> Any:  # functional dropout: eval() does not switch it off
+            return self.lin(torch.nn.functional.dropout(x, 0.5, training=True))
+
+    return Net()
+
+
+@pytest.mark.parametrize("make", [TrainingDropout, Noise, _torch_dropout])
+def test_random_models_are_named_as_such_not_as_rows_that_interact(make: Any) -> None:
+    x = _rng().normal(size=(16, 8)).astype("f4")
+    with pytest.raises(batchjac.ModelError, match=r"not deterministic: two calls on the same 4 rows "
+                                                  r"returned different outputs.*dropout in training "
+                                                  r"mode.*inference mode") as caught:
+        batchjac.jacobian(make(), x)
+    assert not isinstance(caught.value, batchjac.RowInteractionError)
+
+
+@pytest.mark.parametrize("batch", [2, 4])  # 4: the probe's own batch size, where Keras is silent
+def test_stateful_rnn_is_refused_with_the_fix(batch: int) -> None:
+    model = keras.Sequential([keras.Input((3, 2), batch_size=batch),
+                              keras.layers.LSTM(4, stateful=True)])
+    x = _rng().normal(size=(10, 3, 2)).astype("f4")
+    with pytest.raises(batchjac.ModelError, match=rf"stateful recurrent layer \(LSTM 'lstm.*', "
+                                                  rf"stateful=True\).*fixed size \({batch} rows\).*"
+                                                  rf"Rebuild the model with stateful=False"):
+        batchjac.jacobian(model, x)

@@ -56,6 +56,8 @@ class Reader:
     #: whether ``dtype`` is the data's own (False for text: CSV numbers are parsed as float64,
     #: but that says nothing about the precision the user wants to compute in)
     carries_dtype = True
+    #: what the file is to the caller (``--inputs``, ``--known``: messages name the option)
+    what = "input"
 
     def __init__(self, source: str, shape: tuple[int, ...], dtype: np.dtype,
                  columns: tuple[str, ...] | None = None) -> None:
@@ -274,7 +276,14 @@ def split_key(ref: str | os.PathLike[str]) -> tuple[str, str | None]:
 
 
 def open_input(ref: str | os.PathLike[str], *, what: str = "input") -> Reader:
-    """Open an input file for reading by rows (see the module docstring for the formats)."""
+    """Open an input file for reading by rows (see the module docstring for the formats);
+    ``what`` names it in messages (the reader keeps it)."""
+    reader = _open_input(ref, what)
+    reader.what = what
+    return reader
+
+
+def _open_input(ref: str | os.PathLike[str], what: str) -> Reader:
     path, key = split_key(ref)
     source = os.fspath(ref)
     p = Path(path)
