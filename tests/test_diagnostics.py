@@ -158,3 +158,53 @@ def test_stateful_rnn_is_refused_with_the_fix(batch: int) -> None:
                                                   rf"stateful=True\).*fixed size \({batch} rows\).*"
                                                   rf"Rebuild the model with stateful=False"):
         batchjac.jacobian(model, x)
+
+
+# -- all-zero Jacobians ----------------------------------------------------------------------------
+
+class ReadsOnlyKnown(keras.Model):
+    """concat([unknown, known]) -> Dense(known columns): TensorFlow's gradient through the
+    slice is zero, not None, so the probes see a connected output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = keras.layers.Dense(4)
+
+    def call(self, x: Any) -> Any:
+        return self.dense(x[:, 5:])
+
+
+def test_all_zero_jacobians_warn_once_per_bound_model(tmp_path: Any) -> None:
+    model, rng = ReadsOnlyKnown(), _rng()
+    u, h = rng.normal(size=(40, 5)).astype("f4"), rng.normal(size=(40, 3)).astype("f4")
+    with pytest.warns(batchjac.ZeroJacobianWarning, match=r"Every Jacobian entry of .* is zero: the "
+                                                          r"model's output does not seem to depend on "
+                                                          r"the unknowns.*reads only the known inputs"):
+        jac = batchjac.jacobian(model, u, h)
+    assert jac.shape == (40, 4, 5)
+    assert not np.any(jac)
+    batchjac.jacobian(model, u, h)  # once per bound model: no second warning (warnings are errors)
+    batchjac.jacobian(model, u[:7], h[:7], chunk_size=3)
+    # a store gets the same check, on its first chunk
+    with pytest.warns(batchjac.ZeroJacobianWarning):
+        batchjac.jacobian(ReadsOnlyKnown(), u, h, out=str(tmp_path / "j.zarr"), chunk_size=16)
+
+
+def test_all_zero_jacobians_warn_in_every_backend() -> None:
+    torch = pytest.importorskip("torch")
+    rng = _rng()
+    u, h = rng.normal(size=(9, 5)).astype("f4"), rng.normal(size=(9, 3)).astype("f4")
+    lin = torch.nn.Linear(3, 4)
+    with pytest.warns(batchjac.ZeroJacobianWarning):  # the unknowns reach the output times zero
+        batchjac.jacobian(lambda x: lin(x[:, 5:] + 0.0 * x[:, :3]), u, h, backend="torch")
+    jnp = pytest.importorskip("jax.numpy")
+    w = jnp.asarray(rng.normal(size=(8, 4)).astype("f4")).at[:5].set(0.0)
+    with pytest.warns(batchjac.ZeroJacobianWarning):
+        batchjac.jacobian(lambda x: x @ w, u, h)
+    # a Jacobian zero on some rows only is a result, not a warning
+    w2 = jnp.asarray(rng.normal(size=(8, 4)).astype("f4"))
+    u2 = np.full_like(u, -1.0)
+    u2[0] = np.abs(u[0]) + 0.1
+    jac = batchjac.jacobian(lambda x: jnp.maximum(x, 0.0) @ w2, u2, h)
+    assert np.any(jac[0])
+    assert not np.any(jac[1:])
