@@ -208,3 +208,47 @@ def test_all_zero_jacobians_warn_in_every_backend() -> None:
     jac = batchjac.jacobian(lambda x: jnp.maximum(x, 0.0) @ w2, u2, h)
     assert np.any(jac[0])
     assert not np.any(jac[1:])
+
+
+# -- a JAX model whose Python side changes between calls ----------------------------------------
+
+def test_jax_model_whose_leaves_change_between_calls_is_traced_again() -> None:
+    """'Computation compiled for 6 inputs but called with 1': a model whose array leaves
+    change in number between calls (5 weights, then none) must not reach the old compiled
+    kernel. The current code sees the change (JaxBound.refresh) and compiles again; this test
+    keeps it so, on the repeated-call fast path too."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+
+    @jax.tree_util.register_pytree_node_class
+    class Chain:
+        def __init__(self, ws: list[Any], scale: Any) -> None:
+            self.ws, self.scale = ws, scale
+
+        def tree_flatten(self) -> Any:
+            return (self.ws, self.scale), None
+
+        @classmethod
+        def tree_unflatten(cls, aux: Any, children: Any) -> Any:
+            return cls(*children)
+
+        def __call__(self, x: Any) -> Any:
+            for w in self.ws:
+                x = x @ w
+            return x * self.scale
+
+    rng = _rng()
+    ws = [jnp.asarray(rng.normal(size=(3, 3)).astype("f4")) for _ in range(5)]
+    model = Chain(ws, jnp.float32(2.0))
+    x = rng.normal(size=(6, 3)).astype("f4")
+    expect = np.linalg.multi_dot([np.asarray(w) for w in ws]).T * 2.0
+    for _ in range(2):  # the second call takes the fast path
+        np.testing.assert_allclose(batchjac.jacobian(model, x, backend="jax"),
+                                   np.broadcast_to(expect, (6, 3, 3)), rtol=1e-4, atol=1e-5)
+    model.ws, model.scale = [], 3.0  # no array leaf left: the old kernel took 5 + 1 + 1 inputs
+    for _ in range(2):
+        np.testing.assert_allclose(batchjac.jacobian(model, x, backend="jax"),
+                                   np.broadcast_to(3.0 * np.eye(3), (6, 3, 3)), rtol=1e-6)
+    model.ws.append(ws[0])  # in place: the list the kernel was traced with grows
+    np.testing.assert_allclose(batchjac.jacobian(model, x, backend="jax"),
+                               np.broadcast_to(3.0 * np.asarray(ws[0]).T, (6, 3, 3)), rtol=1e-5)
