@@ -252,3 +252,19 @@ def test_jax_model_whose_leaves_change_between_calls_is_traced_again() -> None:
     model.ws.append(ws[0])  # in place: the list the kernel was traced with grows
     np.testing.assert_allclose(batchjac.jacobian(model, x, backend="jax"),
                                np.broadcast_to(3.0 * np.asarray(ws[0]).T, (6, 3, 3)), rtol=1e-5)
+
+
+# -- bad options leave no store behind ------------------------------------------------------------
+
+@pytest.mark.parametrize(("option", "message"), [
+    ({"max_memory": "abc"}, "`max_memory` must be a number of bytes"),
+    ({"chunk_size": 0}, "`chunk_size` must be a positive integer; got 0"),
+    ({"mode": "sideways"}, "`mode` must be 'auto', 'forward' or 'reverse'"),
+])
+@pytest.mark.parametrize("suffix", ["zarr", "npy", "h5"])
+def test_bad_options_leave_no_store_behind(tmp_path: Any, option: dict[str, Any], message: str,
+                                           suffix: str) -> None:
+    x = _rng().normal(size=(6, 8)).astype("f4")
+    with pytest.raises(batchjac.InputError, match=message):
+        batchjac.jacobian(_dense(), x, out=str(tmp_path / f"j.{suffix}"), **option)
+    assert list(tmp_path.iterdir()) == []
