@@ -102,15 +102,18 @@ def results(raw: Any) -> Results:
 
 
 def call(kernel: Callable[..., Any], u: np.ndarray, ctx: tuple[np.ndarray, ...], where: object,
-         rows: int | None = None) -> Results:
+         rows: int | None = None, *, zero_check: bool = True) -> Results:
     """One kernel call inside the boundary; with ``rows``, each result cut to its first rows
     (the padded ones dropped). The first call of a bound model's kernels checks the Jacobians
-    for being all zero (:func:`warn_if_zero`)."""
+    for being all zero (:func:`warn_if_zero`), unless ``zero_check`` is False (the solver's
+    iterates are not the user's rows: a zero Jacobian there is an instance that stalls, which
+    its status reports)."""
     with model_call(where):
         out = results(kernel(u, ctx))
     if rows is not None:
         out = {name: a[:rows] if a.shape[0] != rows else a for name, a in out.items()}
-    warn_if_zero(kernel, out, where)
+    if zero_check:
+        warn_if_zero(kernel, out, where)
     return out
 
 
