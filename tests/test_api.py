@@ -19,7 +19,7 @@ DOCUMENTED = ["jacobian", "check", "propagate", "solve", "sensitivity", "write_r
               "StoreMismatchError", "StoreBusyError", "StoreWriteError", "BatchJacWarning",
               "CovarianceClippedWarning", "ForwardModeFallbackWarning", "TrainingModeWarning",
               "XLAFallbackWarning", "RebindWarning", "TuneCacheWarning", "StoreRecomputeWarning",
-              "ChunkMemoryWarning"]
+              "ChunkMemoryWarning", "ZeroJacobianWarning"]
 
 
 def test_documented_names_are_public() -> None:
@@ -32,7 +32,7 @@ def test_documented_names_are_public() -> None:
     assert issubclass(batchjac.InputFileError, batchjac.InputError)
     assert issubclass(batchjac.ModelLoadError, batchjac.ModelError)
     for warning in ("CovarianceClippedWarning", "ForwardModeFallbackWarning", "TrainingModeWarning",
-                    "XLAFallbackWarning"):
+                    "XLAFallbackWarning", "ZeroJacobianWarning"):
         assert issubclass(getattr(batchjac, warning), batchjac.BatchJacWarning)
 
 

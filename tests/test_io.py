@@ -112,11 +112,12 @@ def test_split_key(tmp_path: Path) -> None:
          r"holds 2 arrays \['a', 'b'\]; name one as"),
         (lambda p: np.savez(p / "one.npz", a=np.ones(3)), "one.npz:zz", "has no array 'zz'"),
         (lambda p: np.save(p / "k.npy", np.ones(3)), "k.npy:key", "a ':key' suffix selects"),
-        (lambda p: (p / "s.csv").write_text("a,name\n1,x\n"), "s.csv", "Column 'name' .* is not numeric"),
         (lambda p: os.mkdir(p / "folder"), "folder", "is a directory, not a Zarr store"),
         (lambda p: h5py.File(p / "g.h5", "w").create_group("g").file.close(), "g.h5:/g",
          "a group, not a dataset"),
         (lambda p: (p / "t.npy").write_bytes(_truncated_npy()), "t.npy", "shorter than its header"),
+        (lambda p: zarr.save_array(str(p / "a.zarr"), np.ones((3, 2))), "a.zarr:nope",
+         "is one array, not a group: it has no array 'nope'"),
     ],
 )
 def test_bad_files(tmp_path: Path, make: Any, ref: str, message: str) -> None:
@@ -124,6 +125,26 @@ def test_bad_files(tmp_path: Path, make: Any, ref: str, message: str) -> None:
         make(tmp_path)
     with pytest.raises(InputFileError, match=message):
         _open_and_read(str(tmp_path / ref))
+
+
+@pytest.mark.parametrize(
+    ("make", "ref", "message"),
+    [
+        (lambda p: (p / "s.csv").write_text("a,name\n1,x\n"), "s.csv", "Column 'name' .* is not numeric"),
+        (lambda p: pq.write_table(pa.table({"a": [1.0], "s": ["x"]}), p / "s.parquet"), "s.parquet",
+         "Column 's' .* is not numeric"),
+        (lambda p: np.save(p / "o.npy", np.array([{}, 1], dtype=object)), "o.npy", "holds Python objects"),
+        (lambda p: h5py.File(p / "s.h5", "w").create_dataset("s", data=np.array([b"a"])).file.close(),
+         "s.h5:/s", "batchjac reads real numbers only"),
+    ],
+)
+def test_non_numeric_data_is_invalid_input_not_a_bad_file(tmp_path: Path, make: Any, ref: str,
+                                                          message: str) -> None:
+    """Text columns, objects and strings are invalid data (CLI exit 4), not unreadable files (3)."""
+    make(tmp_path)
+    with pytest.raises(batchjac.InputTypeError, match=message) as caught:
+        _open_and_read(str(tmp_path / ref))
+    assert not isinstance(caught.value, InputFileError)
 
 
 def _open_and_read(ref: str) -> None:

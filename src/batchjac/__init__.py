@@ -31,6 +31,7 @@ from ._errors import (
     TrainingModeWarning as TrainingModeWarning,
     TuneCacheWarning as TuneCacheWarning,
     XLAFallbackWarning as XLAFallbackWarning,
+    ZeroJacobianWarning as ZeroJacobianWarning,
 )
 from ._jacobian import jacobian as jacobian
 from ._propagate import Propagation as Propagation, propagate as propagate
@@ -88,5 +89,6 @@ __all__ = [
     "StoreRecomputeWarning",
     "ChunkMemoryWarning",
     "XLAFallbackWarning",
+    "ZeroJacobianWarning",
     "__version__",
 ]

@@ -20,9 +20,9 @@ from typing import Any, Literal
 
 from . import _backends
 from ._config import default_max_memory, parse_bytes, probes_enabled
-from ._errors import RebindWarning
+from ._errors import BatchJacError, RebindWarning
 from ._plan import ModeArg, Plan, make_plan
-from ._probes import run_probes
+from ._probes import check_model, diagnose, run_probes
 from ._spec import BatchSpec
 from ._tuning import persist_probes, recall_probes
 
@@ -36,8 +36,24 @@ def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any], 
     With ``overlap``, a backend that can tell the output shape without compiling (JAX) runs
     the probes in a background thread while the caller compiles and runs its first kernel
     (XLA compiles outside Python's lock, and the probes' own compilation is most of what they
-    cost); the caller must then call :func:`probed` before it hands out a result."""
+    cost); the caller must then call :func:`probed` before it hands out a result.
+
+    A model that fails on its first call (in the probes, or while a float64 copy is built) gets
+    the clearer error :func:`~batchjac._probes.diagnose` finds, if the inputs' shapes explain
+    the failure."""
     be = _backends.get_backend(backend)
+    check_model(model)
+    try:
+        return _prepare(be, model, spec, backend, options, overlap=overlap)
+    except BatchJacError as e:
+        better = diagnose(model, spec, e)
+        if better is None:
+            raise
+        raise better from e
+
+
+def _prepare(be: _backends.Backend, model: Any, spec: BatchSpec, backend: str,
+             options: dict[str, Any], *, overlap: bool) -> _backends.BoundModel:
     sig = _backends.Signature(layout=spec.layout, dtype=spec.dtype,
                               unknown_shape=spec.unknown_shape, ctx=spec.ctx_specs())
     bound = _backends.bind(be, model, sig, **options)

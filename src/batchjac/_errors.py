@@ -110,6 +110,13 @@ class XLAFallbackWarning(BatchJacWarning):
     """XLA could not compile the model; batchjac runs it as a plain TensorFlow graph."""
 
 
+class ZeroJacobianWarning(BatchJacWarning):
+    """The Jacobians of a model's first chunk are all zero: its output likely does not depend
+    on the unknowns (a model that reads only the known inputs). Where the framework can tell
+    that no path leads from the unknowns to the output at all, batchjac raises
+    :class:`NotConnectedError` instead."""
+
+
 class TuneCacheWarning(BatchJacWarning):
     """The on-disk cache of tuning decisions could not be read or written (a corrupt or foreign
     file, an unwritable directory). batchjac carries on without it: it times the alternatives

@@ -27,16 +27,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._errors import InputError, InputFileError as InputFileError
+from ._errors import InputError, InputFileError as InputFileError, InputTypeError
 
 NPY_SUFFIXES = (".npy",)
 NPZ_SUFFIXES = (".npz",)
@@ -56,6 +57,8 @@ class Reader:
     #: whether ``dtype`` is the data's own (False for text: CSV numbers are parsed as float64,
     #: but that says nothing about the precision the user wants to compute in)
     carries_dtype = True
+    #: what the file is to the caller (``--inputs``, ``--known``: messages name the option)
+    what = "input"
 
     def __init__(self, source: str, shape: tuple[int, ...], dtype: np.dtype,
                  columns: tuple[str, ...] | None = None) -> None:
@@ -274,7 +277,14 @@ def split_key(ref: str | os.PathLike[str]) -> tuple[str, str | None]:
 
 
 def open_input(ref: str | os.PathLike[str], *, what: str = "input") -> Reader:
-    """Open an input file for reading by rows (see the module docstring for the formats)."""
+    """Open an input file for reading by rows (see the module docstring for the formats);
+    ``what`` names it in messages (the reader keeps it)."""
+    reader = _open_input(ref, what)
+    reader.what = what
+    return reader
+
+
+def _open_input(ref: str | os.PathLike[str], what: str) -> Reader:
     path, key = split_key(ref)
     source = os.fspath(ref)
     p = Path(path)
@@ -313,10 +323,13 @@ def open_input(ref: str | os.PathLike[str], *, what: str = "input") -> Reader:
                          f"reads {FORMATS_HELP}.")
 
 
-def _open_npy(source: str, path: str, base: int = 0) -> Reader:
+def _open_npy(source: str, path: str, base: int = 0, size: int | None = None) -> Reader:
+    """The ``.npy`` data at byte ``base`` of ``path`` (a ``.npz`` member there: ``size`` its
+    bytes; else the rest of the file)."""
     with open(path, "rb") as f:
         f.seek(base)
-        shape, fortran, dtype, header_end = _npy_header(f, source)
+        shape, fortran, dtype, header_end = _npy_header(
+            f, source, os.fstat(f.fileno()).st_size - base if size is None else size)
     if fortran and len(shape) > 1:
         if base:
             raise InputFileError(f"{source!r} is a Fortran-ordered array inside a .npz; save it "
@@ -325,8 +338,17 @@ def _open_npy(source: str, path: str, base: int = 0) -> Reader:
     return RawReader(source, path, header_end, shape, dtype)
 
 
-def _npy_header(f: Any, source: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+#: a row of more bytes than this is no real array: a corrupt header (it would overflow int64)
+_MAX_ROW_BYTES = 1 << 60
+
+
+def _npy_header(f: Any, source: str, size: int) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """Shape, order, dtype and the data's offset from a ``.npy`` header at the position of
+    ``f``; ``size`` is the bytes from there to the end of the array's file (or member). A
+    header whose shape is negative, absurd, or larger than the file is refused here, before
+    anything is allocated or read."""
     fmt = np.lib.format
+    start = f.tell()
     try:
         version = fmt.read_magic(f)
         if version == (1, 0):
@@ -336,8 +358,22 @@ def _npy_header(f: Any, source: str) -> tuple[tuple[int, ...], bool, np.dtype, i
     except ValueError as e:
         raise InputFileError(f"{source!r} is not a valid .npy file: {_first_line(e)}") from e
     if dtype.hasobject:
-        raise InputFileError(f"{source!r} holds Python objects (dtype {dtype}); save numeric arrays.")
-    return tuple(shape), bool(fortran), dtype, f.tell()
+        raise InputTypeError(f"{source!r} holds Python objects (dtype {dtype}); batchjac reads "
+                             f"numbers only: save a numeric array (np.asarray(x, dtype=float)).")
+    shape = tuple(shape)
+    if any(not isinstance(d, int) or d < 0 for d in shape):
+        raise InputFileError(f"{source!r} is not a valid .npy file: its header gives the shape "
+                             f"{shape}, with a negative size. Is it corrupt? Save it again with "
+                             f"np.save.")
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    header_end = f.tell()
+    available = size - (header_end - start)
+    if row_bytes > _MAX_ROW_BYTES or (shape and shape[0] * row_bytes > available):
+        raise InputFileError(
+            f"{source!r} is shorter than its header says: shape {shape} of {dtype} needs "
+            f"{(shape[0] if shape else 1) * row_bytes:,} bytes, and the file holds "
+            f"{max(available, 0):,} after its header. Is it truncated or corrupt?")
+    return shape, bool(fortran), dtype, header_end
 
 
 def _open_npz(source: str, path: str, key: str | None) -> Reader:
@@ -357,9 +393,10 @@ def _open_npz(source: str, path: str, key: str | None) -> Reader:
                 local = f.read(30)
                 name_len = int.from_bytes(local[26:28], "little")
                 extra_len = int.from_bytes(local[28:30], "little")
-            return _open_npy(source, path, info.header_offset + 30 + name_len + extra_len)
+            return _open_npy(source, path, info.header_offset + 30 + name_len + extra_len,
+                             info.file_size)
         with zf.open(info) as member:  # compressed: stream it into a temporary raw file
-            shape, fortran, dtype, _ = _npy_header(member, source)
+            shape, fortran, dtype, _ = _npy_header(member, source, info.file_size)
             if fortran and len(shape) > 1:
                 raise InputFileError(f"{source!r} is Fortran-ordered inside a compressed .npz; save "
                                      f"it C-ordered or as .npy.")
@@ -390,7 +427,7 @@ def _open_text(source: str, path: str, delimiter: str) -> Reader:
     rows = 0
     try:
         with open(tmp, "wb") as out:
-            for batch in reader:
+            for batch in _batches(reader, source):
                 block = _table_to_numpy(batch, np.dtype(np.float64), source=source)
                 out.write(block.tobytes())
                 rows += block.shape[0]
@@ -402,6 +439,28 @@ def _open_text(source: str, path: str, delimiter: str) -> Reader:
                        names, temporary=True)
     result.carries_dtype = False
     return result
+
+
+def _batches(reader: Any, source: str) -> Iterator[Any]:
+    """The record batches of a streaming CSV reader. The column types come from the first
+    block; a later value that is not a number (a text column further down) is invalid data,
+    reported as such, not as an unreadable file."""
+    pa = _pyarrow("csv")
+    rows = 0
+    while True:
+        try:
+            batch = reader.read_next_batch()
+        except StopIteration:
+            return
+        except pa.ArrowInvalid as e:
+            text = _first_line(e)
+            if "conversion error" not in text.lower():
+                raise
+            raise InputTypeError(
+                f"{source!r} has a value that is not a number after row {rows} ({text}); "
+                f"batchjac reads numeric columns only. Drop or encode that column first.") from e
+        rows += batch.num_rows
+        yield batch
 
 
 def _is_data_row(fields: Sequence[str]) -> bool:
@@ -433,7 +492,8 @@ def _open_h5(source: str, path: str, key: str | None) -> Reader:
             what = "no object" if obj is None else "a group, not a dataset"
             raise InputFileError(f"{path!r} has {what} at {key!r}.")
         if obj.dtype.kind not in "fiub":
-            raise InputFileError(f"{source!r} has dtype {obj.dtype}; batchjac needs real numbers.")
+            raise InputTypeError(f"{source!r} has dtype {obj.dtype}; batchjac reads real numbers "
+                                 f"only: store the numeric columns as their own dataset.")
         return H5Reader(source, f, obj)
     except BaseException:
         f.close()
@@ -444,10 +504,15 @@ def _open_zarr(source: str, path: str, key: str | None) -> Reader:
     zarr = _module("zarr", "Zarr")
     node = zarr.open(path, mode="r")
     if key is not None:
+        if hasattr(node, "shape"):  # one array at the root: an array has no members to name
+            raise InputFileError(f"The Zarr store {path!r} is one array, not a group: it has no "
+                                 f"array {key!r}. Give it as {path!r}, without ':{key}'.")
         try:
             node = node[key.lstrip("/")]
-        except (KeyError, TypeError) as e:
-            raise InputFileError(f"The Zarr store {path!r} has no array {key!r}.") from e
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            arrays = sorted(name for name, _ in node.arrays())
+            raise InputFileError(f"The Zarr store {path!r} has no array {key!r}; it holds "
+                                 f"{arrays[:20]}.") from e
     if not hasattr(node, "shape"):  # a group: take its only array
         arrays = sorted(name for name, _ in node.arrays())
         if len(arrays) != 1:
@@ -455,7 +520,8 @@ def _open_zarr(source: str, path: str, key: str | None) -> Reader:
                                  f"name one as '{path}:{arrays[0] if arrays else 'array'}'.")
         node = node[arrays[0]]
     if np.dtype(node.dtype).kind not in "fiub":
-        raise InputFileError(f"{source!r} has dtype {node.dtype}; batchjac needs real numbers.")
+        raise InputTypeError(f"{source!r} has dtype {node.dtype}; batchjac reads real numbers "
+                             f"only: store the numeric columns as their own array.")
     return ZarrReader(source, node)
 
 
@@ -506,7 +572,7 @@ def _numeric_dtype(typ: Any, name: str, source: str) -> np.dtype:
         return np.dtype(np.float64)
     if pa.types.is_integer(typ) or pa.types.is_floating(typ):
         return np.dtype(typ.to_pandas_dtype())
-    raise InputFileError(
+    raise InputTypeError(  # invalid data (exit 4), not an unreadable file
         f"Column {name!r} of {source!r} is not numeric ({typ}); batchjac reads numeric columns only. "
         f"Drop or encode it first."
     )

@@ -15,7 +15,7 @@ from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
 from ._bind import BackendName, plan_for, prepare, probed
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
-from ._plan import ModeArg, Plan
+from ._plan import ModeArg, Plan, check_options
 from ._runner import Results, call, pad_chunk, run_chunks, run_single
 from ._sinks import ArraySink, new_result
 from ._spec import BatchSpec
@@ -119,6 +119,7 @@ def jacobian(
                 return done
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
     name = backend or _backends.detect(model)
+    check_options(mode, chunk_size, max_memory)  # before a store exists: nothing left behind
     try:
         if is_store_target(out):
             return compute_to_store(model, spec, name, store=as_store(out), mode=mode,
@@ -192,6 +193,7 @@ def _on_dask(model: Any, inputs: tuple[Any, ...], *, client: Any, scheduler: str
             return _dask.run(jacobian, model, inputs, client=client, rows_per_task=rows_per_task,
                              out=out, kw=kw)
         _dask.check_store_inputs(inputs, client)
+        check_options(kw["mode"], kw["chunk_size"], kw["max_memory"])
         spec = normalize(inputs, wrt=kw["wrt"], dtype=kw["dtype"], nan_policy=kw["nan_policy"])
         name = kw["backend"] or _backends.detect(model)
         options = kw["backend_options"] or {}

@@ -6,10 +6,11 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
+from ._config import parse_bytes
 from ._errors import ChunkMemoryWarning as ChunkMemoryWarning, InputError
 
 ModeArg = Literal["auto", "forward", "reverse"]
@@ -46,6 +47,22 @@ def choose_mode(mode: ModeArg, k: int, m: int) -> tuple[Literal["forward", "reve
     if k < m:
         return "forward", f"{k} unknowns < {m} outputs: forward mode needs {k} tangent passes"
     return "reverse", f"{m} outputs <= {k} unknowns: reverse mode needs {m} backward passes"
+
+
+def check_chunk_size(chunk_size: Any) -> None:
+    """A chunk size is a positive integer (None: chosen from the memory budget)."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
+            chunk_size, (int, np.integer)) or chunk_size < 1):
+        raise InputError(f"`chunk_size` must be a positive integer; got {chunk_size!r}.")
+
+
+def check_options(mode: Any, chunk_size: Any, max_memory: Any) -> None:
+    """The planning options, checked before anything is created (a store made before a bad
+    option was found would be left behind)."""
+    choose_mode(mode, 1, 1)
+    check_chunk_size(chunk_size)
+    if max_memory is not None:
+        parse_bytes(max_memory)
 
 
 def bytes_per_row(k: int, m: int, in_elems: int, itemsize: int) -> int:
@@ -97,9 +114,7 @@ def _make_plan(
     per_row = bytes_per_row(k, m, in_elems, dtype.itemsize)
     note = ""
     if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) \
-                or chunk_size < 1:
-            raise InputError(f"`chunk_size` must be a positive integer; got {chunk_size!r}.")
+        check_chunk_size(chunk_size)
         # padding rows are computed for nothing: a chunk far beyond the rows is the rows
         all_rows = max(1, _ceil_div(n, granule(n)) * granule(n))
         size = int(chunk_size)

@@ -10,13 +10,14 @@ and the stores carry whatever a kernel computes without knowing what it is.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ._errors import BatchJacError, ModelError, add_context
+from ._errors import BatchJacError, ModelError, ZeroJacobianWarning, add_context
 from ._sinks import ArraySink
 from ._spec import BatchSpec
 
@@ -101,14 +102,43 @@ def results(raw: Any) -> Results:
 
 
 def call(kernel: Callable[..., Any], u: np.ndarray, ctx: tuple[np.ndarray, ...], where: object,
-         rows: int | None = None) -> Results:
+         rows: int | None = None, *, zero_check: bool = True) -> Results:
     """One kernel call inside the boundary; with ``rows``, each result cut to its first rows
-    (the padded ones dropped)."""
+    (the padded ones dropped). The first call of a bound model's kernels checks the Jacobians
+    for being all zero (:func:`warn_if_zero`), unless ``zero_check`` is False (the solver's
+    iterates are not the user's rows: a zero Jacobian there is an instance that stalls, which
+    its status reports)."""
     with model_call(where):
         out = results(kernel(u, ctx))
     if rows is not None:
         out = {name: a[:rows] if a.shape[0] != rows else a for name, a in out.items()}
+    if zero_check:
+        warn_if_zero(kernel, out, where)
     return out
+
+
+def warn_if_zero(kernel: Any, out: Results, where: object) -> None:
+    """Warn, once per bound model (on its first chunk), when every Jacobian entry of that chunk
+    is zero: the output most likely does not depend on the unknowns at all. Torch and JAX see a
+    missing path in the probes (NotConnectedError); TensorFlow's gradients flow through a
+    slice of the unknowns that is never used, and zeros came back silently. Every backend gets
+    this one check here. Costs one pass over the first chunk's Jacobians."""
+    if not hasattr(kernel, "chunk_size"):  # not a kernel (a wrapper of a launched call)
+        return
+    owner = getattr(kernel, "_bound", kernel)
+    if getattr(owner, "zero_checked", False):
+        return
+    with contextlib.suppress(AttributeError):  # an object without attributes: each time
+        owner.zero_checked = True
+    jac = out.get("jacobians")
+    if jac is None or jac.size == 0 or np.any(jac):
+        return
+    warnings.warn(
+        f"Every Jacobian entry of {where} is zero: the model's output does not seem to depend "
+        f"on the unknowns. Usual cause: the model reads only the known inputs (or ignores the "
+        f"unknown columns), e.g. it slices them away; check which columns it takes. (A model "
+        f"flat over these rows, e.g. saturated or behind dead ReLUs, gives zeros too.)",
+        ZeroJacobianWarning, stacklevel=3)
 
 
 def iter_results(

@@ -88,12 +88,16 @@ class BatchSpec:
         return math.prod(self.unknown_shape)
 
     def chunk(self, lo: int, hi: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-        """Rows ``lo:hi`` as ``(u, ctx)``, floating arrays cast to the compute dtype."""
+        """Rows ``lo:hi`` as ``(u, ctx)``, floating arrays cast to the compute dtype. Known
+        values that the model receives concatenated with the unknowns (the ``(unknown, known)``
+        form, the known columns beside ``wrt``) are cast to it whatever their dtype: they join
+        one floating array (integer known columns would otherwise fail in a framework's
+        concat, e.g. TensorFlow's ConcatV2)."""
         lay = self.layout
         rows = self.rows(lo, hi)
         if lay.kind == "concat":
             u = np.ascontiguousarray(rows[0], dtype=self.dtype)
-            return u, (_cast(rows[1], self.dtype),)
+            return u, (np.ascontiguousarray(rows[1], dtype=self.dtype),)
         src = rows[lay.wrt_index]
         ctx: list[np.ndarray] = []
         if lay.columns is not None:
@@ -103,7 +107,7 @@ class BatchSpec:
                 u, kn = src[..., : len(cols)], src[..., len(cols):]
             else:
                 u, kn = src[..., cols], src[..., known]
-            ctx.append(_cast(kn, self.dtype))
+            ctx.append(np.ascontiguousarray(kn, dtype=self.dtype))
         else:
             u = src
         ctx.extend(_cast(a, self.dtype) for i, a in enumerate(rows) if i != lay.wrt_index)
@@ -132,12 +136,12 @@ class BatchSpec:
 
         specs = []
         if lay.kind == "concat":
-            specs.append((self.arrays[1].shape[1:], cast(self.arrays[1])))
+            specs.append((self.arrays[1].shape[1:], self.dtype))
         else:
             if lay.columns is not None:
                 src = self.arrays[lay.wrt_index]
                 width = src.shape[-1] - len(lay.columns)
-                specs.append(((*src.shape[1:-1], width), cast(src)))
+                specs.append(((*src.shape[1:-1], width), self.dtype))
             specs.extend((a.shape[1:], cast(a)) for i, a in enumerate(self.arrays) if i != lay.wrt_index)
         return tuple(specs)
 

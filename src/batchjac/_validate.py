@@ -21,11 +21,47 @@ DTypeLike = Any
 _VALID_DTYPES = ("float32", "float64")
 
 
+class LabelledArray(np.ndarray):
+    """A numpy array that keeps the column names of the table it was made from (a pandas
+    DataFrame), so that ``wrt`` can name columns and a store can label the unknowns. Only the
+    whole array has them: slices are plain arrays with ``columns`` None."""
+
+    columns: tuple[str, ...] | None = None
+
+
+def _is_table(obj: Any) -> bool:
+    """A pandas-like DataFrame, recognised without importing pandas."""
+    return (hasattr(obj, "columns") and hasattr(obj, "dtypes") and callable(getattr(obj, "to_numpy", None))
+            and not is_lazy(obj))
+
+
+def _table_to_numpy(obj: Any, name: str) -> np.ndarray:
+    """A DataFrame as a 2-D array of its numbers, its column names kept (see LabelledArray)."""
+    columns = [str(c) for c in obj.columns]
+    bad = [c for c, dt in zip(columns, obj.dtypes) if getattr(dt, "kind", "O") not in "fiub"]
+    if bad:
+        shown = bad[:10] + (["..."] if len(bad) > 10 else [])
+        raise InputTypeError(
+            f"`{name}` is a table whose column(s) {shown} are not numeric; batchjac reads "
+            f"numbers only. Drop or encode them first, e.g. {name}.drop(columns={bad[:3]!r}) or "
+            f"pandas.get_dummies({name})."
+        )
+    arr = np.asarray(obj.to_numpy())
+    if arr.dtype.kind not in "fiub":  # nullable integer/float columns holding missing values
+        arr = np.asarray(obj.to_numpy(dtype=np.float64, na_value=np.nan))
+    out = arr.view(LabelledArray)
+    out.columns = tuple(columns) if arr.ndim == 2 and len(columns) == arr.shape[1] else None
+    return out
+
+
 def to_numpy(obj: Any, name: str) -> np.ndarray:
-    """Convert numpy arrays, nested lists and framework tensors to numpy, without importing
-    any framework (tensors are recognised by their methods)."""
+    """Convert numpy arrays, nested lists, tables (pandas DataFrames, column names kept) and
+    framework tensors to numpy, without importing any framework (tensors and tables are
+    recognised by their methods)."""
     if isinstance(obj, np.ndarray):
         arr = obj
+    elif _is_table(obj):
+        arr = _table_to_numpy(obj, name)
     elif hasattr(obj, "detach") and hasattr(obj, "cpu"):  # torch.Tensor, on any device
         arr = obj.detach().cpu().numpy()
     elif hasattr(obj, "numpy") and callable(obj.numpy) and not isinstance(obj, (list, tuple)):

@@ -61,6 +61,7 @@ def load_model(ref: str, *, trust: bool = False) -> LoadedModel:
         raise InputFileError(f"The model file {ref!r} is not readable (permission denied).")
     suffix = path.suffix.lower()
     if suffix in KERAS_SUFFIXES:
+        _check_keras_file(ref, suffix)
         from . import tensorflow as tf_loader
 
         model = _guard(ref, lambda: tf_loader.load_keras(ref, trust=trust))
@@ -79,6 +80,31 @@ def load_model(ref: str, *, trust: bool = False) -> LoadedModel:
         raise InputFileError(f"{ref!r} is Python code: name the model in it as {ref}:NAME.")
     raise InputFileError(f"Unknown model format {suffix or '(no suffix)'!r} for {ref!r}; give "
                          f"{MODEL_FORMATS_HELP}.")
+
+
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _check_keras_file(ref: str, suffix: str) -> None:
+    """A ``.keras`` model is a zip archive and a ``.h5`` one an HDF5 file: anything else (a
+    corrupt or truncated download, a file of another format) is named as not a Keras file,
+    before TensorFlow is imported (Keras itself said 'File not found' for it)."""
+    import zipfile
+
+    if suffix == ".keras":
+        if zipfile.is_zipfile(ref):
+            return
+        kind = "a zip archive"
+    else:
+        with open(ref, "rb") as f:  # the signature is at 0, or after a user block of 512 * 2^k
+            for offset in (0, 512, 1024, 2048, 4096):
+                f.seek(offset)
+                if f.read(8) == _HDF5_SIGNATURE:
+                    return
+        kind = "an HDF5 file"
+    raise ModelLoadError(f"Cannot load the model {ref!r}: it is not a Keras file. A {suffix} model "
+                         f"is {kind} (written by model.save('model{suffix}')), and this file is "
+                         f"not one: is it corrupt or truncated, or a model of another format?")
 
 
 def _guard(ref: str, load: Any) -> Any:

@@ -12,6 +12,7 @@ Only click is imported here; batchjac's error classes are imported when an error
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -53,9 +54,46 @@ def exit_code(e: BaseException) -> int | None:
 
 
 def one_line(e: BaseException) -> str:
-    """The message on one line, without the bracketed context batchjac adds at its boundary."""
-    lines = [ln.strip() for ln in str(e).splitlines()]
+    """The message on one line, without the bracketed context batchjac adds at its boundary,
+    and without the frameworks' tracebacks inside it (:func:`_without_tracebacks`)."""
+    lines = [ln.strip() for ln in _without_tracebacks(str(e)).splitlines()]
     return " ".join(ln for ln in lines if ln and not (ln.startswith("[") and ln.endswith("]")))
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_KERAS_CALL = re.compile(r"Exception encountered when calling [\w.]+\(\)\.\s*")
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): ")
+
+
+def _without_tracebacks(text: str) -> str:
+    """A framework error as its meaningful line: a TorchScript error's traceback (the
+    serialized and the original code, with markers) is cut down to the error it ends with;
+    Keras's 'Exception encountered when calling ...' and 'Arguments received by ...' framing
+    and its terminal colour codes are dropped."""
+    text = _ANSI.sub("", text)
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if "Traceback of TorchScript" in ln), None)
+    if start is not None:
+        end = next((j for j in range(len(lines) - 1, start, -1) if _ERROR_LINE.match(lines[j])), None)
+        if end is not None:
+            head = " ".join(lines[:start]).replace(
+                "The following operation failed in the TorchScript interpreter.", "").rstrip()
+            kind = _ERROR_LINE.match(lines[end]).group(1)  # type: ignore[union-attr]
+            if head.endswith(f"{kind}:"):  # "...: RuntimeError:" + "RuntimeError: what"
+                head = head[: -len(kind) - 1].rstrip()
+            lines = [f"{head} {lines[end]}".strip(), *lines[end + 1:]]
+    kept: list[str] = []
+    arguments = False
+    for ln in lines:
+        bare = ln.strip()
+        if bare.startswith("Arguments received by "):
+            arguments = True
+            continue
+        if arguments and bare.startswith("\u2022"):  # the bullets of the arguments received
+            continue
+        arguments = False
+        kept.append(_KERAS_CALL.sub("", ln))
+    return "\n".join(kept)
 
 
 def guard(name: str, *, interrupted: str = "run the same command again."

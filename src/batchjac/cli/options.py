@@ -79,8 +79,22 @@ dtype_option = click.option(
 trust_option = click.option(
     "--trust-model", is_flag=True,
     help="Allow model files that run code while loading (Keras Lambda layers, pickles).")
+def _memory_size(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--max-memory checked when the options are parsed, before any file or output exists
+    (a bad size found later left an unfinished store behind)."""
+    if value is not None:
+        from .._config import parse_bytes
+        from .._errors import InputError
+
+        try:
+            parse_bytes(value, name="--max-memory")
+        except InputError as e:
+            raise click.BadParameter(str(e).replace("`--max-memory` must", "must"), ctx, param) from None
+    return value
+
+
 max_memory_option = click.option(
-    "--max-memory", metavar="SIZE", help="Memory budget, e.g. 512MB or 2GB.")
+    "--max-memory", metavar="SIZE", callback=_memory_size, help="Memory budget, e.g. 512MB or 2GB.")
 overwrite_option = click.option(
     "--overwrite", is_flag=True,
     help="Replace an output, or discard an unfinished one, made by a different job.")
