@@ -265,7 +265,7 @@ def test_cli_sigkill_and_resume_bitwise(tmp_path: Path) -> None:
         assert 3 <= recorded < 20
         assert not out.exists()
         commit = {"target": "os:rename", "nth": 1,
-                  "within": "batchjac._solve_store:NpyDirFormat.commit"}
+                  "within": "batchjac._stores.formats:NpyDirFormat.commit"}
         second = zygote.start([*args, str(out)], tmp_path / "r2.log", command="solve",
                               kill_at=commit)
         assert second.wait() == -9, second.output()

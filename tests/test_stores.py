@@ -31,8 +31,10 @@ from batchjac._stores import (  # noqa: E402
     StoreMismatchError,
     StoreResult,
     StoreWriteError,
+    formats,
     open_store,
     read_manifest,
+    workdir,
 )
 from batchjac.examples import seed_model, workload_inputs  # noqa: E402
 
@@ -95,7 +97,7 @@ def renamed(snap: dict[str, bytes], old: str, new: str) -> dict[str, bytes]:
 
 class StoreConformance:
     suffix: ClassVar[str]
-    writer: ClassVar[str]  # the class in batchjac._stores that writes chunks
+    writer: ClassVar[str]  # the class in batchjac._stores.formats that writes chunks
 
     def names(self, out: Path) -> tuple[list[str], list[str]]:
         """(unknown names, output names) as this format stores them."""
@@ -114,7 +116,7 @@ class StoreConformance:
 
     def fail_at_chunk(self, monkeypatch: pytest.MonkeyPatch, index: int) -> None:
         """Make the chunk writer raise ENOSPC ("No space left on device") at chunk ``index``."""
-        cls = getattr(_stores, self.writer)
+        cls = getattr(formats, self.writer)
         original = cls.write
 
         def write(self_: Any, i: int, lo: int, hi: int, values: dict[str, np.ndarray]) -> None:
@@ -225,7 +227,7 @@ class StoreConformance:
             self.fail_at_chunk(m, 1)
             with pytest.raises(StoreWriteError):
                 self.run(model, files, out)
-        other = _stores._WorkDir(out)
+        other = workdir.WorkDir(out)
         other.claim()  # another writer holds the lock
         try:
             with pytest.raises(StoreBusyError, match="being written by another process"):
@@ -247,7 +249,7 @@ class StoreConformance:
 
 class TestZarrStore(StoreConformance):
     suffix = ".zarr"
-    writer = "_ZarrWriter"
+    writer = "ZarrWriter"
 
     def names(self, out: Path) -> tuple[list[str], list[str]]:
         group = zarr.open_group(str(out), mode="r")
@@ -259,7 +261,7 @@ class TestZarrStore(StoreConformance):
 
 class TestHDF5Store(StoreConformance):
     suffix = ".h5"
-    writer = "_StagedWriter"
+    writer = "StagedWriter"
 
     def names(self, out: Path) -> tuple[list[str], list[str]]:
         with h5py.File(out, "r") as f:
@@ -270,7 +272,7 @@ class TestHDF5Store(StoreConformance):
 
 class TestNpyStore(StoreConformance):
     suffix = ".npy"
-    writer = "_NpyWriter"
+    writer = "NpyWriter"
 
     def names(self, out: Path) -> tuple[list[str], list[str]]:
         meta = json.loads(out.with_name("jac.manifest.json").read_text())["metadata"]

@@ -195,13 +195,13 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
                 fmt_name: str, out: str, arrays: list[Any], variant: str | None = None
                 ) -> dict[str, Any]:
     """On a worker: compute one chunk, write it into the store's data, fsync, record it.
-    The same steps, hashes and records as the local path (``_stores._compute_chunks``)."""
+    The same steps, hashes and records as the local path (``_stores.jacobians._compute_chunks``)."""
     from pathlib import Path
 
     from ._bind import prepare
     from ._runner import Chunk, call, pad_args
     from ._spec import BatchSpec
-    from ._stores import _FORMATS, _WorkDir, hash_arrays, save_chunk
+    from ._stores import FORMATS, WorkDir, hash_arrays, save_chunk
 
     spec = BatchSpec(arrays=rows, layout=layout, dtype=dtype, n=hi - lo, unknown_shape=unknown_shape,
                      names=names)
@@ -210,9 +210,9 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
     kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant)  # type: ignore[arg-type]
     out_ = call(kernel, *pad_args(u, ctx, chunk_size), Chunk(index, lo, hi), rows=hi - lo)
     values = {a.name: np.ascontiguousarray(out_[a.name], dtype=a.dtype) for a in arrays}  # as stored
-    writer = _FORMATS[fmt_name].writer(_WorkDir(Path(out)).data, arrays)
+    writer = FORMATS[fmt_name].writer(WorkDir(Path(out)).data, arrays)
     try:
-        return save_chunk(writer, _WorkDir(Path(out)), index, lo, hi, values, hash_arrays([u, *ctx]))
+        return save_chunk(writer, WorkDir(Path(out)), index, lo, hi, values, hash_arrays([u, *ctx]))
     finally:
         writer.close()
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,37 +39,23 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import BatchJacError, InputError
-from ._stores import (
-    _FORMATS,
-    MARKER,
+from ._errors import BatchJacError, InputError, StoreMismatchError
+from ._stores.api import FORMATS
+from ._stores.arrays import ArrayInfo, dims as axis_names, storage_rows
+from ._stores.durable import write_error, write_json_atomic
+from ._stores.formats import Format, NpyDirFormat
+from ._stores.manifest import (
     STORE_VERSION,
-    ArrayInfo,
-    ChunkWriter,
-    Format,
-    StoreMismatchError,
-    _digest,
-    _dims,
-    _framework_version,
-    _is_complete_manifest,
-    _job_problem,
-    _jsonable,
-    _load_manifest,
-    _NpyWriter,
-    _probe,
-    _rows,
-    _WorkDir,
-    _write_error,
-    check_target,
-    create_npy,
-    fsync_dir,
+    digest,
+    framework_version,
     hash_arrays,
-    progress_bar,
-    read_npy_rows,
-    storage_rows,
-    verify_kept,
-    write_json_atomic,
+    job_problem,
+    jsonable,
+    probe as probe_model,
 )
+from ._stores.progress import progress_bar
+from ._stores.resume import check_target, unit_rows, verify_kept
+from ._stores.workdir import MARKER, WorkDir
 from ._version import __version__
 
 #: blocks hold at least this many instances (fewer only when the memory budget says so):
@@ -181,7 +166,7 @@ def solve_to_store(
     start = time.perf_counter()
     out_path = Path(out)
     fmt = _solve_formats()[output_format(out_path)]
-    work = _WorkDir(out_path)
+    work = WorkDir(out_path)
     work.sweep()
 
     t = inputs.targets
@@ -238,10 +223,10 @@ def solve_to_store(
     block_size = int(min(block_size, max(n, 1)))
     n_blocks = -(-n // block_size) if n else 0
 
-    job = _jsonable({
+    job = jsonable({
         "kind": "solve",
         "batchjac": __version__,
-        "framework": _framework_version(name),
+        "framework": framework_version(name),
         "model": model_id or _fingerprint(model),
         "inputs": {key: _describe(getattr(inputs, key), key in ("targets", "known") or per_row[key])
                    for key in ("targets", "known", "x0", "lower", "upper", "weights", "sigma")},
@@ -252,21 +237,21 @@ def solve_to_store(
             "jacobian": return_jacobian, "block_size": block_size, "format": fmt.name,
         },
     })
-    probe = _probe(bound, spec)
+    probe = probe_model(bound, spec)
     arrays = _arrays(n, k, out_shape, dt, block_size, return_covariance, return_jacobian)
 
     existing = check_target(out_path, fmt, work, overwrite, "batchjac solve output")
 
     def hashes_of(index: int) -> tuple[str, dict[str, Any]]:
-        lo, hi = _rows(index, block_size, n)
+        lo, hi = unit_rows(index, block_size, n)
         rows = _head(inputs, per_row, lo, hi)
         parts = [rows[key] for key in sorted(rows) if rows[key] is not None and
                  (key in ("targets", "known") or per_row.get(key))]
         return hash_arrays([np.asarray(p) for p in parts]), rows
 
     if existing is not None:
-        problem = _job_problem(existing, job, probe)
-        if problem is None and _digest([hashes_of(i)[0] for i in range(n_blocks)]) \
+        problem = job_problem(existing, job, probe)
+        if problem is None and digest([hashes_of(i)[0] for i in range(n_blocks)]) \
                 != existing.get("digests", {}).get("inputs"):
             problem = "the input rows differ from those the output was solved from"
         if problem is None:
@@ -282,12 +267,12 @@ def solve_to_store(
         out_path.parent.mkdir(parents=True, exist_ok=True)
         work.claim()
     except OSError as e:
-        raise _write_error(e, out_path, "the work directory") from e
+        raise write_error(e, out_path, "the work directory") from e
     try:
         work.vet(overwrite)
         stored = work.manifest()
         if stored is not None:
-            problem = _job_problem(stored, job, probe)
+            problem = job_problem(stored, job, probe)
             if problem is not None:
                 if not overwrite:
                     raise StoreMismatchError(
@@ -302,7 +287,7 @@ def solve_to_store(
             work.reset()
             layout = {"rows": n, "chunk_size": block_size, "chunks": n_blocks,
                       "mode": plan.mode, "mode_reason": plan.reason.split(";")[0]}
-            manifest = _jsonable({
+            manifest = jsonable({
                 "store_version": STORE_VERSION, "complete": False, "job": job, "probe": probe,
                 "plan": layout,
                 "arrays": {a.name: {"shape": list(a.shape), "dtype": a.dtype} for a in arrays},
@@ -317,7 +302,7 @@ def solve_to_store(
                 fmt.create(work.data, arrays)
                 write_json_atomic(work.manifest_path, manifest)
             except OSError as e:
-                raise _write_error(e, out_path, "the new output") from e
+                raise write_error(e, out_path, "the new output") from e
         if explain:
             import sys
 
@@ -332,7 +317,7 @@ def solve_to_store(
         done = work.done_records(n_blocks, block_size, n)
         for index in sorted(done):
             if hashes_of(index)[0] != done[index]["input"]:
-                lo, hi = _rows(index, block_size, n)
+                lo, hi = unit_rows(index, block_size, n)
                 if not overwrite:
                     raise StoreMismatchError(
                         f"{os.fspath(out_path)!r} has an unfinished output in "
@@ -355,7 +340,7 @@ def solve_to_store(
             writer = fmt.writer(work.data, arrays) if todo else None
             try:
                 for index in todo:
-                    lo, hi = _rows(index, block_size, n)
+                    lo, hi = unit_rows(index, block_size, n)
                     in_hash, rows = hashes_of(index)
                     block_seed = None if seed_used is None else int(
                         np.random.SeedSequence([seed_used, lo]).generate_state(1, np.uint32)[0])
@@ -386,7 +371,7 @@ def solve_to_store(
                         counts = res.summary()
                         work.record(index, lo, hi, in_hash, result_hash, {"counts": counts})
                     except OSError as e:
-                        raise _write_error(e, out_path, f"block {index} (instances {lo}:{hi})") from e
+                        raise write_error(e, out_path, f"block {index} (instances {lo}:{hi})") from e
                     done[index] = {"lo": lo, "hi": hi, "input": in_hash, "result": result_hash,
                                    "counts": counts}
                     if bar is not None:
@@ -400,16 +385,16 @@ def solve_to_store(
                     totals[key] = totals.get(key, 0) + int(value)
             succeeded = sum(v for key, v in totals.items()
                             if Status[key.upper()].value > 0)
-            final = _jsonable(dict(
+            final = jsonable(dict(
                 manifest, complete=True,
-                digests={"inputs": _digest([done[i]["input"] for i in range(n_blocks)]),
-                         "results": _digest([done[i]["result"] for i in range(n_blocks)])},
+                digests={"inputs": digest([done[i]["input"] for i in range(n_blocks)]),
+                         "results": digest([done[i]["result"] for i in range(n_blocks)])},
                 summary={"instances": n, "succeeded": succeeded,
                          "status_counts": dict(sorted(totals.items()))}))
             try:
                 fmt.commit(work.data, out_path, final, arrays, n_blocks)
             except OSError as e:
-                raise _write_error(e, out_path, "the finished output") from e
+                raise write_error(e, out_path, "the finished output") from e
         except BaseException:
             if bar is not None:
                 bar.leave = False
@@ -482,7 +467,7 @@ def _arrays(n: int, k: int, out_shape: tuple[int, ...], dt: np.dtype, block: int
         spec.append(("covariance", (n, k, k), "float64", ("instance", "unknown", "unknown_2")))
     if jacobian:
         spec.append(("jacobian", (n, *out_shape, k), dt.name,
-                     ("instance", *_dims("output", out_shape), "unknown")))
+                     ("instance", *axis_names("output", out_shape), "unknown")))
     infos = []
     for name, shape, dtype, dims in spec:
         row_bytes = math.prod(shape[1:]) * np.dtype(dtype).itemsize
@@ -500,67 +485,21 @@ def _result(out: Path, fmt: Format, manifest: dict[str, Any], *, computed: int,
         status_counts=summary["status_counts"], seconds=seconds)
 
 
-# -- the directory-of-.npy format ---------------------------------------------------------------
+# -- formats -----------------------------------------------------------------------------------
 
-class NpyDirFormat(Format):
-    """``OUT/`` holding one ``<name>.npy`` per result, ``manifest.json`` and ``summary.json``."""
+def _summary_file(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``summary.json`` of a finished directory of .npy files: the status counts, the status
+    codes and the options."""
+    return dict(manifest["summary"], status_codes=manifest["status_codes"],
+                options=manifest["job"]["options"])
 
-    name = "npy-dir"
 
-    def create(self, data: Path, arrays: list[ArrayInfo]) -> None:
-        for a in arrays:  # preallocated, space reserved, never through a link
-            create_npy(data / f"{a.name}.npy", a)
-
-    def writer(self, data: Path, arrays: list[ArrayInfo]) -> ChunkWriter:
-        return _NpyWriter(data, arrays)  # the same .npy files as a Jacobian store's
-
-    def read_chunk(self, data: Path, arrays: list[ArrayInfo], index: int, lo: int,
-                   hi: int) -> list[np.ndarray]:
-        return [read_npy_rows(data / f"{a.name}.npy", a, lo, hi) for a in arrays]
-
-    def commit(self, data: Path, out: Path, manifest: dict[str, Any], arrays: list[ArrayInfo],
-               n_chunks: int) -> None:
-        if data.exists():
-            summary = dict(manifest["summary"], status_codes=manifest["status_codes"],
-                           options=manifest["job"]["options"])
-            write_json_atomic(data / "summary.json", summary)
-            write_json_atomic(data / "manifest.json", manifest)
-            fsync_dir(data)
-            if os.path.lexists(out):  # an output being overwritten (checked removable before)
-                self.remove(out)
-            os.rename(data, out)  # the commit point
-        elif not out.exists():
-            raise BatchJacError(f"The finished output {os.fspath(data)!r} is missing.")
-        fsync_dir(out.parent)
-
-    def read_manifest(self, out: Path) -> dict[str, Any] | None:
-        if not (out / "manifest.json").is_file():
-            return None
-        manifest = _load_manifest(out / "manifest.json")
-        if not _is_complete_manifest(manifest):
-            return None
-        return manifest
-
-    def open(self, out: Path, name: str) -> Any:
-        path = out / f"{name}.npy"
-        if not path.exists():
-            raise InputError(f"{os.fspath(out)!r} has no array {name!r}.")
-        return np.load(path, mmap_mode="r")
-
-    def removable(self, out: Path) -> bool:
-        if out.is_dir() and not out.is_symlink():
-            return _load_manifest(out / "manifest.json") is not None
-        return super().removable(out)
-
-    def remove(self, out: Path) -> None:
-        if out.is_dir() and not out.is_symlink():
-            shutil.rmtree(out)
-        elif os.path.lexists(out):
-            out.unlink()
+_FORMATS: dict[str, Format] = {"npy-dir": NpyDirFormat(_summary_file), "zarr": FORMATS["zarr"],
+                               "hdf5": FORMATS["hdf5"]}
 
 
 def _solve_formats() -> dict[str, Format]:
-    return {"npy-dir": NpyDirFormat(), "zarr": _FORMATS["zarr"], "hdf5": _FORMATS["hdf5"]}
+    return _FORMATS
 
 
 def read_summary(out: str | os.PathLike[str]) -> dict[str, Any] | None:
