@@ -54,7 +54,8 @@ from ._stores.manifest import (
     probe as probe_model,
 )
 from ._stores.progress import progress_bar
-from ._stores.resume import check_target, unit_rows, verify_kept
+from ._stores.resume import check_target, verify_kept
+from ._stores.units import unit_rows
 from ._stores.workdir import MARKER, WorkDir
 from ._version import __version__
 
@@ -333,7 +334,7 @@ def solve_to_store(
                     return_jacobian=return_jacobian, max_memory=max_memory,
                     block_size=block_size, progress=progress, explain=explain)
 
-        verify_kept(fmt, work, arrays, done, block_size, n, unit="block", stacklevel=3)
+        verify_kept(fmt, work, arrays, done, block_size, n, unit="block")
         todo = [i for i in range(n_blocks) if i not in done]
         bar = progress_bar(progress, n, sum(r["hi"] - r["lo"] for r in done.values()))
         try:

@@ -47,6 +47,7 @@ The modules, one concept each:
 - :mod:`.workdir`: ``OUT.partial/``: lock, marker, done records, sweeping, vetting;
 - :mod:`.manifest`: the job a store records, how it is recognised, hashes and digests;
 - :mod:`.resume`: the resume protocol every kind of store runs;
+- :mod:`.units`: computing units and saving each one (the local loop, the one ``save_chunk``);
 - :mod:`.jacobians`: the Jacobian store (``compute_to_store``);
 - :mod:`.progress`: the progress bar.
 """
@@ -70,9 +71,30 @@ from .api import (
     read_manifest as read_manifest,
     store_format as store_format,
 )
-from .arrays import STORAGE_CHUNK_BYTES as STORAGE_CHUNK_BYTES, storage_rows as storage_rows
+from .arrays import (
+    STORAGE_CHUNK_BYTES as STORAGE_CHUNK_BYTES,
+    ArrayInfo as ArrayInfo,
+    ArraySpec as ArraySpec,
+    dims as dims,
+    storage_rows as storage_rows,
+)
+from .formats import (
+    ChunkWriter as ChunkWriter,
+    Format as Format,
+    HDF5Format as HDF5Format,
+    NpyDirFormat as NpyDirFormat,
+    NpyFormat as NpyFormat,
+    ZarrFormat as ZarrFormat,
+)
 from .jacobians import compute_to_store as compute_to_store
-from .manifest import hash_arrays as hash_arrays
+from .manifest import framework_version as framework_version, hash_arrays as hash_arrays, probe as probe
 from .progress import progress_bar as progress_bar
-from .resume import save_chunk as save_chunk
+from .resume import Job as Job, Outcome as Outcome, Target as Target, run as run
+from .units import (
+    Pending as Pending,
+    Unit as Unit,
+    Wording as Wording,
+    save_chunk as save_chunk,
+    save_chunk_at as save_chunk_at,
+)
 from .workdir import WorkDir as WorkDir

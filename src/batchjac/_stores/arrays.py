@@ -1,16 +1,37 @@
-"""What a store holds: named arrays of one row per instance (:class:`ArrayInfo`), chunked by
-rows so that no storage chunk is shared by two computed units."""
+"""What a store holds: named arrays of one row per instance, laid out in storage chunks.
+
+The caller of a store describes its arrays per instance (:class:`ArraySpec`: a name, the shape
+and dtype of one instance's value, optionally names of the axes and attributes for the
+metadata); :func:`layout` turns them into the arrays of a store of ``n`` rows
+(:class:`ArrayInfo`), chunked by rows so that no storage chunk is shared by two computed units.
+Nothing here knows what the arrays mean (Jacobians, solutions, Hessians...).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 #: target size of one storage chunk of an array (rows are a divisor of the unit size)
 STORAGE_CHUNK_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of a store, described per instance: array ``name`` has shape
+    ``(n, *shape)`` and dtype ``dtype``. ``dims`` names every axis, the row axis first (for
+    the metadata of formats that keep it: Zarr dimension names, HDF5 attributes); by default
+    ``("row", "axis_1", ...)``. ``attrs`` are small JSON metadata kept with the array."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    dims: tuple[str, ...] | None = None
+    attrs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,3 +71,22 @@ def storage_rows(chunk_size: int, row_bytes: int, n: int) -> int:
                 if r * max(row_bytes, 1) <= STORAGE_CHUNK_BYTES and r > best:
                     best = r
     return max(1, min(best, max(n, 1)))
+
+
+def layout(specs: Sequence[ArraySpec], n: int, unit_rows: int, shared: bool = False
+           ) -> list[ArrayInfo]:
+    """The arrays of a store of ``n`` rows computed in units of ``unit_rows`` rows. Storage
+    chunks hold a divisor of ``unit_rows`` rows: per array (the largest under
+    STORAGE_CHUNK_BYTES), or with ``shared`` the first array's for every array (the others
+    chunked alike: for arrays whose rows are no larger than the first one's)."""
+    def row_bytes(s: ArraySpec) -> int:
+        return math.prod(s.shape) * np.dtype(s.dtype).itemsize
+
+    common = storage_rows(unit_rows, row_bytes(specs[0]), n) if shared and specs else 0
+    infos = []
+    for s in specs:
+        rows = common or storage_rows(unit_rows, row_bytes(s), n)
+        names = s.dims if s.dims is not None else ("row", *(f"axis_{i + 1}" for i in range(len(s.shape))))
+        infos.append(ArrayInfo(s.name, (n, *s.shape), np.dtype(s.dtype).name, rows, tuple(names),
+                               dict(s.attrs)))
+    return infos
