@@ -87,12 +87,18 @@ from .formats import (
     ZarrFormat as ZarrFormat,
 )
 from .jacobians import compute_to_store as compute_to_store
-from .manifest import framework_version as framework_version, hash_arrays as hash_arrays, probe as probe
+from .manifest import (
+    framework_version as framework_version,
+    hash_arrays as hash_arrays,
+    jsonable as jsonable,
+    probe as probe,
+)
 from .progress import progress_bar as progress_bar
 from .resume import Job as Job, Outcome as Outcome, Target as Target, run as run
 from .units import (
     Pending as Pending,
     Unit as Unit,
+    UnitFunction as UnitFunction,
     Wording as Wording,
     save_chunk as save_chunk,
     save_chunk_at as save_chunk_at,
