@@ -127,7 +127,7 @@ def output_format(out: str | os.PathLike[str]) -> str:
 
 def open_result(path: str | os.PathLike[str], name: str = "x") -> Any:
     """Array ``name`` of a finished solve output, read-only and lazy."""
-    fmt = _solve_formats()[output_format(path)]
+    fmt = result_format(path)
     if fmt.read_manifest(Path(path)) is None:
         raise InputError(f"{os.fspath(path)!r} is not a finished batchjac solve output.")
     return fmt.open(Path(path), name)
@@ -162,7 +162,7 @@ def solve_to_store(
     resumable output at ``out`` (see the module docstring)."""
     start = time.perf_counter()
     out_path = Path(out)
-    fmt = _FORMATS[output_format(out_path)]
+    fmt = result_format(out_path)
     options = _Options(method=method, max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
                        n_starts=n_starts, seed=seed, covariance=return_covariance,
                        jacobian=return_jacobian)
@@ -497,11 +497,12 @@ _FORMATS: dict[str, Format] = {"npy-dir": NpyDirFormat(_summary_file), "zarr": F
                                "hdf5": FORMATS["hdf5"]}
 
 
-def _solve_formats() -> dict[str, Format]:
-    return _FORMATS
+def result_format(out: str | os.PathLike[str]) -> Format:
+    """The format of the solve output at ``out`` (by its suffix)."""
+    return _FORMATS[output_format(out)]
 
 
 def read_summary(out: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The summary in a finished output's manifest (status counts), or None."""
-    manifest = _solve_formats()[output_format(out)].read_manifest(Path(out))
+    manifest = result_format(out).read_manifest(Path(out))
     return None if manifest is None else json.loads(json.dumps(manifest["summary"]))

@@ -131,15 +131,16 @@ def difference(stored: Any, now: Any, path: str = "") -> str | None:
     return None
 
 
-def job_problem(stored: dict[str, Any], job: dict[str, Any], probe: dict[str, Any]) -> str | None:
+def job_problem(stored: dict[str, Any], job: dict[str, Any], probe: dict[str, Any] | None
+                ) -> str | None:
     """Why the manifest ``stored`` is not of the job ``job`` whose probe is ``probe`` (None
-    when it is)."""
+    when it is; a job without a probe is recognised by its description alone)."""
     if stored.get("store_version") != STORE_VERSION:
         return f"store format version {stored.get('store_version')!r}, this batchjac writes {STORE_VERSION}"
     diff = difference(stored.get("job"), job)
     if diff is not None:
         return diff
-    if not same_probe(stored.get("probe", {}), probe):
+    if probe is not None and not same_probe(stored.get("probe", {}), probe):
         return ("the model's outputs on fixed probe inputs differ from those recorded: it is not "
                 "the model the store was made with")
     return None

@@ -50,7 +50,8 @@ class Job:
     """A store's job, as its kind describes it to the protocol.
 
     - ``description``: what identifies the job (JSON; compared exactly on resume), and
-      ``probe``: the model's outputs on fixed inputs (compared with a tolerance);
+      ``probe``: the model's outputs on fixed inputs (:func:`~.manifest.probe`; compared with a
+      tolerance), or None for a job its description identifies;
     - ``arrays``: the arrays of the store, per instance;
     - ``input_hash(lo, hi)``: the sha256 of input rows ``lo:hi`` (checked for kept units);
     - ``plan()``: a new store's plan: ``rows``, ``chunk_size`` (rows per unit), ``chunks``
@@ -65,7 +66,7 @@ class Job:
     """
 
     description: dict[str, Any]
-    probe: dict[str, Any]
+    probe: dict[str, Any] | None
     arrays: Sequence[ArraySpec]
     input_hash: Callable[[int, int], str]
     plan: Callable[[], dict[str, Any]]
