@@ -43,9 +43,9 @@ import numpy as np
 
 from ._errors import BatchJacError, InputError
 from ._stores import (
-    FORMATS,
     ArraySpec,
     Format,
+    HDF5Format,
     Job,
     NpyDirFormat,
     Outcome,
@@ -53,6 +53,7 @@ from ._stores import (
     Unit,
     UnitFunction,
     Wording,
+    ZarrFormat,
     dims,
     framework_version,
     hash_arrays,
@@ -493,8 +494,8 @@ def _summary_file(manifest: dict[str, Any]) -> dict[str, Any]:
                 options=manifest["job"]["options"])
 
 
-_FORMATS: dict[str, Format] = {"npy-dir": NpyDirFormat(_summary_file), "zarr": FORMATS["zarr"],
-                               "hdf5": FORMATS["hdf5"]}
+_FORMATS: dict[str, Format] = {"npy-dir": NpyDirFormat(_summary_file), "zarr": ZarrFormat(),
+                               "hdf5": HDF5Format()}
 
 
 def result_format(out: str | os.PathLike[str]) -> Format:
