@@ -7,7 +7,7 @@ a real SIGKILL. (Forking before any TensorFlow op runs is safe: no runtime threa
 
 Used by tests/test_resume.py and scripts/resume_trials.py. A run may also kill itself at a
 chosen point: the ``nth`` call of a function (``"os:replace"``, or
-``"batchjac._stores:ZarrFormat.commit"``), before or after it runs, optionally counting only
+``"batchjac._stores.formats:ZarrFormat.commit"``), before or after it runs, optionally counting only
 calls made ``within`` another function, e.g. the renames inside a format's ``commit``.
 """
 
@@ -94,7 +94,7 @@ def tree(out: Path) -> dict[str, bytes]:
     """Every file a finished output occupies, by name relative to its folder, and its bytes."""
     from batchjac import _stores
 
-    fmt = _stores._FORMATS[_stores.format_of(out)]
+    fmt = _stores.store_format(out)
     found: dict[str, bytes] = {}
     for p in fmt.final_paths(out):
         if p.is_dir():

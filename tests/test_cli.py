@@ -21,7 +21,7 @@ h5py = pytest.importorskip("h5py")
 keras = pytest.importorskip("keras")
 
 import batchjac  # noqa: E402
-from batchjac import _stores  # noqa: E402
+from batchjac._stores import formats  # noqa: E402
 from batchjac.cli import cli  # noqa: E402
 from batchjac.cli.options import parse_wrt  # noqa: E402
 from batchjac.examples import seed_model, workload_inputs  # noqa: E402
@@ -245,7 +245,7 @@ def test_full_disk_then_resume(folder: Path, tmp_path: Path, monkeypatch: pytest
     m, u, k = folder / "seed.keras", folder / "u.npy", folder / "k.npy"
     out = tmp_path / "jac.zarr"
     args = ["compute", m, "-i", u, "-k", k, "-o", out, "--chunk-size", 64, "--json", "-q"]
-    original = _stores._ZarrWriter.write
+    original = formats.ZarrWriter.write
 
     def write(self: Any, index: int, lo: int, hi: int, values: dict[str, np.ndarray]) -> None:
         if index == 2:
@@ -253,7 +253,7 @@ def test_full_disk_then_resume(folder: Path, tmp_path: Path, monkeypatch: pytest
         original(self, index, lo, hi, values)
 
     with monkeypatch.context() as mp:
-        mp.setattr(_stores._ZarrWriter, "write", write)
+        mp.setattr(formats.ZarrWriter, "write", write)
         assert_error(invoke(*args), 7, "disk is full.*run the same command again")
     assert not out.exists()
     result = invoke(*args)

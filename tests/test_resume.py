@@ -105,23 +105,23 @@ KILLS: dict[str, list[dict[str, Any]]] = {
     ".zarr": [
         {"target": "os:replace", "nth": 1},  # creating the store, before its manifest exists
         {"target": "os:replace", "nth": 9},  # between a chunk's data and its record
-        {"target": "batchjac._stores:_WorkDir.record", "nth": 3, "after": True},
+        {"target": "batchjac._stores.workdir:WorkDir.record", "nth": 3, "after": True},
         {"target": "os:rename", "nth": 1},  # committing: before the store is moved into place
         {"target": "os:rename", "nth": 1, "after": True},  # moved; the work dir still there
     ],
     ".h5": [
         {"target": "os:replace", "nth": 4},
         # the HDF5 file assembled, not renamed; then renamed in the work dir, not moved out
-        {"target": "os:replace", "nth": 1, "within": "batchjac._stores:HDF5Format.commit"},
-        {"target": "os:replace", "nth": 2, "within": "batchjac._stores:HDF5Format.commit"},
+        {"target": "os:replace", "nth": 1, "within": "batchjac._stores.formats:HDF5Format.commit"},
+        {"target": "os:replace", "nth": 2, "within": "batchjac._stores.formats:HDF5Format.commit"},
         # committed; then in the middle of deleting the work directory (renamed away first)
         {"target": "os:unlink", "nth": 2, "within": "shutil:rmtree"},
     ],
     ".npy": [
         {"target": "os:replace", "nth": 5},
         # the outputs file moved into place, the Jacobians not yet (the commit point)
-        {"target": "batchjac._stores:_move", "nth": 1, "after": True,
-         "within": "batchjac._stores:NpyFormat.commit"},
+        {"target": "batchjac._stores.formats:move", "nth": 1, "after": True,
+         "within": "batchjac._stores.formats:NpyFormat.commit"},
     ],
 }
 

@@ -16,8 +16,10 @@ tf = pytest.importorskip("tensorflow")
 import batchjac  # noqa: E402
 from batchjac import _solve  # noqa: E402
 from batchjac._solve import Status  # noqa: E402
-from batchjac._solve_store import SolveInputs, open_result, solve_to_store  # noqa: E402
-from batchjac._stores import StoreExistsError, StoreMismatchError  # noqa: E402
+from batchjac._solve_store import SolveInputs, open_result, result_format, solve_to_store  # noqa: E402
+from batchjac._stores import Format, StoreExistsError, StoreMismatchError  # noqa: E402
+
+from .store_conformance import ResumableStoreConformance, StoreKind  # noqa: E402
 
 N, BLOCK, K, H = 300, 64, 3, 4  # 5 blocks, the last one short
 _rng = np.random.default_rng(1)
@@ -193,6 +195,76 @@ def test_per_instance_inputs_and_bad_input(tmp_path: Path) -> None:
         run(tmp_path / "bad.npy", SolveInputs(targets=t, known=h))
 
 
+# -- the conformance suite of every kind of store ---------------------------------------------
+class SolveKind(StoreKind):
+    """The solve output's job for the conformance suite (tests/store_conformance.py): 60
+    instances of the model above, bounded, in 6 blocks of 10."""
+
+    what, unit, stem = "batchjac solve output", "block", "sol"
+    n, unit_rows, units = 60, 10, 6
+    main, main_shape = "x", (K,)
+    edited_rows = (16, 52)  # in block 1 (rows 10:20), and in block 5
+
+    def __init__(self) -> None:
+        _x, self.known, self.original = problem(seed=2, n=self.n)
+        self.edit(None)
+
+    def run(self, out: Path, *, overwrite: bool = False, **variant: Any) -> tuple[int, int]:
+        inputs = SolveInputs(targets=self.targets, known=self.known, lower=-2.0, upper=2.0)
+        res = solve_to_store(model, inputs, out, block_size=self.unit_rows, n_unknowns=K,
+                             overwrite=overwrite, **variant)
+        return res.computed_blocks, res.resumed_blocks
+
+    def others(self) -> list[tuple[dict[str, Any], str]]:
+        return [({"max_iter": 5}, r"different job .*max_iter"),
+                ({"xtol": 1e-3}, r"different job \(options\.xtol: the store has None, this call 0\.001")]
+
+    def edit(self, row: int | None) -> None:
+        self.targets = self.original.copy()
+        if row is not None:
+            self.targets[row, 0] += 0.5
+
+    def inputs_changed(self, lo: int, hi: int, index: int) -> str:
+        return rf"rows {lo}:{hi} differ"
+
+    def format(self, out: Path) -> Format:
+        return result_format(out)
+
+    def open(self, out: Path) -> Any:
+        return open_result(out)
+
+    def check_values(self, out: Path) -> None:
+        # float32 targets, and an edited row no unknowns fit exactly: close, not bitwise (the
+        # in-memory solve chunks the instances differently)
+        ref = batchjac.solve(model, self.targets, self.known, n_unknowns=K, bounds=(-2.0, 2.0))
+        np.testing.assert_allclose(np.asarray(open_result(out, "x")[:]), ref.x, atol=2e-3)
+
+
+class SolveStoreConformance(ResumableStoreConformance):
+    @pytest.fixture
+    def kind(self) -> SolveKind:
+        if self.suffix == ".zarr":
+            pytest.importorskip("zarr")
+        if self.suffix == ".h5":
+            pytest.importorskip("h5py")
+        return SolveKind()
+
+
+class TestSolveNpyDir(SolveStoreConformance):
+    suffix = ""
+    writer = "NpyWriter"
+
+
+class TestSolveZarr(SolveStoreConformance):
+    suffix = ".zarr"
+    writer = "ZarrWriter"
+
+
+class TestSolveHDF5(SolveStoreConformance):
+    suffix = ".h5"
+    writer = "StagedWriter"
+
+
 # -- command line ---------------------------------------------------------------------------------
 def test_cli_streams_files_and_reports(tmp_path: Path) -> None:
     from click.testing import CliRunner
@@ -265,7 +337,7 @@ def test_cli_sigkill_and_resume_bitwise(tmp_path: Path) -> None:
         assert 3 <= recorded < 20
         assert not out.exists()
         commit = {"target": "os:rename", "nth": 1,
-                  "within": "batchjac._solve_store:NpyDirFormat.commit"}
+                  "within": "batchjac._stores.formats:NpyDirFormat.commit"}
         second = zygote.start([*args, str(out)], tmp_path / "r2.log", command="solve",
                               kill_at=commit)
         assert second.wait() == -9, second.output()

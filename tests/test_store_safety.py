@@ -28,10 +28,16 @@ torch = pytest.importorskip("torch")
 import batchjac  # noqa: E402
 from batchjac import _solve, _stores  # noqa: E402
 from batchjac._solve_store import SolveInputs, solve_to_store  # noqa: E402
-from batchjac._stores import Store, StoreError, StoreExistsError, StoreWriteError  # noqa: E402
+from batchjac._stores import (  # noqa: E402
+    Store,
+    StoreError,
+    StoreExistsError,
+    StoreWriteError,
+    formats,
+)
 
 N, CS, M, D = 95, 10, 4, 5  # 10 chunks, the last one short
-WRITERS = {".npy": "_NpyWriter", ".h5": "_StagedWriter", ".zarr": "_ZarrWriter"}
+WRITERS = {".npy": "NpyWriter", ".h5": "StagedWriter", ".zarr": "ZarrWriter"}
 
 
 def _linear(w: np.ndarray) -> Any:
@@ -64,7 +70,7 @@ def _interrupted(model: Any, u: np.ndarray, out: Path, monkeypatch: pytest.Monke
                  at: int = 3) -> Path:
     """A store whose chunks 0..at-1 are done, as a full disk at chunk ``at`` leaves it; the
     work directory."""
-    cls = getattr(_stores, WRITERS[out.suffix])
+    cls = getattr(formats, WRITERS[out.suffix])
     original = cls.write
 
     def write(self_: Any, i: int, lo: int, hi: int, values: dict[str, np.ndarray]) -> None:

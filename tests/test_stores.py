@@ -1,5 +1,6 @@
-"""Resumable stores: one conformance suite, run for every format (Zarr, HDF5, .npy); each
-format supplies only its suffix, how to read its column-name metadata and its chunk writer.
+"""Jacobian stores: the conformance suite of every kind of store (tests/store_conformance.py),
+run for every format (Zarr, HDF5, .npy), and what is particular to Jacobians; each format
+supplies only its suffix, how to read its column-name metadata and its chunk writer.
 
 The model is the seed Keras model in this process; results are compared bitwise with the
 in-memory ``batchjac.jacobian`` using the same chunk size and mode (the same compiled kernel).
@@ -9,11 +10,10 @@ real processes with SIGKILL.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,17 +26,13 @@ import batchjac  # noqa: E402
 from batchjac import _stores  # noqa: E402
 from batchjac._stores import (  # noqa: E402
     Store,
-    StoreBusyError,
-    StoreExistsError,
-    StoreMismatchError,
     StoreResult,
-    StoreWriteError,
     open_store,
     read_manifest,
 )
 from batchjac.examples import seed_model, workload_inputs  # noqa: E402
 
-from .resume_zygote import tree  # noqa: E402
+from .store_conformance import ResumableStoreConformance, StoreKind  # noqa: E402
 
 N, CS = 600, 64  # 10 chunks, the last one partial
 U_NAMES = ["p", "q", "r", "s", "t"]
@@ -86,43 +82,74 @@ def reference(model: Any, arrays: tuple[np.ndarray, np.ndarray]) -> tuple[np.nda
     return y, jac
 
 
-snapshot = tree  # every file of a finished output (relative names -> bytes)
+class JacobianKind(StoreKind):
+    """The Jacobian store's job for the conformance suite: the seed model on W1 (unknowns
+    from a CSV with a header, known inputs from a .npy this kind may edit), 10 chunks."""
+
+    what, unit, stem = "batchjac output", "chunk", "jac"
+    n, unit_rows, units = N, CS, 10
+    main, main_shape = "jacobians", (4, 5)
+    edited_rows = (70, 500)  # in chunk 1 (rows 64:128), and in chunk 7
+
+    def __init__(self, model: Any, files: tuple[str, str], arrays: tuple[np.ndarray, np.ndarray],
+                 folder: Path) -> None:
+        self.model, self.unknowns = model, files[0]
+        self.u, self.k = arrays
+        self.known = folder / "k.npy"
+        self.edit(None)
+
+    def run(self, out: Path, *, overwrite: bool = False, **variant: Any) -> tuple[int, int]:
+        model = variant.pop("model", self.model)
+        options = {"chunk_size": CS, "mode": "reverse", "return_outputs": True, **variant}
+        result = batchjac.jacobian(model, self.unknowns, str(self.known),
+                                   out=Store(out, overwrite=overwrite, output_names=Y_NAMES), **options)
+        return result.computed_chunks, result.resumed_chunks
+
+    def others(self) -> list[tuple[dict[str, Any], str]]:
+        changed = seed_model("tensorflow")
+        changed.set_weights([w + 1e-3 for w in changed.get_weights()])
+        return [({"chunk_size": 32}, r"options\.chunk_size: the store has 64, this call 32"),
+                ({"model": changed}, "different job \\(model: the store has 'sha256:")]
+
+    def edit(self, row: int | None) -> None:
+        self.edited = self.k.copy()
+        if row is not None:
+            self.edited[row, 1] += 1.0
+        np.save(self.known, self.edited)
+
+    def inputs_changed(self, lo: int, hi: int, index: int) -> str:
+        return f"rows {lo}:{hi} of the inputs differ"
+
+    def format(self, out: Path) -> Any:
+        return _stores.store_format(out)
+
+    def open(self, out: Path) -> Any:
+        return open_store(out)
+
+    def check_values(self, out: Path) -> None:
+        expect = in_memory(self.model, self.u, self.edited)
+        np.testing.assert_array_equal(np.asarray(open_store(out)[:]), expect)
 
 
-def renamed(snap: dict[str, bytes], old: str, new: str) -> dict[str, bytes]:
-    return {k.replace(old, new): v for k, v in snap.items()}
-
-
-class StoreConformance:
-    suffix: ClassVar[str]
-    writer: ClassVar[str]  # the class in batchjac._stores that writes chunks
+class StoreConformance(ResumableStoreConformance):
+    """The Jacobian stores: the suite every kind of store runs (tests/store_conformance.py),
+    and what is particular to Jacobians (values, names, zero rows)."""
 
     def names(self, out: Path) -> tuple[list[str], list[str]]:
         """(unknown names, output names) as this format stores them."""
         raise NotImplementedError
 
-    # -- helpers ---------------------------------------------------------------------------
     @pytest.fixture
-    def out(self, tmp_path: Path) -> Path:
-        return tmp_path / f"jac{self.suffix}"
+    def kind(self, model: Any, files: tuple[str, str], arrays: tuple[np.ndarray, np.ndarray],
+             tmp_path: Path) -> JacobianKind:
+        return JacobianKind(model, files, arrays, tmp_path)
 
+    # -- helpers ---------------------------------------------------------------------------
     def run(self, model: Any, files: tuple[str, str], out: Path | Store, **kw: Any) -> StoreResult:
         options = {"chunk_size": CS, "mode": "reverse", "return_outputs": True}
         options.update(kw)
         target = out if isinstance(out, Store) else Store(out, output_names=Y_NAMES)
         return batchjac.jacobian(model, files[0], files[1], out=target, **options)
-
-    def fail_at_chunk(self, monkeypatch: pytest.MonkeyPatch, index: int) -> None:
-        """Make the chunk writer raise ENOSPC ("No space left on device") at chunk ``index``."""
-        cls = getattr(_stores, self.writer)
-        original = cls.write
-
-        def write(self_: Any, i: int, lo: int, hi: int, values: dict[str, np.ndarray]) -> None:
-            if i == index:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            original(self_, i, lo, hi, values)
-
-        monkeypatch.setattr(cls, "write", write)
 
     # -- tests -----------------------------------------------------------------------------
     def test_matches_in_memory_and_records_names(self, model: Any, files: tuple[str, str], out: Path,
@@ -142,98 +169,6 @@ class StoreConformance:
         assert manifest["plan"]["variant"] in ("xla", "graph")
         assert not Path(str(out) + ".partial").exists()
 
-    def test_second_run_computes_nothing(self, model: Any, files: tuple[str, str], out: Path) -> None:
-        self.run(model, files, out)
-        before = snapshot(out)
-        again = self.run(model, files, out)
-        assert (again.computed_chunks, again.resumed_chunks) == (0, 10)
-        assert snapshot(out) == before
-
-    def test_other_job_refused_unless_overwrite(self, model: Any, files: tuple[str, str], out: Path) -> None:
-        self.run(model, files, out)
-        with pytest.raises(StoreMismatchError, match=r"options\.chunk_size: the store has 64, this call 32"):
-            self.run(model, files, out, chunk_size=32)
-        changed = seed_model("tensorflow")
-        changed.set_weights([w + 1e-3 for w in changed.get_weights()])
-        with pytest.raises(StoreMismatchError, match="different job \\(model: the store has 'sha256:"):
-            self.run(changed, files, out)
-        result = self.run(changed, files, Store(out, overwrite=True, output_names=Y_NAMES))
-        assert result.computed_chunks == 10
-        assert self.run(changed, files, out).computed_chunks == 0
-
-    def test_foreign_output_refused(self, model: Any, files: tuple[str, str], out: Path) -> None:
-        out.write_text("somebody's file\n")
-        with pytest.raises(StoreExistsError, match="exists and is not a finished batchjac output"):
-            self.run(model, files, out)
-        assert out.read_text() == "somebody's file\n"
-        self.run(model, files, Store(out, overwrite=True))
-        assert read_manifest(out) is not None
-
-    def test_unknown_directory_never_deleted(self, model: Any, files: tuple[str, str], out: Path) -> None:
-        out.mkdir()
-        (out / "notes.txt").write_text("keep me\n")
-        with pytest.raises(StoreExistsError):
-            self.run(model, files, Store(out, overwrite=True))
-        assert (out / "notes.txt").read_text() == "keep me\n"
-
-    def test_full_disk_leaves_resumable_store(self, model: Any, files: tuple[str, str], out: Path,
-                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        clean = tmp_path / "clean" / out.name
-        self.run(model, files, clean)
-        with monkeypatch.context() as m:
-            self.fail_at_chunk(m, 3)
-            with pytest.raises(StoreWriteError, match=r"disk is full.*run the same command again") as info:
-                self.run(model, files, out)
-            assert info.value.errno == errno.ENOSPC
-        # incomplete: nothing under the output's names, nothing that reads as finished
-        assert not out.exists()
-        assert read_manifest(out) is None
-        with pytest.raises(batchjac.InputError, match="not a finished batchjac output"):
-            open_store(out)
-        assert sorted(os.listdir(Path(str(out) + ".partial") / "done")) == [f"{i:08d}.json" for i in range(3)]
-        result = self.run(model, files, out)
-        assert (result.resumed_chunks, result.computed_chunks) == (3, 7)
-        assert snapshot(out) == renamed(snapshot(clean), "clean/", "")
-
-    def test_changed_inputs_detected_on_resume(self, model: Any, files: tuple[str, str], out: Path,
-                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               arrays: tuple[np.ndarray, np.ndarray]) -> None:
-        u, k = arrays
-        known = tmp_path / "k.npy"
-        np.save(known, k)
-        mine = (files[0], str(known))
-        with monkeypatch.context() as m:
-            self.fail_at_chunk(m, 3)
-            with pytest.raises(StoreWriteError):
-                self.run(model, mine, out)
-        edited = k.copy()
-        edited[70, 1] += 1.0  # in chunk 1, already done
-        np.save(known, edited)
-        with pytest.raises(StoreMismatchError, match="rows 64:128 of the inputs differ"):
-            self.run(model, mine, out)
-        edited = k.copy()
-        edited[500, 1] += 1.0  # in chunk 7, not computed yet: its rows are read now anyway
-        np.save(known, edited)
-        result = self.run(model, mine, out)
-        assert result.computed_chunks == 7
-        expect = in_memory(model, u, edited)
-        np.testing.assert_array_equal(np.asarray(result.open()[:]), expect)
-
-    def test_busy_store_refused(self, model: Any, files: tuple[str, str], out: Path,
-                                monkeypatch: pytest.MonkeyPatch) -> None:
-        with monkeypatch.context() as m:
-            self.fail_at_chunk(m, 1)
-            with pytest.raises(StoreWriteError):
-                self.run(model, files, out)
-        other = _stores._WorkDir(out)
-        other.claim()  # another writer holds the lock
-        try:
-            with pytest.raises(StoreBusyError, match="being written by another process"):
-                self.run(model, files, out)
-        finally:
-            other.release()
-        assert self.run(model, files, out).resumed_chunks == 1
-
     def test_zero_rows(self, model: Any, out: Path, tmp_path: Path) -> None:
         result = batchjac.jacobian(model, np.zeros((0, 5), np.float32), np.zeros((0, 3), np.float32),
                                    out=out)
@@ -247,7 +182,7 @@ class StoreConformance:
 
 class TestZarrStore(StoreConformance):
     suffix = ".zarr"
-    writer = "_ZarrWriter"
+    writer = "ZarrWriter"
 
     def names(self, out: Path) -> tuple[list[str], list[str]]:
         group = zarr.open_group(str(out), mode="r")
@@ -259,7 +194,7 @@ class TestZarrStore(StoreConformance):
 
 class TestHDF5Store(StoreConformance):
     suffix = ".h5"
-    writer = "_StagedWriter"
+    writer = "StagedWriter"
 
     def names(self, out: Path) -> tuple[list[str], list[str]]:
         with h5py.File(out, "r") as f:
@@ -270,7 +205,7 @@ class TestHDF5Store(StoreConformance):
 
 class TestNpyStore(StoreConformance):
     suffix = ".npy"
-    writer = "_NpyWriter"
+    writer = "NpyWriter"
 
     def names(self, out: Path) -> tuple[list[str], list[str]]:
         meta = json.loads(out.with_name("jac.manifest.json").read_text())["metadata"]

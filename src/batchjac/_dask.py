@@ -192,16 +192,15 @@ def dask_jacobian(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ..
 def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: Any, dtype: Any,
                 unknown_shape: tuple[int, ...], names: tuple[str, ...], rows: list[np.ndarray],
                 index: int, lo: int, hi: int, chunk_size: int, mode: str, with_outputs: bool,
-                fmt_name: str, out: str, arrays: list[Any], variant: str | None = None
+                fmt: Any, out: str, arrays: list[Any], variant: str | None = None
                 ) -> dict[str, Any]:
-    """On a worker: compute one chunk, write it into the store's data, fsync, record it.
-    The same steps, hashes and records as the local path (``_stores._compute_chunks``)."""
-    from pathlib import Path
-
+    """On a worker: compute one chunk, then save it into the store's data (write, fsync,
+    record) with the one function that saves a unit (``_stores.save_chunk``): the same steps,
+    hashes and records as the local path."""
     from ._bind import prepare
     from ._runner import Chunk, call, pad_args
     from ._spec import BatchSpec
-    from ._stores import _FORMATS, _WorkDir, hash_arrays, save_chunk
+    from ._stores import Unit, hash_arrays, save_chunk_at
 
     spec = BatchSpec(arrays=rows, layout=layout, dtype=dtype, n=hi - lo, unknown_shape=unknown_shape,
                      names=names)
@@ -209,50 +208,43 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
     u, ctx = spec.chunk(0, hi - lo)
     kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant)  # type: ignore[arg-type]
     out_ = call(kernel, *pad_args(u, ctx, chunk_size), Chunk(index, lo, hi), rows=hi - lo)
-    values = {a.name: np.ascontiguousarray(out_[a.name], dtype=a.dtype) for a in arrays}  # as stored
-    writer = _FORMATS[fmt_name].writer(_WorkDir(Path(out)).data, arrays)
-    try:
-        return save_chunk(writer, _WorkDir(Path(out)), index, lo, hi, values, hash_arrays([u, *ctx]))
-    finally:
-        writer.close()
+    return save_chunk_at(fmt, out, arrays, index, lo, hi, Unit(out_, hash_arrays([u, *ctx])))
 
 
 def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict[str, Any],
-                            bound: Any, spec: Any, fmt: Any, work: Any, out: Any, arrays: list[Any],
-                            plan: dict[str, Any], todo: list[int], with_outputs: bool, bar: Any,
-                            done: dict[int, dict[str, Any]]) -> None:
-    """The store's chunk loop on a Dask cluster: workers compute and write the chunks; this
-    process reads input rows, keeps a bounded number of tasks in flight, and collects the
-    records (which the workers have already written durably)."""
+                            bound: Any, spec: Any, with_outputs: bool, pending: Any) -> None:
+    """The store's chunk loop on a Dask cluster (``pending``: the store's chunks still to do,
+    ``_stores.Pending``): workers compute and save the chunks; this process reads input rows,
+    keeps a bounded number of tasks in flight, and collects the records (which the workers
+    have already written durably)."""
     from dask.distributed import as_completed
 
     from ._errors import ModelError
-    from ._runner import chunk_bounds
 
     del bound  # workers bind their own copy
     ref = client.scatter(ModelRef(model), broadcast=True, hash=False)
-    cs, n = plan["chunk_size"], plan["rows"]
+    plan = pending.plan
     workers = max(1, len(client.scheduler_info().get("workers", {})))
     window = 2 * workers  # enough to keep every worker busy, bounded input memory
-    queue = list(todo)
+    queue = list(pending.todo)
     index_of: dict[Any, int] = {}
 
     def submit(index: int) -> Any:
-        chunk = chunk_bounds(index, cs, n)
-        lo, hi = chunk.lo, chunk.hi
+        lo, hi = pending.bounds(index)
         rows = [np.asarray(a[lo:hi]) for a in spec.arrays]
         fut = client.submit(_store_task, ref, backend, options, spec.layout, spec.dtype, spec.unknown_shape,
-                            spec.names, rows, index, lo, hi, cs, plan["mode"], with_outputs, fmt.name,
-                            str(out), arrays, plan.get("variant"), pure=False, retries=2)
+                            spec.names, rows, index, lo, hi, plan["chunk_size"], plan["mode"],
+                            with_outputs, pending.format, str(pending.out), pending.arrays,
+                            plan.get("variant"), pure=False, retries=2)
         index_of[fut] = index
         return fut
 
     cancelled: set[int] = set()
-    pending = as_completed([submit(queue.pop(0)) for _ in range(min(window, len(queue)))])
-    for fut in pending:
+    in_flight = as_completed([submit(queue.pop(0)) for _ in range(min(window, len(queue)))])
+    for fut in in_flight:
         index = index_of.pop(fut)
         try:
-            done[index] = fut.result()
+            record = fut.result()
         except BatchJacError:
             raise
         except CancelledError:
@@ -262,14 +254,13 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
                 raise ModelError(f"Chunk {index} was cancelled on the cluster twice; the chunks "
                                  "done are kept: run the same call again to resume.") from None
             cancelled.add(index)
-            pending.add(submit(index))
+            in_flight.add(submit(index))
             continue
         except Exception as e:
             raise ModelError(f"Chunk {index} failed on the cluster: {type(e).__name__}: {e}") from e
-        if bar is not None:
-            bar.update(done[index]["hi"] - done[index]["lo"])
+        pending.finished(index, record)
         if queue:
-            pending.add(submit(queue.pop(0)))
+            in_flight.add(submit(queue.pop(0)))
 
 
 @contextlib.contextmanager

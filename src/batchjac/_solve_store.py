@@ -1,7 +1,8 @@
 """Resumable output for ``batchjac solve``: solutions written block by block, crash-safe.
 
-The same machinery and guarantees as the Jacobian stores (:mod:`batchjac._stores`), applied
-to :func:`batchjac.solve`:
+The same resume protocol and guarantees as the Jacobian stores (:mod:`batchjac._stores`,
+:func:`batchjac._stores.run`), applied to :func:`batchjac.solve`; this module only describes the
+job (its inputs, options and arrays) and how one block is solved:
 
 - Instances are solved in **blocks** of consecutive rows, fixed when the output is created
   (recorded in its manifest). Each block is one :func:`~batchjac.solve` call on rows read from
@@ -31,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,34 +43,23 @@ import numpy as np
 
 from ._errors import BatchJacError, InputError
 from ._stores import (
-    _FORMATS,
-    MARKER,
-    STORE_VERSION,
-    ArrayInfo,
-    ChunkWriter,
+    ArraySpec,
     Format,
-    StoreMismatchError,
-    _digest,
-    _dims,
-    _framework_version,
-    _is_complete_manifest,
-    _job_problem,
-    _jsonable,
-    _load_manifest,
-    _NpyWriter,
-    _probe,
-    _rows,
-    _WorkDir,
-    _write_error,
-    check_target,
-    create_npy,
-    fsync_dir,
+    HDF5Format,
+    Job,
+    NpyDirFormat,
+    Outcome,
+    Target,
+    Unit,
+    UnitFunction,
+    Wording,
+    ZarrFormat,
+    dims,
+    framework_version,
     hash_arrays,
-    progress_bar,
-    read_npy_rows,
-    storage_rows,
-    verify_kept,
-    write_json_atomic,
+    jsonable,
+    probe,
+    run,
 )
 from ._version import __version__
 
@@ -138,7 +128,7 @@ def output_format(out: str | os.PathLike[str]) -> str:
 
 def open_result(path: str | os.PathLike[str], name: str = "x") -> Any:
     """Array ``name`` of a finished solve output, read-only and lazy."""
-    fmt = _solve_formats()[output_format(path)]
+    fmt = result_format(path)
     if fmt.read_manifest(Path(path)) is None:
         raise InputError(f"{os.fspath(path)!r} is not a finished batchjac solve output.")
     return fmt.open(Path(path), name)
@@ -171,19 +161,116 @@ def solve_to_store(
 ) -> SolveStoreResult:
     """Solve every instance of ``inputs`` (see :func:`batchjac.solve` for the options) into a
     resumable output at ``out`` (see the module docstring)."""
-    from . import _backends
-    from ._bind import prepare
-    from ._config import default_max_memory, parse_bytes
-    from ._plan import make_plan
-    from ._solve import Status, _n_unknowns, solve
-    from ._validate import normalize, resolve_dtype
-
     start = time.perf_counter()
     out_path = Path(out)
-    fmt = _solve_formats()[output_format(out_path)]
-    work = _WorkDir(out_path)
-    work.sweep()
+    fmt = result_format(out_path)
+    options = _Options(method=method, max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
+                       n_starts=n_starts, seed=seed, covariance=return_covariance,
+                       jacobian=return_jacobian)
+    problem = _problem(model, inputs, n_unknowns=n_unknowns, n_starts=n_starts, dtype=dtype,
+                       backend=backend, backend_options=backend_options, max_memory=max_memory,
+                       block_size=block_size)
+    job = _job(model, problem, options, model_id=model_id, fmt=fmt, explain=explain)
+    outcome = run(Target(out_path, fmt, overwrite, WORDING), lambda: job, progress=progress)
+    return _result(out_path, fmt, outcome, seconds=time.perf_counter() - start)
 
+
+#: how solve outputs name things in their messages (the command line's options)
+WORDING = Wording(
+    what="batchjac solve output", unit="block", rows="instances", store="output", verb="solved",
+    finished_job=("The output {out!r} exists and was made by a different job ({problem}). Choose "
+                  "another --out, or pass --overwrite to replace it."),
+    unfinished_job=("{out!r} has an unfinished output in {work!r} made by a different job "
+                    "({problem}). Pass --overwrite to discard it and start again, or choose "
+                    "another --out."),
+    unfinished_inputs=("{out!r} has an unfinished output in {work!r} solved from other inputs "
+                       "(rows {lo}:{hi} differ). Pass --overwrite to discard it, or choose another "
+                       "--out."))
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The options of the solver that change the results (each block is solved with them)."""
+
+    method: str
+    max_iter: int
+    xtol: float | None
+    ftol: float | None
+    gtol: float | None
+    n_starts: int
+    seed: int | None
+    covariance: bool
+    jacobian: bool
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """What is solved: the inputs (``n`` instances, ``k`` unknowns, which inputs have one row
+    per instance), the model bound on a probe batch (its output shape), and the blocks."""
+
+    inputs: SolveInputs
+    n: int
+    k: int
+    per_row: dict[str, bool]
+    dtype: np.dtype
+    backend: str
+    backend_options: dict[str, Any]
+    bound: Any
+    spec: Any
+    out_shape: tuple[int, ...]
+    mode: str
+    mode_reason: str
+    block_size: int
+    n_blocks: int
+
+    def rows(self, lo: int, hi: int) -> dict[str, Any]:
+        """Every input for instances ``lo:hi``."""
+        return _head(self.inputs, self.per_row, lo, hi)
+
+    def input_hash(self, rows: dict[str, Any]) -> str:
+        """The sha256 of the per-instance inputs among ``rows`` (the others are in the job)."""
+        parts = [rows[key] for key in sorted(rows) if rows[key] is not None and
+                 (key in ("targets", "known") or self.per_row.get(key))]
+        return hash_arrays([np.asarray(p) for p in parts])
+
+
+def _problem(model: Any, inputs: SolveInputs, *, n_unknowns: int | None, n_starts: int,
+             dtype: Any, backend: str | None, backend_options: dict[str, Any] | None,
+             max_memory: int | str | None, block_size: int | None) -> _Problem:
+    """The inputs checked, the model bound, the blocks chosen."""
+    from ._solve import _n_unknowns
+    from ._validate import resolve_dtype
+
+    n, per_row = _instances(inputs)
+    head = _head(inputs, per_row, 0, min(n, 1))
+    k = _n_unknowns(head["x0"], (head["lower"], head["upper"]), n_unknowns, min(n, 1))
+    if n_starts < 1 or isinstance(n_starts, bool):
+        raise InputError(f"`n_starts` must be an integer >= 1; got {n_starts!r}.")
+    dt = resolve_dtype(dtype, [np.empty(0, a.dtype) for a in (inputs.targets, inputs.known, inputs.x0)
+                               if a is not None and hasattr(a, "dtype") and a.dtype.kind == "f"
+                               and getattr(a, "carries_dtype", True)])
+    spec, name, options, bound = _bind(model, inputs.known, k, dt, backend, backend_options)
+    out_shape = tuple(bound.output_shape)
+    t = inputs.targets
+    if tuple(t.shape[1:]) != out_shape:
+        raise InputError(f"`targets` has shape {tuple(t.shape)}, but the model's output for one "
+                         f"instance has shape {out_shape}; targets must be (N, *output_shape) = "
+                         f"{(n, *out_shape)}.")
+    out_ndim = 1 + len(out_shape)
+    per_row["weights"] = _is_per_row(inputs.weights, n, out_ndim)
+    per_row["sigma"] = _is_per_row(inputs.sigma, n, out_ndim)
+    h = 0 if inputs.known is None else int(inputs.known.shape[1])
+    mode, reason, block_size = _blocks(n, k, math.prod(out_shape), h, dt, n_starts, max_memory,
+                                       block_size)
+    return _Problem(inputs=inputs, n=n, k=k, per_row=per_row, dtype=dt, backend=name,
+                    backend_options=options, bound=bound, spec=spec, out_shape=out_shape,
+                    mode=mode, mode_reason=reason.split(";")[0], block_size=block_size,
+                    n_blocks=-(-n // block_size) if n else 0)
+
+
+def _instances(inputs: SolveInputs) -> tuple[int, dict[str, bool]]:
+    """The number of instances, and which of ``x0``, ``lower``, ``upper`` have one row per
+    instance; the known inputs checked to have one row per instance."""
     t = inputs.targets
     if len(getattr(t, "shape", np.shape(t))) == 0:
         raise InputError("`targets` must have one row per instance, shape (N, *output_shape).")
@@ -196,38 +283,38 @@ def solve_to_store(
         if h.shape[0] != n:
             raise InputError(f"`known` has {h.shape[0]} rows but `targets` has {n}; they must have "
                              f"one row per instance.")
-    per_row = {name: _is_per_row(getattr(inputs, name), n, ndim)
+    return n, {name: _is_per_row(getattr(inputs, name), n, ndim)
                for name, ndim in (("x0", 2), ("lower", 2), ("upper", 2))}
-    head = _head(inputs, per_row, 0, min(n, 1))
-    k = _n_unknowns(head["x0"], (head["lower"], head["upper"]), n_unknowns, min(n, 1))
-    if n_starts < 1 or isinstance(n_starts, bool):
-        raise InputError(f"`n_starts` must be an integer >= 1; got {n_starts!r}.")
-    dt = resolve_dtype(dtype, [np.empty(0, a.dtype) for a in (t, h, inputs.x0)
-                               if a is not None and hasattr(a, "dtype") and a.dtype.kind == "f"
-                               and getattr(a, "carries_dtype", True)])
 
-    # bind the model on a probe batch: its output shape, and the probe that recognises it
+
+def _bind(model: Any, known: Any, k: int, dt: np.dtype, backend: str | None,
+          backend_options: dict[str, Any] | None) -> tuple[Any, str, dict[str, Any], Any]:
+    """The model bound on a probe batch (its output shape, and the probe that recognises it):
+    (spec, backend, backend options, bound)."""
+    from . import _backends
+    from ._bind import prepare
+    from ._validate import normalize
+
     rng = np.random.default_rng(20240611)
     x_probe = rng.standard_normal((4, k)).astype(dt)
-    probe_inputs = (x_probe,) if h is None else (x_probe, rng.standard_normal((4, h.shape[1])))
+    probe_inputs = (x_probe,) if known is None else (x_probe, rng.standard_normal((4, known.shape[1])))
     spec = normalize(probe_inputs, wrt=None, dtype=dt, nan_policy="propagate")
     name = backend or _backends.detect(model)
     options = backend_options or {}
     bound = prepare(model, spec, name, options)
     assert bound.output_shape is not None
-    out_shape = tuple(bound.output_shape)
-    if tuple(t.shape[1:]) != out_shape:
-        raise InputError(f"`targets` has shape {tuple(t.shape)}, but the model's output for one "
-                         f"instance has shape {out_shape}; targets must be (N, *output_shape) = "
-                         f"{(n, *out_shape)}.")
-    m = math.prod(out_shape)
-    out_ndim = 1 + len(out_shape)
-    per_row["weights"] = _is_per_row(inputs.weights, n, out_ndim)
-    per_row["sigma"] = _is_per_row(inputs.sigma, n, out_ndim)
+    return spec, name, options, bound
+
+
+def _blocks(n: int, k: int, m: int, h: int, dt: np.dtype, n_starts: int,
+            max_memory: int | str | None, block_size: int | None) -> tuple[str, str, int]:
+    """The mode the cost model picks (and why), and the rows of a block: at most 1/TARGET_BLOCKS
+    of the instances, at least MIN_BLOCK, within the memory budget (unless given)."""
+    from ._config import default_max_memory, parse_bytes
+    from ._plan import make_plan
 
     budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
-    in_elems = k + (0 if h is None else int(h.shape[1]))
-    plan = make_plan(n=max(n * n_starts, 1), k=k, m=m, in_elems=in_elems, dtype=dt, mode="auto",
+    plan = make_plan(n=max(n * n_starts, 1), k=k, m=m, in_elems=k + h, dtype=dt, mode="auto",
                      chunk_size=None, max_memory=budget)
     if block_size is None:
         by_memory = max(1, plan.chunk_size // n_starts)
@@ -235,192 +322,123 @@ def solve_to_store(
     elif isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
             or block_size < 1:
         raise InputError(f"`block_size` must be a positive integer; got {block_size!r}.")
-    block_size = int(min(block_size, max(n, 1)))
-    n_blocks = -(-n // block_size) if n else 0
+    return plan.mode, plan.reason, int(min(block_size, max(n, 1)))
 
-    job = _jsonable({
+
+def _job(model: Any, p: _Problem, o: _Options, *, model_id: str | None, fmt: Format,
+         explain: bool) -> Job:
+    """The solve output's job, for the resume protocol."""
+    from ._solve import Status
+
+    description = {
         "kind": "solve",
         "batchjac": __version__,
-        "framework": _framework_version(name),
+        "framework": framework_version(p.backend),
         "model": model_id or _fingerprint(model),
-        "inputs": {key: _describe(getattr(inputs, key), key in ("targets", "known") or per_row[key])
+        "inputs": {key: _describe(getattr(p.inputs, key), key in ("targets", "known") or p.per_row[key])
                    for key in ("targets", "known", "x0", "lower", "upper", "weights", "sigma")},
         "options": {
-            "method": method, "max_iter": max_iter, "xtol": xtol, "ftol": ftol, "gtol": gtol,
-            "n_starts": n_starts, "seed": seed, "n_unknowns": k, "dtype": dt.name,
-            "backend": name, "backend_options": options, "covariance": return_covariance,
-            "jacobian": return_jacobian, "block_size": block_size, "format": fmt.name,
+            "method": o.method, "max_iter": o.max_iter, "xtol": o.xtol, "ftol": o.ftol,
+            "gtol": o.gtol, "n_starts": o.n_starts, "seed": o.seed, "n_unknowns": p.k,
+            "dtype": p.dtype.name, "backend": p.backend, "backend_options": p.backend_options,
+            "covariance": o.covariance, "jacobian": o.jacobian, "block_size": p.block_size,
+            "format": fmt.name,
         },
-    })
-    probe = _probe(bound, spec)
-    arrays = _arrays(n, k, out_shape, dt, block_size, return_covariance, return_jacobian)
+    }
+    plan = {"rows": p.n, "chunk_size": p.block_size, "chunks": p.n_blocks, "mode": p.mode,
+            "mode_reason": p.mode_reason}
 
-    existing = check_target(out_path, fmt, work, overwrite, "batchjac solve output")
-
-    def hashes_of(index: int) -> tuple[str, dict[str, Any]]:
-        lo, hi = _rows(index, block_size, n)
-        rows = _head(inputs, per_row, lo, hi)
-        parts = [rows[key] for key in sorted(rows) if rows[key] is not None and
-                 (key in ("targets", "known") or per_row.get(key))]
-        return hash_arrays([np.asarray(p) for p in parts]), rows
-
-    if existing is not None:
-        problem = _job_problem(existing, job, probe)
-        if problem is None and _digest([hashes_of(i)[0] for i in range(n_blocks)]) \
-                != existing.get("digests", {}).get("inputs"):
-            problem = "the input rows differ from those the output was solved from"
-        if problem is None:
-            if work.path.exists() and (work.path / MARKER).exists():
-                work.remove()
-            return _result(out_path, fmt, existing, computed=0, seconds=time.perf_counter() - start)
-        if not overwrite:
-            raise StoreMismatchError(
-                f"The output {os.fspath(out_path)!r} exists and was made by a different job "
-                f"({problem}). Choose another --out, or pass --overwrite to replace it.")
-
-    try:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        work.claim()
-    except OSError as e:
-        raise _write_error(e, out_path, "the work directory") from e
-    try:
-        work.vet(overwrite)
-        stored = work.manifest()
-        if stored is not None:
-            problem = _job_problem(stored, job, probe)
-            if problem is not None:
-                if not overwrite:
-                    raise StoreMismatchError(
-                        f"{os.fspath(out_path)!r} has an unfinished output in "
-                        f"{os.fspath(work.path)!r} made by a different job ({problem}). Pass "
-                        f"--overwrite to discard it and start again, or choose another --out.")
-                stored = None
-        if stored is not None:
-            manifest = dict(stored)
-            fmt.clean(work.data)
-        else:
-            work.reset()
-            layout = {"rows": n, "chunk_size": block_size, "chunks": n_blocks,
-                      "mode": plan.mode, "mode_reason": plan.reason.split(";")[0]}
-            manifest = _jsonable({
-                "store_version": STORE_VERSION, "complete": False, "job": job, "probe": probe,
-                "plan": layout,
-                "arrays": {a.name: {"shape": list(a.shape), "dtype": a.dtype} for a in arrays},
-                "status_codes": {s.name.lower(): int(s.value) for s in Status},
+    def extras(_: dict[str, Any]) -> dict[str, Any]:
+        return {"status_codes": {s.name.lower(): int(s.value) for s in Status},
                 # the seed of the random starts: drawn once when none was given, kept for resumes
-                "seed": seed if seed is not None or n_starts == 1 else
-                int(np.random.SeedSequence().generate_state(1, np.uint32)[0]),
-            })
-            try:
-                work.data.mkdir()
-                work.done.mkdir()
-                fmt.create(work.data, arrays)
-                write_json_atomic(work.manifest_path, manifest)
-            except OSError as e:
-                raise _write_error(e, out_path, "the new output") from e
+                "seed": o.seed if o.seed is not None or o.n_starts == 1 else
+                int(np.random.SeedSequence().generate_state(1, np.uint32)[0])}
+
+    def announce(manifest: dict[str, Any]) -> None:
         if explain:
-            import sys
-
-            mode_reason = manifest["plan"]["mode_reason"]
-            sys.stderr.write(f"batchjac solve: {n} instances in {n_blocks} blocks of "
-                             f"{block_size} (the unit of progress and resume; at most 1/"
+            sys.stderr.write(f"batchjac solve: {p.n} instances in {p.n_blocks} blocks of "
+                             f"{p.block_size} (the unit of progress and resume; at most 1/"
                              f"{TARGET_BLOCKS} of the instances, at least {MIN_BLOCK}, within "
-                             f"the memory budget); {mode_reason}\n")
+                             f"the memory budget); {manifest['plan']['mode_reason']}\n")
 
-        seed_used = manifest.get("seed")
-        mode = manifest["plan"]["mode"]
-        done = work.done_records(n_blocks, block_size, n)
-        for index in sorted(done):
-            if hashes_of(index)[0] != done[index]["input"]:
-                lo, hi = _rows(index, block_size, n)
-                if not overwrite:
-                    raise StoreMismatchError(
-                        f"{os.fspath(out_path)!r} has an unfinished output in "
-                        f"{os.fspath(work.path)!r} solved from other inputs (rows {lo}:{hi} "
-                        f"differ). Pass --overwrite to discard it, or choose another --out.")
-                work.release()
-                work.remove()
-                return solve_to_store(
-                    model, inputs, out, overwrite=overwrite, model_id=model_id, method=method,
-                    max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol, n_starts=n_starts,
-                    seed=seed, n_unknowns=n_unknowns, dtype=dtype, backend=backend,
-                    backend_options=backend_options, return_covariance=return_covariance,
-                    return_jacobian=return_jacobian, max_memory=max_memory,
-                    block_size=block_size, progress=progress, explain=explain)
+    return Job(description=jsonable(description), probe=probe(p.bound, p.spec),
+               arrays=_arrays(p, o), input_hash=lambda lo, hi: p.input_hash(p.rows(lo, hi)),
+               plan=lambda: dict(plan), compute=lambda manifest: _solver(model, p, o, manifest),
+               extras=extras, summary=lambda done: _summary(p.n, done), announce=announce)
 
-        verify_kept(fmt, work, arrays, done, block_size, n, unit="block", stacklevel=3)
-        todo = [i for i in range(n_blocks) if i not in done]
-        bar = progress_bar(progress, n, sum(r["hi"] - r["lo"] for r in done.values()))
+
+def _solver(model: Any, p: _Problem, o: _Options, manifest: dict[str, Any]) -> UnitFunction:
+    """The function solving one block, in the mode and with the seed the output recorded."""
+    from . import _solve
+    from ._errors import add_context
+
+    seed, mode = manifest.get("seed"), manifest["plan"]["mode"]
+    names = [a.name for a in _arrays(p, o)]
+
+    def block(index: int, lo: int, hi: int) -> Unit:
+        rows = p.rows(lo, hi)
+        block_seed = None if seed is None else int(
+            np.random.SeedSequence([seed, lo]).generate_state(1, np.uint32)[0])
         try:
-            writer = fmt.writer(work.data, arrays) if todo else None
-            try:
-                for index in todo:
-                    lo, hi = _rows(index, block_size, n)
-                    in_hash, rows = hashes_of(index)
-                    block_seed = None if seed_used is None else int(
-                        np.random.SeedSequence([seed_used, lo]).generate_state(1, np.uint32)[0])
-                    try:
-                        res = solve(
-                            model, rows["targets"], rows["known"], x0=rows["x0"],
-                            bounds=None if rows["lower"] is None and rows["upper"] is None
-                            else (rows["lower"], rows["upper"]),
-                            method=method, max_iter=max_iter, xtol=xtol, ftol=ftol,  # type: ignore[arg-type]
-                            gtol=gtol, weights=rows["weights"], sigma=rows["sigma"],
-                            n_starts=n_starts, seed=block_seed, n_unknowns=k, dtype=dt,
-                            mode=mode, chunk_size=(hi - lo) * n_starts if n_blocks == 1
-                            else block_size * n_starts, backend=name,  # type: ignore[arg-type]
-                            backend_options=options, return_covariance=return_covariance,
-                            return_jacobian=return_jacobian, reproducible=True)
-                    except BatchJacError as e:
-                        from ._errors import add_context
+            res = _solve.solve(
+                model, rows["targets"], rows["known"], x0=rows["x0"],
+                bounds=None if rows["lower"] is None and rows["upper"] is None
+                else (rows["lower"], rows["upper"]),
+                method=o.method, max_iter=o.max_iter, xtol=o.xtol, ftol=o.ftol,  # type: ignore[arg-type]
+                gtol=o.gtol, weights=rows["weights"], sigma=rows["sigma"],
+                n_starts=o.n_starts, seed=block_seed, n_unknowns=p.k, dtype=p.dtype,
+                mode=mode, chunk_size=(hi - lo) * o.n_starts if p.n_blocks == 1
+                else p.block_size * o.n_starts, backend=p.backend,  # type: ignore[arg-type]
+                backend_options=p.backend_options, return_covariance=o.covariance,
+                return_jacobian=o.jacobian, reproducible=True)
+        except BatchJacError as e:
+            raise add_context(e, f"block {index}, instances {lo}:{hi}") from e
+        return Unit({name: getattr(res, name) for name in names}, p.input_hash(rows),
+                    {"counts": res.summary()})
 
-                        raise add_context(e, f"block {index}, instances {lo}:{hi}") from e
-                    # as stored (each array's dtype): the digest is checked against the stored
-                    # bytes when the output is resumed
-                    values = {a.name: np.ascontiguousarray(getattr(res, a.name), dtype=a.dtype)
-                              for a in arrays}
-                    result_hash = hash_arrays(list(values.values()))
-                    try:
-                        assert writer is not None
-                        writer.write(index, lo, hi, values)
-                        counts = res.summary()
-                        work.record(index, lo, hi, in_hash, result_hash, {"counts": counts})
-                    except OSError as e:
-                        raise _write_error(e, out_path, f"block {index} (instances {lo}:{hi})") from e
-                    done[index] = {"lo": lo, "hi": hi, "input": in_hash, "result": result_hash,
-                                   "counts": counts}
-                    if bar is not None:
-                        bar.update(hi - lo)
-            finally:
-                if writer is not None:
-                    writer.close()
-            totals: dict[str, int] = {}
-            for index in range(n_blocks):
-                for key, value in done[index].get("counts", {}).items():
-                    totals[key] = totals.get(key, 0) + int(value)
-            succeeded = sum(v for key, v in totals.items()
-                            if Status[key.upper()].value > 0)
-            final = _jsonable(dict(
-                manifest, complete=True,
-                digests={"inputs": _digest([done[i]["input"] for i in range(n_blocks)]),
-                         "results": _digest([done[i]["result"] for i in range(n_blocks)])},
-                summary={"instances": n, "succeeded": succeeded,
-                         "status_counts": dict(sorted(totals.items()))}))
-            try:
-                fmt.commit(work.data, out_path, final, arrays, n_blocks)
-            except OSError as e:
-                raise _write_error(e, out_path, "the finished output") from e
-        except BaseException:
-            if bar is not None:
-                bar.leave = False
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-    finally:
-        work.release()
-    work.remove()
-    return _result(out_path, fmt, final, computed=len(todo), seconds=time.perf_counter() - start)
+    return block
+
+
+def _summary(n: int, done: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The finished output's summary: status counts over every block's record."""
+    from ._solve import Status
+
+    totals: dict[str, int] = {}
+    for index in sorted(done):
+        for key, value in done[index].get("counts", {}).items():
+            totals[key] = totals.get(key, 0) + int(value)
+    succeeded = sum(v for key, v in totals.items() if Status[key.upper()].value > 0)
+    return {"summary": {"instances": n, "succeeded": succeeded,
+                        "status_counts": dict(sorted(totals.items()))}}
+
+
+def _arrays(p: _Problem, o: _Options) -> list[ArraySpec]:
+    """The results per instance: the solution and its diagnostics, the covariance and the
+    Jacobian at the solution when asked for."""
+    specs = [ArraySpec("x", (p.k,), p.dtype.name, ("instance", "unknown")),
+             ArraySpec("residual", (), "float64", ("instance",)),
+             ArraySpec("cost", (), "float64", ("instance",)),
+             ArraySpec("success", (), "bool", ("instance",)),
+             ArraySpec("status", (), "int8", ("instance",)),
+             ArraySpec("iterations", (), "int64", ("instance",)),
+             ArraySpec("rank", (), "int64", ("instance",)),
+             ArraySpec("rank_deficient", (), "bool", ("instance",)),
+             ArraySpec("start", (), "int64", ("instance",))]
+    if o.covariance:
+        specs.append(ArraySpec("covariance", (p.k, p.k), "float64", ("instance", "unknown", "unknown_2")))
+    if o.jacobian:
+        specs.append(ArraySpec("jacobian", (*p.out_shape, p.k), p.dtype.name,
+                               ("instance", *dims("output", p.out_shape), "unknown")))
+    return specs
+
+
+def _result(out: Path, fmt: Format, outcome: Outcome, *, seconds: float) -> SolveStoreResult:
+    plan, summary = outcome.manifest["plan"], outcome.manifest["summary"]
+    return SolveStoreResult(
+        path=os.fspath(out), format=fmt.name, instances=plan["rows"], blocks=plan["chunks"],
+        block_size=plan["chunk_size"], computed_blocks=outcome.computed,
+        resumed_blocks=outcome.resumed, succeeded=summary["succeeded"],
+        status_counts=summary["status_counts"], seconds=seconds)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -467,103 +485,25 @@ def _fingerprint(model: Any) -> str:
     return model_fingerprint(model)
 
 
-def _arrays(n: int, k: int, out_shape: tuple[int, ...], dt: np.dtype, block: int,
-            covariance: bool, jacobian: bool) -> list[ArrayInfo]:
-    spec = [("x", (n, k), dt.name, ("instance", "unknown")),
-            ("residual", (n,), "float64", ("instance",)),
-            ("cost", (n,), "float64", ("instance",)),
-            ("success", (n,), "bool", ("instance",)),
-            ("status", (n,), "int8", ("instance",)),
-            ("iterations", (n,), "int64", ("instance",)),
-            ("rank", (n,), "int64", ("instance",)),
-            ("rank_deficient", (n,), "bool", ("instance",)),
-            ("start", (n,), "int64", ("instance",))]
-    if covariance:
-        spec.append(("covariance", (n, k, k), "float64", ("instance", "unknown", "unknown_2")))
-    if jacobian:
-        spec.append(("jacobian", (n, *out_shape, k), dt.name,
-                     ("instance", *_dims("output", out_shape), "unknown")))
-    infos = []
-    for name, shape, dtype, dims in spec:
-        row_bytes = math.prod(shape[1:]) * np.dtype(dtype).itemsize
-        infos.append(ArrayInfo(name, shape, dtype, storage_rows(block, row_bytes, n), dims, {}))
-    return infos
+# -- formats -----------------------------------------------------------------------------------
+
+def _summary_file(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``summary.json`` of a finished directory of .npy files: the status counts, the status
+    codes and the options."""
+    return dict(manifest["summary"], status_codes=manifest["status_codes"],
+                options=manifest["job"]["options"])
 
 
-def _result(out: Path, fmt: Format, manifest: dict[str, Any], *, computed: int,
-            seconds: float) -> SolveStoreResult:
-    plan, summary = manifest["plan"], manifest["summary"]
-    return SolveStoreResult(
-        path=os.fspath(out), format=fmt.name, instances=plan["rows"], blocks=plan["chunks"],
-        block_size=plan["chunk_size"], computed_blocks=computed,
-        resumed_blocks=plan["chunks"] - computed, succeeded=summary["succeeded"],
-        status_counts=summary["status_counts"], seconds=seconds)
+_FORMATS: dict[str, Format] = {"npy-dir": NpyDirFormat(_summary_file), "zarr": ZarrFormat(),
+                               "hdf5": HDF5Format()}
 
 
-# -- the directory-of-.npy format ---------------------------------------------------------------
-
-class NpyDirFormat(Format):
-    """``OUT/`` holding one ``<name>.npy`` per result, ``manifest.json`` and ``summary.json``."""
-
-    name = "npy-dir"
-
-    def create(self, data: Path, arrays: list[ArrayInfo]) -> None:
-        for a in arrays:  # preallocated, space reserved, never through a link
-            create_npy(data / f"{a.name}.npy", a)
-
-    def writer(self, data: Path, arrays: list[ArrayInfo]) -> ChunkWriter:
-        return _NpyWriter(data, arrays)  # the same .npy files as a Jacobian store's
-
-    def read_chunk(self, data: Path, arrays: list[ArrayInfo], index: int, lo: int,
-                   hi: int) -> list[np.ndarray]:
-        return [read_npy_rows(data / f"{a.name}.npy", a, lo, hi) for a in arrays]
-
-    def commit(self, data: Path, out: Path, manifest: dict[str, Any], arrays: list[ArrayInfo],
-               n_chunks: int) -> None:
-        if data.exists():
-            summary = dict(manifest["summary"], status_codes=manifest["status_codes"],
-                           options=manifest["job"]["options"])
-            write_json_atomic(data / "summary.json", summary)
-            write_json_atomic(data / "manifest.json", manifest)
-            fsync_dir(data)
-            if os.path.lexists(out):  # an output being overwritten (checked removable before)
-                self.remove(out)
-            os.rename(data, out)  # the commit point
-        elif not out.exists():
-            raise BatchJacError(f"The finished output {os.fspath(data)!r} is missing.")
-        fsync_dir(out.parent)
-
-    def read_manifest(self, out: Path) -> dict[str, Any] | None:
-        if not (out / "manifest.json").is_file():
-            return None
-        manifest = _load_manifest(out / "manifest.json")
-        if not _is_complete_manifest(manifest):
-            return None
-        return manifest
-
-    def open(self, out: Path, name: str) -> Any:
-        path = out / f"{name}.npy"
-        if not path.exists():
-            raise InputError(f"{os.fspath(out)!r} has no array {name!r}.")
-        return np.load(path, mmap_mode="r")
-
-    def removable(self, out: Path) -> bool:
-        if out.is_dir() and not out.is_symlink():
-            return _load_manifest(out / "manifest.json") is not None
-        return super().removable(out)
-
-    def remove(self, out: Path) -> None:
-        if out.is_dir() and not out.is_symlink():
-            shutil.rmtree(out)
-        elif os.path.lexists(out):
-            out.unlink()
-
-
-def _solve_formats() -> dict[str, Format]:
-    return {"npy-dir": NpyDirFormat(), "zarr": _FORMATS["zarr"], "hdf5": _FORMATS["hdf5"]}
+def result_format(out: str | os.PathLike[str]) -> Format:
+    """The format of the solve output at ``out`` (by its suffix)."""
+    return _FORMATS[output_format(out)]
 
 
 def read_summary(out: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The summary in a finished output's manifest (status counts), or None."""
-    manifest = _solve_formats()[output_format(out)].read_manifest(Path(out))
+    manifest = result_format(out).read_manifest(Path(out))
     return None if manifest is None else json.loads(json.dumps(manifest["summary"]))
