@@ -37,8 +37,14 @@ def installed_backends() -> list[str]:
 def run_job(job: Job, backend: str, *, repeats: int, loop_rows: int, timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "batchjac._bench.worker", job.workload, backend, str(job.n),
            "--repeats", str(repeats), "--loop-rows", str(loop_rows)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    import tempfile
+
+    # a fresh tuning cache per case: the steady state is what this process's own tuning
+    # reaches, not decisions earlier runs on this machine left in the user's cache
+    with tempfile.TemporaryDirectory(prefix="batchjac-bench-cache-") as cache:
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore",
+               "BATCHJAC_CACHE_DIR": cache}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("BENCH-JSON "):
             return json.loads(line[len("BENCH-JSON "):])
@@ -353,6 +359,11 @@ def main(*, quick: bool, output: Path, backends: list[str] | None, workloads: li
          ) -> list[dict[str, Any]]:
     """The whole run. ``cold``: also the first calls in fresh processes (W1 only with
     ``quick``); ``only_cold``: those alone (no steady-state cases, no extra sections)."""
+    import tempfile
+
+    # nothing in the run reads decisions earlier runs left in the user's tuning cache: every
+    # case has a fresh cache directory of its own (this one for the extra sections)
+    os.environ["BATCHJAC_CACHE_DIR"] = tempfile.mkdtemp(prefix="batchjac-bench-cache-")
     started = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
     t0 = time.perf_counter()
     jobs = [j for j in (QUICK if quick else FULL) if not workloads or j.workload in workloads]
