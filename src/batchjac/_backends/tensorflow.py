@@ -201,11 +201,20 @@ class TFBound(BoundModel):
 
     # -- kernels -----------------------------------------------------------------------------
     def jac_reverse(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]) -> tuple[tf.Tensor, tf.Tensor]:
+        # batch_jacobian wants a target and a source of rank >= 2: a scalar output per
+        # instance, (N,), is exactly where mode="auto" picks reverse mode. Both are flattened
+        # to (N, m) and (N, k) (reshapes, which change no value) and J is shaped back.
+        ushape = self.signature.unknown_shape
+        k = int(np.prod(ushape, dtype=np.int64))
+        rows = tf.shape(u)[0]
+        flat_u = tf.reshape(u, (-1, k))
         with tf.GradientTape() as tape:
-            tape.watch(u)
-            y = self.apply(u, ctx)
-        jac = tape.batch_jacobian(y, u, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return y, jac
+            tape.watch(flat_u)
+            y = self.apply(tf.reshape(flat_u, tf.shape(u)), ctx)
+            m = y.shape[1:].num_elements()
+            flat_y = tf.reshape(y, (rows, -1 if m is None else m))
+        jac = tape.batch_jacobian(flat_y, flat_u, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return y, tf.reshape(jac, tf.concat([tf.shape(y), list(ushape)], axis=0))
 
     def jac_forward(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]) -> tuple[tf.Tensor, tf.Tensor]:
         ushape = self.signature.unknown_shape

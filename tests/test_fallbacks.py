@@ -1,0 +1,93 @@
+"""Valid models that used to crash batchjac (issue 19), in every backend they concern.
+
+Shapes the frameworks' Jacobian primitives refuse (a scalar output or a scalar unknown per
+instance, no unknown feature at all), outputs in another tensor type (``tf.IndexedSlices``),
+and models that one way of computing the Jacobians cannot handle: forward mode through
+TensorFlow control flow, TensorFlow's vectorisation (pfor) of control flow, JAX's reverse mode
+through ``lax.while_loop`` and its forward mode through ``custom_vjp``. Each must give the
+right Jacobians (another way, with one warning), or say what to do; and a failure must leave
+nothing behind that breaks the next call with the same model. References are closed forms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchjac
+
+from .helpers import assert_jac_close
+
+BACKENDS = ["tensorflow", "jax", "torch"]
+
+
+def data(shape: tuple[int, ...], seed: int, low: float = -1.5, high: float = 1.5) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(low, high, shape).astype(np.float32)
+
+
+def diag(d: np.ndarray) -> np.ndarray:
+    """(N, k) -> (N, k, k): per-instance diagonal Jacobians of an elementwise map."""
+    return np.einsum("ni,ij->nij", d, np.eye(d.shape[1]))
+
+
+# ---- rank-1 outputs and unknowns ---------------------------------------------------------------
+
+W3 = np.array([0.5, -1.0, 2.0])
+
+
+def rank1_models(backend: str) -> dict[str, Callable[..., Any]]:
+    """scalar_out: (N, 3) -> (N,); scalar_in: (N,) -> (N, 2); both: (N,) -> (N,)."""
+    if backend == "tensorflow":
+        tf = pytest.importorskip("tensorflow")
+        w = tf.constant(W3, tf.float32)
+
+        @tf.function
+        def scalar_out(x: Any) -> Any:
+            return tf.reduce_sum(tf.sin(x) * w, axis=1)
+
+        @tf.function
+        def scalar_in(x: Any) -> Any:
+            return tf.stack([tf.sin(x), x**2], axis=1)
+
+        @tf.function
+        def both(x: Any) -> Any:
+            return tf.sin(x) + 0.5 * x**2
+
+        return {"scalar_out": scalar_out, "scalar_in": scalar_in, "both": both}
+    if backend == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        wj = jnp.asarray(W3, jnp.float32)
+        return {"scalar_out": lambda x: jnp.sum(jnp.sin(x) * wj, axis=1),
+                "scalar_in": lambda x: jnp.stack([jnp.sin(x), x**2], axis=1),
+                "both": lambda x: jnp.sin(x) + 0.5 * x**2}
+    torch = pytest.importorskip("torch")
+    wt = torch.tensor(W3, dtype=torch.float32)
+    return {"scalar_out": lambda x: torch.sum(torch.sin(x) * wt, dim=1),
+            "scalar_in": lambda x: torch.stack([torch.sin(x), x**2], dim=1),
+            "both": lambda x: torch.sin(x) + 0.5 * x**2}
+
+
+@pytest.mark.parametrize("mode", ["auto", "forward", "reverse"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank1_outputs_and_unknowns_have_the_documented_shape(backend: str, mode: str) -> None:
+    """J is (N, *output_shape, *unknown_shape): (N, 3) for a scalar output of 3 unknowns,
+    (N, 2) for 2 outputs of a scalar unknown, (N,) when both are scalars (torch.func.jacrev's
+    convention per instance). TensorFlow's batch_jacobian refuses rank-1 tensors."""
+    models = rank1_models(backend)
+    x = data((13, 3), seed=190)
+    x64 = x.astype(np.float64)
+    jac = batchjac.jacobian(models["scalar_out"], x, mode=mode, backend=backend)
+    assert_jac_close(jac, np.cos(x64) * W3)
+
+    s = data((11,), seed=191)
+    s64 = s.astype(np.float64)
+    y, jac = batchjac.jacobian(models["scalar_in"], s, mode=mode, backend=backend,
+                               return_outputs=True)
+    assert y.shape == (11, 2)
+    assert_jac_close(jac, np.stack([np.cos(s64), 2 * s64], axis=1))
+
+    jac = batchjac.jacobian(models["both"], s, mode=mode, backend=backend, chunk_size=4)
+    assert_jac_close(jac, np.cos(s64) + s64)
