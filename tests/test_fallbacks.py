@@ -91,3 +91,36 @@ def test_rank1_outputs_and_unknowns_have_the_documented_shape(backend: str, mode
 
     jac = batchjac.jacobian(models["both"], s, mode=mode, backend=backend, chunk_size=4)
     assert_jac_close(jac, np.cos(s64) + s64)
+
+
+# ---- no unknown features -----------------------------------------------------------------------
+
+
+def elementwise(backend: str) -> Callable[..., Any]:
+    if backend == "tensorflow":
+        tf = pytest.importorskip("tensorflow")
+
+        @tf.function
+        def f(x: Any) -> Any:
+            return tf.sin(x) * 2.0
+
+        return f
+    if backend == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        return lambda x: jnp.sin(x) * 2.0
+    torch = pytest.importorskip("torch")
+    return lambda x: torch.sin(x) * 2.0
+
+
+@pytest.mark.parametrize("mode", ["auto", "forward", "reverse"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_unknown_features_give_empty_jacobians(backend: str, mode: str) -> None:
+    """Unknowns of shape (N, 0) beside known inputs (N, 3): J is (N, 3, 0) in every mode,
+    and the outputs are the model's."""
+    known = data((9, 3), seed=192)
+    unknown = np.zeros((9, 0), np.float32)
+    y, jac = batchjac.jacobian(elementwise(backend), unknown, known, mode=mode, backend=backend,
+                               return_outputs=True)
+    assert jac.shape == (9, 3, 0)
+    assert jac.dtype == np.float32
+    np.testing.assert_allclose(y, 2 * np.sin(known), rtol=1e-6)

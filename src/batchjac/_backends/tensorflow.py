@@ -219,6 +219,9 @@ class TFBound(BoundModel):
     def jac_forward(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]) -> tuple[tf.Tensor, tf.Tensor]:
         ushape = self.signature.unknown_shape
         k = int(np.prod(ushape, dtype=np.int64))
+        if k == 0:  # no unknown feature: no tangent to push (vectorized_map of none fails)
+            y = self.apply(u, ctx)
+            return y, tf.zeros(tf.concat([tf.shape(y), list(ushape)], axis=0), self.tf_dtype)
         basis = tf.reshape(tf.eye(k, dtype=self.tf_dtype), (k, *ushape))
 
         def one(tangent: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
