@@ -124,3 +124,24 @@ def test_zero_unknown_features_give_empty_jacobians(backend: str, mode: str) -> 
     assert jac.shape == (9, 3, 0)
     assert jac.dtype == np.float32
     np.testing.assert_allclose(y, 2 * np.sin(known), rtol=1e-6)
+
+
+# ---- TensorFlow: an output that is a tf.IndexedSlices ------------------------------------------
+
+
+def test_tensorflow_indexed_slices_output_is_densified() -> None:
+    tf = pytest.importorskip("tensorflow")
+
+    @tf.function
+    def grad_of_gathered(x: Any) -> Any:
+        # the gradient through a gather on axis 0 is a tf.IndexedSlices: here cos(x), per row
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            total = tf.reduce_sum(tf.sin(tf.gather(x, tf.range(tf.shape(x)[0]))))
+        return tape.gradient(total, x)
+
+    x = data((7, 3), seed=193)
+    for mode in ("auto", "reverse"):  # (auto: 3 unknowns, 3 outputs: reverse mode)
+        y, jac = batchjac.jacobian(grad_of_gathered, x, mode=mode, return_outputs=True)
+        np.testing.assert_allclose(y, np.cos(x), rtol=1e-6)
+        assert_jac_close(jac, diag(-np.sin(x.astype(np.float64))))

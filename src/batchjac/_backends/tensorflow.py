@@ -155,6 +155,8 @@ class TFBound(BoundModel):
             raise
         except Exception as e:
             raise _explain_model_failure(e, self.signature) from e
+        if isinstance(y, tf.IndexedSlices):  # e.g. a gradient through a gather: a dense tensor
+            y = tf.convert_to_tensor(y)
         if isinstance(y, (list, tuple, dict)):
             raise ModelError(
                 f"The model returned a {type(y).__name__} of {len(y)} outputs; batchjac "
