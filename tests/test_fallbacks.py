@@ -11,6 +11,7 @@ nothing behind that breaks the next call with the same model. References are clo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -145,3 +146,118 @@ def test_tensorflow_indexed_slices_output_is_densified() -> None:
         y, jac = batchjac.jacobian(grad_of_gathered, x, mode=mode, return_outputs=True)
         np.testing.assert_allclose(y, np.cos(x), rtol=1e-6)
         assert_jac_close(jac, diag(-np.sin(x.astype(np.float64))))
+    # TensorFlow's forward-mode accumulator cannot record the call of a function returning
+    # one (AttributeError: 'IndexedSlices' object has no attribute '_id'): it says what to do
+    with pytest.raises(batchjac.ModelError, match=r"IndexedSlices.*mode='reverse'"):
+        batchjac.jacobian(grad_of_gathered, x, mode="forward")
+
+
+def test_fallback_warnings_are_public() -> None:
+    for name in ("ForwardModeFallbackWarning", "ReverseModeFallbackWarning",
+                 "VectorizationFallbackWarning"):
+        assert name in batchjac.__all__
+        assert issubclass(getattr(batchjac, name), batchjac.BatchJacWarning)
+
+
+# ---- TensorFlow: forward mode through control flow -------------------------------------------
+
+#: (2 unknowns -> 5 outputs: mode="auto" picks forward mode)
+W25 = np.arange(10.0).reshape(2, 5) * 0.1 - 0.4
+
+
+def keras_model(kind: str) -> Any:
+    """2 unknowns -> 5 outputs through a layer whose forward mode TensorFlow cannot compute:
+    ``foldl``, a while loop reading a Keras variable ("a variable without handle data"), or
+    ``vectorized_map`` of a ``cond`` ("Required handle data not set")."""
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+
+    class Fold(keras.layers.Layer):
+        def build(self, shape: Any) -> None:
+            self.w = self.add_weight(shape=(2, 5), initializer=keras.initializers.Constant(W25))
+
+        def call(self, x: Any) -> Any:
+            if kind == "foldl":  # a <- tanh(a @ w.T @ w), three times, from a = x @ w
+                return tf.foldl(lambda a, _: tf.tanh(a @ tf.transpose(self.w) @ self.w),
+                                tf.range(3), initializer=x @ self.w)
+            h = x @ self.w  # per row: sin(h) where h[0] > 0, else h**2
+            return tf.vectorized_map(lambda r: tf.cond(r[0] > 0, lambda: tf.sin(r),
+                                                       lambda: r**2), h)
+
+    return keras.Sequential([keras.Input((2,)), Fold()])
+
+
+def keras_reference(kind: str, x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    if kind == "foldl":
+        m = W25.T @ W25
+        a, jac = x @ W25, np.broadcast_to(W25.T, (len(x), 5, 2))
+        for _ in range(3):
+            a = np.tanh(a @ m)
+            jac = (1 - a**2)[:, :, None] * np.einsum("ij,njk->nik", m.T, jac)
+        return jac
+    h = x @ W25
+    d = np.where(h[:, :1] > 0, np.cos(h), 2 * h)
+    return d[:, :, None] * W25.T[None]
+
+
+@pytest.mark.parametrize("kind", ["foldl", "map_cond"])
+def test_tensorflow_forward_failure_falls_back_to_reverse_once(kind: str) -> None:
+    model = keras_model(kind)
+    x = data((10, 2), seed=194)
+    with pytest.warns(batchjac.ForwardModeFallbackWarning, match="Forward mode failed"):
+        jac = batchjac.jacobian(model, x)  # auto: 2 unknowns < 5 outputs, forward mode
+    assert_jac_close(jac, keras_reference(kind, x))
+    x2 = data((7, 2), seed=195)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: not again for another chunk size, nor in reverse
+        assert_jac_close(batchjac.jacobian(model, x2), keras_reference(kind, x2))
+        assert_jac_close(batchjac.jacobian(model, x2, mode="reverse"), keras_reference(kind, x2))
+    with pytest.raises(batchjac.ModelError, match="mode='reverse'"):
+        batchjac.jacobian(model, x2, mode="forward")
+
+
+def test_tensorflow_failed_forward_mode_leaves_the_model_usable() -> None:
+    """mode="forward", asked for, says what to do; the same model object then works."""
+    model = keras_model("foldl")
+    x = data((10, 2), seed=196)
+    with pytest.raises(batchjac.ModelError, match=r"Forward mode failed.*mode='reverse'"):
+        batchjac.jacobian(model, x, mode="forward")
+    assert_jac_close(batchjac.jacobian(model, x, mode="reverse"), keras_reference("foldl", x))
+    with pytest.warns(batchjac.ForwardModeFallbackWarning):
+        assert_jac_close(batchjac.jacobian(model, x), keras_reference("foldl", x))
+    with pytest.raises(batchjac.ModelError, match="mode='reverse'"):  # the same kernel
+        batchjac.jacobian(model, x, mode="forward")
+    assert_jac_close(batchjac.jacobian(model, x), keras_reference("foldl", x))
+
+
+# ---- TensorFlow: control flow pfor cannot vectorise --------------------------------------------
+
+
+def nested_map_fn(w: np.ndarray) -> Any:
+    """x -> sin(x @ w) through a map_fn in a map_fn, which pfor vectorises in neither mode
+    ("Required handle data not set", "Encountered an exception while vectorizing")."""
+    tf = pytest.importorskip("tensorflow")
+    wt = tf.constant(w, tf.float32)
+
+    @tf.function
+    def f(x: Any) -> Any:
+        return tf.map_fn(lambda r: tf.map_fn(tf.sin, r), x @ wt)
+
+    return f
+
+
+@pytest.mark.parametrize(("mode", "w"), [("auto", W25), ("forward", W25), ("reverse", W25),
+                                         ("auto", W25.T)])
+def test_tensorflow_unvectorisable_model_runs_in_a_loop(mode: str, w: np.ndarray) -> None:
+    """2 -> 5 (auto: forward mode) and 5 -> 2 (auto: reverse mode): the mode chosen or asked
+    for runs in a while loop over the basis instead of pfor, with one warning."""
+    model = nested_map_fn(w)
+    x = data((9, w.shape[0]), seed=197)
+    ref = np.cos(x.astype(np.float64) @ w)[:, :, None] * w.T[None]
+    with pytest.warns(batchjac.VectorizationFallbackWarning, match="could not vectorise"):
+        jac = batchjac.jacobian(model, x, mode=mode)
+    assert_jac_close(jac, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_jac_close(batchjac.jacobian(model, x, mode=mode, chunk_size=4), ref)

@@ -21,6 +21,7 @@ from ._errors import (
     ModelLoadError as ModelLoadError,
     NotConnectedError as NotConnectedError,
     RebindWarning as RebindWarning,
+    ReverseModeFallbackWarning as ReverseModeFallbackWarning,
     RowInteractionError as RowInteractionError,
     StoreBusyError as StoreBusyError,
     StoreError as StoreError,
@@ -30,6 +31,7 @@ from ._errors import (
     StoreWriteError as StoreWriteError,
     TrainingModeWarning as TrainingModeWarning,
     TuneCacheWarning as TuneCacheWarning,
+    VectorizationFallbackWarning as VectorizationFallbackWarning,
     XLAFallbackWarning as XLAFallbackWarning,
 )
 from ._jacobian import jacobian as jacobian
@@ -82,6 +84,8 @@ __all__ = [
     "StoreWriteError",
     "BatchJacWarning",
     "ForwardModeFallbackWarning",
+    "ReverseModeFallbackWarning",
+    "VectorizationFallbackWarning",
     "TrainingModeWarning",
     "RebindWarning",
     "TuneCacheWarning",

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import re
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -49,6 +52,89 @@ def untimed_note() -> str:
 def race_allowed() -> bool:
     """Asked by a kernel on its first call: may it time its builds now?"""
     return _ALLOWED.get() and autotune_enabled()
+
+
+#: whether the call at hand asked for its mode (``mode="forward"`` or ``"reverse"``): a kernel
+#: whose mode fails for the model then says so, instead of computing the other mode as it does
+#: for ``mode="auto"`` (and for callers that do not say, e.g. the CLI and stores)
+_ASKED: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_mode_asked", default=False)
+
+
+@contextlib.contextmanager
+def mode_asked(flag: bool) -> Iterator[None]:
+    """Within this block, the mode of the kernels called was asked for (``flag``)."""
+    token = _ASKED.set(flag)
+    try:
+        yield
+    finally:
+        _ASKED.reset(token)
+
+
+def fallback_allowed() -> bool:
+    """Asked by a kernel whose mode fails for the model: may it compute the other mode?"""
+    return not _ASKED.get()
+
+
+def other_mode(mode: Mode) -> Mode:
+    return "reverse" if mode == "forward" else "forward"
+
+
+_PASSES = {"forward": "one pass per unknown", "reverse": "one backward pass per output"}
+
+
+def fallback_message(failed: Mode, why: str, cause: str) -> str:
+    """The warning of a kernel whose mode failed and which computes the other mode instead;
+    ``cause`` names the framework's usual cause."""
+    used = other_mode(failed)
+    return (f"{failed.capitalize()} mode failed for this model ({why}); batchjac computes the "
+            f"Jacobians in {used} mode instead, which gives the same values but takes "
+            f"{_PASSES[used]} rather than {_PASSES[failed]}. {cause} Pass mode='{used}' to skip "
+            f"the attempt.")
+
+
+def asked_mode_failed(failed: Mode, why: str, cause: str) -> Exception:
+    """The error of a call that asked for a mode which fails for this model."""
+    from .._errors import ModelError
+
+    used = other_mode(failed)
+    return ModelError(f"{failed.capitalize()} mode failed for this model ({why}). {cause} Pass "
+                      f"mode='{used}' (or mode='auto', which falls back to {used} mode by "
+                      f"itself).")
+
+
+_BOILERPLATE = re.compile(r"^(in user code:|File \"|Exception encountered when calling|Arguments "
+                         r"received by|Calling the model failed: \w+: Exception encountered)")
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: the line that says what failed``, for warnings and errors that name a
+    framework's error: the innermost cause (what batchjac wrapped), the last ``...Error: ...``
+    line of a traceback TensorFlow quotes ("in user code: ... ValueError: ..."), else the first
+    line that is not a frame of one or a Keras preamble; terminal colour codes removed."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    quoted = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)]
+    line = quoted[-1] if quoted else next(
+        (line for line in lines if not _BOILERPLATE.match(line)), "")
+    if quoted:
+        return line[:limit]
+    return f"{type(e).__name__}: {line}"[:limit] if line else type(e).__name__
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside batchjac (and
+    contextlib), i.e. at the user's call, from the function that calls ``warnings.warn``."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+                                        or frame.f_code.co_filename == contextlib.__file__):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 @dataclass(frozen=True)

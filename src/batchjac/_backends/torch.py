@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 import threading
 import time
 import types
@@ -47,7 +45,16 @@ from .._errors import (
     TrainingModeWarning as TrainingModeWarning,
 )
 from .._spec import assemble
-from ._base import Backend, BoundModel, Kernel, Mode, Signature, allowed, race
+from ._base import (
+    Backend,
+    BoundModel,
+    Kernel,
+    Mode,
+    Signature,
+    allowed,
+    race,
+    user_stacklevel,
+)
 
 Engine = Literal["func", "autograd", "replicated"]
 
@@ -87,20 +94,6 @@ def _unknowns_require_grad() -> Iterator[None]:
         warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True",
                                 category=UserWarning)
         yield
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside batchjac (and
-    contextlib), i.e. at the user's call, from the function that calls ``warnings.warn``."""
-    level, frame = 1, sys._getframe(1)
-    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
-                                        or frame.f_code.co_filename == contextlib.__file__):
-        frame = frame.f_back
-        level += 1
-    return level
 
 
 def _to_torch(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -247,7 +240,7 @@ class TorchBound(BoundModel):
             f"Call model.eval() to silence this warning, or pass "
             f"backend_options={{'train_mode': True}} to force training mode (models with "
             f"batch statistics are then rejected, since their rows interact).",
-            TrainingModeWarning, stacklevel=_user_stacklevel(),
+            TrainingModeWarning, stacklevel=user_stacklevel(),
         )
 
     def _state(self) -> dict[str, torch.Tensor]:
@@ -567,7 +560,7 @@ class TorchKernel(Kernel):
             f"backward pass per output rather than one pass per unknown. Usual cause: an "
             f"operator or a custom torch.autograd.Function without a forward-mode rule (jvp, "
             f"or vmap support). Pass mode='reverse' to skip the attempt.",
-            ForwardModeFallbackWarning, stacklevel=_user_stacklevel(),
+            ForwardModeFallbackWarning, stacklevel=user_stacklevel(),
         )
 
 
