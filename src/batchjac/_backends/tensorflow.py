@@ -434,22 +434,25 @@ class TFKernel(Kernel):
             return self._call(u, *ctx)
 
     def _paths(self) -> list[str]:
-        """The paths to try, best first: the mode asked for, vectorised, then in a loop (which
-        runs min(k, m) passes, the number the mode was chosen for), then, unless the call
-        asked for the mode, the other mode likewise."""
-        paths = [self.mode, f"{self.mode}-loop"]
-        if fallback_allowed():
-            other = other_mode(self.mode)
-            paths += [other, f"{other}-loop"]
-        return paths
+        """The paths to try, best first: the kernel's mode, vectorised, then in a loop (which
+        runs min(k, m) passes, the number the mode was chosen for), then the other mode
+        likewise."""
+        other = other_mode(self.mode)
+        return [self.mode, f"{self.mode}-loop", other, f"{other}-loop"]
 
     def _establish(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> Any:
         """The first call: build and run the first path of :meth:`_paths` that works for this
-        model (one warning if it is not the first), and keep it. Nothing of a path that failed
-        is kept; a failure to build where a later path worked is remembered by the bound model
-        (it is the same for every chunk size), one while running is not (it may depend on the
-        rows, e.g. an assertion in the model)."""
+        model (one warning if it is not the first), and keep it. Where only the other mode
+        works and the call asked for this one, it raises a ModelError naming the other mode;
+        where every path fails, the error of the first (the model's failure, not a mode's).
+        Nothing of a path that failed is kept; a failure to build where a later path worked is
+        remembered by the bound model (it is the same for every chunk size), one while running
+        is not (it may depend on the rows, e.g. an assertion in the model)."""
         bound = self._bound
+        own = [self.mode, f"{self.mode}-loop"]
+        if not fallback_allowed() and all(p in bound.failed for p in own):
+            self.failures = [(p, bound.failed[p]) for p in own]
+            raise self._asked_failed()
         failures: list[tuple[str, str]] = []
         errors: list[tuple[str, Exception]] = []  # the paths tried by this call that failed
         for path in self._paths():
@@ -472,12 +475,12 @@ class TFKernel(Kernel):
                 if not _at_run_time(error):
                     bound.failed[failed] = first_line(error)
             self.failures = failures
+            if _path_mode(path) != self.mode and not fallback_allowed():
+                self._reset()  # (the other mode only showed that the failure is the mode's)
+                raise self._asked_failed() from (errors[0][1] if errors else None)
             self._warn_fallback()
             return out
         self._reset()
-        if not fallback_allowed() and all(_path_mode(p) == self.mode for p, _ in failures):
-            self.failures = failures
-            raise self._asked_failed() from (errors[0][1] if errors else None)
         if errors:
             raise errors[0][1]
         raise ModelError(f"Every way of computing the Jacobians failed for this model: "
