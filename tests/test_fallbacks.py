@@ -261,3 +261,76 @@ def test_tensorflow_unvectorisable_model_runs_in_a_loop(mode: str, w: np.ndarray
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_jac_close(batchjac.jacobian(model, x, mode=mode, chunk_size=4), ref)
+
+
+# ---- JAX: reverse mode through while_loop, forward mode through custom_vjp ----------------------
+
+
+def newton_sqrt() -> Any:
+    """(N, 3) -> (N, 2): sqrt(sum(x)) twice, by Newton's iteration in a lax.while_loop whose
+    trip count depends on the inputs; JAX has no reverse mode for it (3 unknowns > 2 outputs:
+    auto picks reverse mode)."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+
+    def f(x: Any) -> Any:
+        s = jnp.sum(x, axis=1, keepdims=True) * jnp.ones((1, 2), x.dtype)
+
+        def more(c: Any) -> Any:
+            return jnp.any(jnp.abs(c[0] ** 2 - s) > 1e-6 * s) & (c[1] < 50)
+
+        y, _ = jax.lax.while_loop(more, lambda c: (0.5 * (c[0] + s / c[0]), c[1] + 1), (s, 0))
+        return y
+
+    return f
+
+
+def newton_reference(x: np.ndarray) -> np.ndarray:
+    s = x.astype(np.float64).sum(axis=1)
+    return np.broadcast_to((0.5 / np.sqrt(s))[:, None, None], (len(x), 2, 3))
+
+
+@pytest.mark.parametrize("first", ["auto", "reverse"])
+def test_jax_while_loop_falls_back_to_forward_mode(first: str) -> None:
+    model = newton_sqrt()
+    x = data((12, 3), seed=199, low=0.5, high=2.0)
+    if first == "reverse":  # asked for: says what to do, and leaves the model usable
+        with pytest.raises(batchjac.ModelError, match=r"Reverse mode failed.*mode='forward'"):
+            batchjac.jacobian(model, x, mode="reverse")
+    with pytest.warns(batchjac.ReverseModeFallbackWarning, match="Reverse mode failed"):
+        jac = batchjac.jacobian(model, x)
+    assert_jac_close(jac, newton_reference(x))
+    x2 = data((5, 3), seed=200, low=0.5, high=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_jac_close(batchjac.jacobian(model, x2), newton_reference(x2))
+        assert_jac_close(batchjac.jacobian(model, x, mode="forward"), newton_reference(x))
+    with pytest.raises(batchjac.ModelError, match="mode='forward'"):
+        batchjac.jacobian(model, x, mode="reverse")
+    assert_jac_close(batchjac.jacobian(model, x), newton_reference(x))
+
+
+def test_jax_custom_vjp_falls_back_to_reverse_mode() -> None:
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+
+    @jax.custom_vjp
+    def cube(x: Any) -> Any:
+        return x**3
+
+    cube.defvjp(lambda x: (x**3, x), lambda x, g: (3 * x**2 * g,))
+
+    def model(x: Any) -> Any:  # 3 unknowns -> 6 outputs: auto picks forward mode
+        return jnp.concatenate([cube(x), jnp.sin(x)], axis=1)
+
+    x = data((10, 3), seed=201)
+    x64 = x.astype(np.float64)
+    ref = np.concatenate([diag(3 * x64**2), diag(np.cos(x64))], axis=1)
+    with pytest.warns(batchjac.ForwardModeFallbackWarning, match="Forward mode failed"):
+        assert_jac_close(batchjac.jacobian(model, x), ref)
+    with pytest.raises(batchjac.ModelError, match="mode='reverse'"):
+        batchjac.jacobian(model, x, mode="forward")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_jac_close(batchjac.jacobian(model, x, mode="reverse"), ref)
+        assert_jac_close(batchjac.jacobian(model, x[:4]), ref[:4])
