@@ -14,8 +14,10 @@ import contextvars
 import os
 import re
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -266,11 +268,18 @@ class BoundModel(ABC):
     #: eager framework's kernels are free to make, so callers may use any size they like
     compiles_kernels: bool = True
 
+    #: kernels kept per bound model, the least recently used dropped first: each compiled
+    #: one holds its executable (measured, 1.7 MB for a small JAX MLP, 2.6 MB for Keras), and
+    #: calls with ever new chunk sizes (``chunk_size=n``, ``out=`` arrays of each N, repeated
+    #: N that earn their own kernel, see ``_tuning.reuse``) would otherwise grow without bound
+    MAX_KERNELS: ClassVar[int] = 16
+
     def __init__(self, signature: Signature) -> None:
         self.signature = signature
         self.probed: bool = False
         self.output_shape: tuple[int, ...] | None = None
-        self._kernels: dict[tuple[str, int, bool], Kernel] = {}
+        self._kernels: OrderedDict[tuple[str, int, bool], Kernel] = OrderedDict()
+        self._kernels_lock = threading.Lock()  # threads sharing a model share its kernels
         #: (chunk size, with outputs) -> (mode, measured timings), from _autotune
         self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
         #: ("rows", mode, planned chunk size, with outputs) -> (fastest rows, timings)
@@ -292,9 +301,17 @@ class BoundModel(ABC):
                variant: str | None = None) -> Kernel:
         """The cached kernel; ``variant`` fixes its implementation (see :class:`Kernel`)."""
         key = (mode, chunk_size, with_outputs)
-        if key not in self._kernels:
-            self._kernels[key] = self.build_kernel(mode, chunk_size, with_outputs)
-        kernel = self._kernels[key]
+        with self._kernels_lock:
+            kernel = self._kernels.get(key)
+            if kernel is not None:
+                self._kernels.move_to_end(key)
+        if kernel is None:
+            kernel = self.build_kernel(mode, chunk_size, with_outputs)  # (outside the lock)
+            with self._kernels_lock:
+                kernel = self._kernels.setdefault(key, kernel)  # another thread's, if first
+                self._kernels.move_to_end(key)
+                while len(self._kernels) > self.MAX_KERNELS:  # never this one: the newest
+                    self._kernels.popitem(last=False)
         # a variant the kernel no longer offers (XLA failed to compile this model, here and in
         # the run that recorded "xla") is left as it is: the fallback is the same every time
         if variant is not None and kernel.variant != variant and variant in kernel.variants:
@@ -303,7 +320,8 @@ class BoundModel(ABC):
 
     def kernel_sizes(self, mode: Mode, with_outputs: bool) -> list[int]:
         """The chunk sizes of the kernels built so far for ``mode`` (and outputs flag)."""
-        return [size for (m, size, w) in self._kernels if m == mode and w == with_outputs]
+        with self._kernels_lock:
+            return [size for (m, size, w) in self._kernels if m == mode and w == with_outputs]
 
     def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:
         """The per-instance output shape without computing or compiling anything (JAX's
