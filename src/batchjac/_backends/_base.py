@@ -77,6 +77,25 @@ def fallback_allowed() -> bool:
     return not _ASKED.get()
 
 
+#: whether the kernels called are being timed against each other, mode against mode
+#: (:func:`batchjac._autotune.time_modes`): a mode that fails there loses the race without a
+#: warning, which is for calls that compute with the kernel
+_RACING: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_mode_race", default=False)
+
+
+@contextlib.contextmanager
+def mode_race() -> Iterator[None]:
+    token = _RACING.set(True)
+    try:
+        yield
+    finally:
+        _RACING.reset(token)
+
+
+def in_mode_race() -> bool:
+    return _RACING.get()
+
+
 def other_mode(mode: Mode) -> Mode:
     return "reverse" if mode == "forward" else "forward"
 
@@ -170,6 +189,12 @@ class Kernel(ABC):
     #: whether :meth:`launch` returns before the computation ends (JAX dispatches
     #: asynchronously): the caller's checks can then run while it computes
     asynchronous: bool = False
+
+    @property
+    def computes(self) -> Mode:
+        """The mode the kernel computes: its own, or the other one where its own fails for the
+        model and the call let it fall back (known once built, or after its first call)."""
+        return self.mode
 
     def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:

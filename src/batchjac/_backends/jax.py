@@ -68,6 +68,7 @@ from ._base import (
     fallback_allowed,
     fallback_message,
     first_line,
+    in_mode_race,
     other_mode,
     race,
     user_stacklevel,
@@ -409,7 +410,7 @@ class JaxKernel(Kernel):
         self._compiled: dict[str, Any] = {}
         #: the mode computed: ``mode``, or the other one where ``mode`` fails for this model
         #: and the call did not ask for it (see :meth:`_compile_default`)
-        self.computes: Mode = mode
+        self._computes: Mode = mode
         self.failure = ""  # why ``mode`` failed, when ``computes`` is the other mode
         self._compile_default()
         builds: tuple[str, ...] = ("default",)
@@ -418,6 +419,10 @@ class JaxKernel(Kernel):
         self.variants = builds + tuple(f"{b}/{rows}" for b in builds for rows in self._block_sizes())
         self._fn = self._compiled["default"]
         self.variant, self.note = None, ""
+
+    @property
+    def computes(self) -> Mode:
+        return self._computes
 
     def _compile_default(self) -> None:
         """Trace and compile the default build of ``mode``. Where that fails (JAX has no
@@ -433,7 +438,7 @@ class JaxKernel(Kernel):
             if mode in bound.failed:  # the other mode worked for a kernel of another size
                 self.failure = bound.failed[mode]
                 continue
-            self.computes = mode
+            self._computes = mode
             self._lowered.clear()
             try:  # each build of one blocking compiles the same lowering
                 self._compiled["default"] = self._lowering(self.chunk_size).compile()
@@ -461,14 +466,14 @@ class JaxKernel(Kernel):
         bound = self._bound
         kind: type[Warning] = ForwardModeFallbackWarning if self.mode == "forward" \
             else ReverseModeFallbackWarning
-        if kind not in bound.warned:
+        if kind not in bound.warned and not in_mode_race():
             bound.warned.add(kind)
             warnings.warn(fallback_message(self.mode, self.failure, _CAUSES[self.mode]), kind,
                           stacklevel=user_stacklevel())
 
     def _check_asked(self) -> None:
         """A kernel that fell back, called by a call that asks for its mode: refuse."""
-        if self.computes != self.mode and not fallback_allowed():
+        if self._computes != self.mode and not fallback_allowed():
             raise asked_mode_failed(self.mode, self.failure, _CAUSES[self.mode])
 
     def _block_sizes(self) -> list[int]:
@@ -490,7 +495,7 @@ class JaxKernel(Kernel):
     def _body(self, args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
         """The Jacobians (and outputs) of the rows of ``u``: ``vmap(jacfwd|jacrev)``."""
         one = self._bound._instance_fn(args)
-        jac = jax.jacfwd if self.computes == "forward" else jax.jacrev
+        jac = jax.jacfwd if self._computes == "forward" else jax.jacrev
         if self.with_outputs:
             j, y = jax.vmap(jac(lambda u_i, c_i: (one(u_i, c_i),) * 2, has_aux=True))(u, ctx)
             return y, j
@@ -533,8 +538,8 @@ class JaxKernel(Kernel):
 
     def _select(self, variant: str, note: str) -> None:
         self._fn = self._compile(variant)
-        if self.computes != self.mode:
-            note = f"{note}; computed in {self.computes} mode ({self.failure})"
+        if self._computes != self.mode:
+            note = f"{note}; computed in {self._computes} mode ({self.failure})"
         self.variant, self.note = variant, note
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]

@@ -42,6 +42,7 @@ from ._base import (
     fallback_allowed,
     fallback_message,
     first_line,
+    in_mode_race,
     other_mode,
     user_stacklevel,
 )
@@ -372,6 +373,10 @@ class TFKernel(Kernel):
         self.variant = None
         self.note = ""
 
+    @property
+    def computes(self) -> Mode:
+        return self.mode if self.path is None else _path_mode(self.path)
+
     def _enter(self, path: str) -> None:
         """Compute by ``path`` from now on; nothing is traced until it is used (the untimed
         first call traces the plain graph only)."""
@@ -508,7 +513,7 @@ class TFKernel(Kernel):
 
     def _warn_fallback(self) -> None:
         """One warning per bound model and kind when the path in use is not the first."""
-        if not self.failures or self.path is None:
+        if not self.failures or self.path is None or in_mode_race():
             return
         bound = self._bound
         used = _path_mode(self.path)

@@ -52,6 +52,7 @@ from ._base import (
     Mode,
     Signature,
     allowed,
+    in_mode_race,
     race,
     user_stacklevel,
 )
@@ -594,7 +595,7 @@ class TorchKernel(Kernel):
     def _warn_fallback(self) -> None:
         self.mode = "reverse"
         bound = self._bound
-        if bound.fallback_warned:
+        if bound.fallback_warned or in_mode_race():
             return
         bound.fallback_warned = True
         warnings.warn(
