@@ -110,6 +110,31 @@ def test_repeated_calls_build_no_kernel() -> None:
     assert bound.trace_count == first
 
 
+def test_kernels_per_model_are_bounded_least_recently_used_dropped() -> None:
+    """200 calls, each with a chunk size of its own: at most MAX_KERNELS kernels are kept (a
+    compiled one holds its executable), the least recently used dropped first, never the one
+    in use; a dropped size is built again when it comes back, with the right values."""
+    from batchjac import _backends
+
+    model = ClosedForm(f, jac)
+    hot = 7
+    for n in range(10, 210):
+        x = data(n, n)
+        np.testing.assert_allclose(batchjac.jacobian(model, x, chunk_size=n), jac(x), rtol=1e-12)
+        batchjac.jacobian(model, data(hot, 0), chunk_size=hot)  # used all along: kept
+    bound = next(iter(_backends._bound[model].values()))
+    cap = 16  # BoundModel.MAX_KERNELS
+    assert len(bound._kernels) == cap
+    assert bound.has_kernel("reverse", hot, False)
+    assert bound.has_kernel("reverse", 209, False)
+    assert not bound.has_kernel("reverse", 10, False)
+    assert bound.trace_count == 201  # each size once, the hot one once
+    x = data(10, 1)
+    np.testing.assert_allclose(batchjac.jacobian(model, x, chunk_size=10), jac(x), rtol=1e-12)
+    assert bound.trace_count == 202
+    assert len(bound._kernels) == cap
+
+
 # -- the runner's pieces ---------------------------------------------------------------------------
 
 def test_chunks_cover_the_rows_once() -> None:

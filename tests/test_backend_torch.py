@@ -553,6 +553,50 @@ def test_forward_mode_falls_back_to_reverse_once(op: Any) -> None:
         assert_jac_close(batchjac.jacobian(model, x, mode="reverse"), ref)
 
 
+# ---- threads --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["forward", "auto", "reverse"])
+def test_threads_sharing_one_module_all_get_correct_jacobians(mode: str) -> None:
+    """torch's forward-mode AD levels are process-wide: 20 threads calling forward mode on one
+    module at once raised "no level exists, make sure to enter_dual_level() first", fell back
+    to reverse mode with a warning blaming the model, or returned zero Jacobians."""
+    import threading
+
+    torch.manual_seed(190)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh()).double()  # 3 < 8: auto is forward mode
+    w = model[0].weight.detach().numpy()
+    b = model[0].bias.detach().numpy()
+
+    def reference(x: np.ndarray) -> np.ndarray:
+        return (1 - np.tanh(x @ w.T + b) ** 2)[:, :, None] * w[None]
+
+    threads, calls = 20, 3
+    start = threading.Barrier(threads)
+    failures: list[str] = []
+
+    def work(i: int) -> None:
+        rng = np.random.default_rng(1900 + i)
+        try:
+            start.wait(timeout=10)
+            # (warnings are errors, in every thread: a fallback warning is caught here)
+            for _ in range(calls):
+                x = rng.normal(size=(5 + i, 3))
+                jac = batchjac.jacobian(model, x, mode=mode)
+                if not np.allclose(jac, reference(x), rtol=1e-10, atol=1e-12):
+                    failures.append(f"thread {i}: wrong Jacobians (max |J| {np.abs(jac).max()})")
+        except Exception as e:  # reported below, with the thread
+            failures.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in pool), "threads still running after 20 s"
+    assert not failures, failures[:5]
+
+
 # ---- compile/trace once -----------------------------------------------------------------------
 
 

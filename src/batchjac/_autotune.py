@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._backends import BoundModel, Mode
+from ._backends import BoundModel, Mode, mode_race
 from ._plan import Plan
 from ._runner import pad_chunk
 from ._spec import BatchSpec
@@ -91,11 +91,19 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
     jitters by tens of percent on a shared machine."""
     key = (u.shape[0], with_outputs)
     if key not in bound.tuned:
-        kernels = {mode: bound.kernel(mode, u.shape[0], with_outputs)  # type: ignore[arg-type]
-                   for mode in ("forward", "reverse")}
+        with mode_race():  # a mode that fails for this model loses, without a warning
+            kernels = {mode: bound.kernel(mode, u.shape[0], with_outputs)  # type: ignore[arg-type]
+                       for mode in ("forward", "reverse")}
+            for kernel in kernels.values():
+                kernel.provisional(u, ctx)  # compile and warm up
+        failing = [mode for mode, kernel in kernels.items()
+                   if getattr(kernel, "computes", mode) != mode]  # (duck-typed kernels)
+        if failing:
+            other: Mode = "reverse" if failing[0] == "forward" else "forward"
+            bound.tuned[key] = (other, f"{failing[0]} mode fails for this model")
+            return other, bound.tuned[key][1]
         first = {}
         for mode, kernel in kernels.items():
-            kernel.provisional(u, ctx)  # compile and warm up
             start = time.perf_counter()
             kernel.provisional(u, ctx)
             first[mode] = time.perf_counter() - start
@@ -107,7 +115,7 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
                 start = time.perf_counter()
                 kernel.provisional(u, ctx)
                 timings[mode] = min(timings[mode], time.perf_counter() - start)
-        other: Mode = "reverse" if prior == "forward" else "forward"
+        other = "reverse" if prior == "forward" else "forward"
         winner = other if timings[other] < (1 - MARGIN) * timings[prior] else prior
         bound.tuned[key] = (winner, ", ".join(f"{m} {t * 1e3:.2f} ms" for m, t in timings.items()))
     mode, measured = bound.tuned[key]

@@ -87,6 +87,16 @@ class ForwardModeFallbackWarning(BatchJacWarning):
     batchjac computes the Jacobians in reverse mode instead."""
 
 
+class ReverseModeFallbackWarning(BatchJacWarning):
+    """Reverse mode failed for this model (JAX's ``lax.while_loop`` has no reverse-mode rule);
+    batchjac computes the Jacobians in forward mode instead."""
+
+
+class VectorizationFallbackWarning(BatchJacWarning):
+    """TensorFlow could not vectorise the Jacobian computation of this model (``pfor`` has no
+    rule for some control flow in it); batchjac computes it in a while loop instead."""
+
+
 class TrainingModeWarning(BatchJacWarning):
     """The model was in training mode with layers that behave differently in eval mode;
     batchjac evaluates it in eval mode."""

@@ -110,7 +110,8 @@ def jacobian(
         if entry is not None:
             start = time.perf_counter()
             try:
-                done = _fast(entry, inputs, return_outputs)
+                with _backends.mode_asked(mode != "auto"):
+                    done = _fast(entry, inputs, return_outputs)
             except BatchJacError as e:
                 raise add_context(e, _context(entry.template, entry.backend)) from e
             if done is not None:
@@ -121,16 +122,18 @@ def jacobian(
     name = backend or _backends.detect(model)
     check_options(mode, chunk_size, max_memory)  # before a store exists: nothing left behind
     try:
-        if is_store_target(out):
-            return compute_to_store(model, spec, name, store=as_store(out), mode=mode,
-                                    chunk_size=chunk_size, max_memory=max_memory,
-                                    return_outputs=return_outputs, nan_policy=nan_policy,
-                                    options=backend_options or {}, explain=explain,
-                                    progress=progress)
-        return _compute(model, spec, name, mode=mode, chunk_size=chunk_size,
-                        max_memory=max_memory, return_outputs=return_outputs, out=out,
-                        options=backend_options or {}, explain=explain, progress=progress,
-                        fast_key=fast)
+        # a mode asked for is computed or refused, never swapped for the other (see _backends)
+        with _backends.mode_asked(mode != "auto"):
+            if is_store_target(out):
+                return compute_to_store(model, spec, name, store=as_store(out), mode=mode,
+                                        chunk_size=chunk_size, max_memory=max_memory,
+                                        return_outputs=return_outputs, nan_policy=nan_policy,
+                                        options=backend_options or {}, explain=explain,
+                                        progress=progress)
+            return _compute(model, spec, name, mode=mode, chunk_size=chunk_size,
+                            max_memory=max_memory, return_outputs=return_outputs, out=out,
+                            options=backend_options or {}, explain=explain, progress=progress,
+                            fast_key=fast)
     except StoreError:  # about the output, not the model or inputs: no context to add
         raise
     except BatchJacError as e:

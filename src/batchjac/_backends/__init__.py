@@ -12,9 +12,10 @@ import weakref
 from typing import Any
 
 from .._errors import BackendNotAvailableError, InputError
-from ._base import Backend, BoundModel, Kernel, Mode, Signature
+from ._base import Backend, BoundModel, Kernel, Mode, Signature, mode_asked, mode_race
 
-__all__ = ["Backend", "BoundModel", "Kernel", "Mode", "Signature", "detect", "get_backend", "bind"]
+__all__ = ["Backend", "BoundModel", "Kernel", "Mode", "Signature", "detect", "get_backend", "bind",
+           "mode_asked", "mode_race"]
 
 # name -> (module implementing it, framework module it needs, install hint)
 REGISTRY: dict[str, tuple[str, str, str]] = {

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import re
+import sys
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -51,6 +56,108 @@ def race_allowed() -> bool:
     return _ALLOWED.get() and autotune_enabled()
 
 
+#: whether the call at hand asked for its mode (``mode="forward"`` or ``"reverse"``): a kernel
+#: whose mode fails for the model then says so, instead of computing the other mode as it does
+#: for ``mode="auto"`` (and for callers that do not say, e.g. the CLI and stores)
+_ASKED: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_mode_asked", default=False)
+
+
+@contextlib.contextmanager
+def mode_asked(flag: bool) -> Iterator[None]:
+    """Within this block, the mode of the kernels called was asked for (``flag``)."""
+    token = _ASKED.set(flag)
+    try:
+        yield
+    finally:
+        _ASKED.reset(token)
+
+
+def fallback_allowed() -> bool:
+    """Asked by a kernel whose mode fails for the model: may it compute the other mode?"""
+    return not _ASKED.get()
+
+
+#: whether the kernels called are being timed against each other, mode against mode
+#: (:func:`batchjac._autotune.time_modes`): a mode that fails there loses the race without a
+#: warning, which is for calls that compute with the kernel
+_RACING: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_mode_race", default=False)
+
+
+@contextlib.contextmanager
+def mode_race() -> Iterator[None]:
+    token = _RACING.set(True)
+    try:
+        yield
+    finally:
+        _RACING.reset(token)
+
+
+def in_mode_race() -> bool:
+    return _RACING.get()
+
+
+def other_mode(mode: Mode) -> Mode:
+    return "reverse" if mode == "forward" else "forward"
+
+
+_PASSES = {"forward": "one pass per unknown", "reverse": "one backward pass per output"}
+
+
+def fallback_message(failed: Mode, why: str, cause: str) -> str:
+    """The warning of a kernel whose mode failed and which computes the other mode instead;
+    ``cause`` names the framework's usual cause."""
+    used = other_mode(failed)
+    return (f"{failed.capitalize()} mode failed for this model ({why}); batchjac computes the "
+            f"Jacobians in {used} mode instead, which gives the same values but takes "
+            f"{_PASSES[used]} rather than {_PASSES[failed]}. {cause} Pass mode='{used}' to skip "
+            f"the attempt.")
+
+
+def asked_mode_failed(failed: Mode, why: str, cause: str) -> Exception:
+    """The error of a call that asked for a mode which fails for this model."""
+    from .._errors import ModelError
+
+    used = other_mode(failed)
+    return ModelError(f"{failed.capitalize()} mode failed for this model ({why}). {cause} Pass "
+                      f"mode='{used}' (or mode='auto', which falls back to {used} mode by "
+                      f"itself).")
+
+
+_BOILERPLATE = re.compile(r"^(in user code:|File \"|Exception encountered when calling|Arguments "
+                         r"received by|Calling the model failed: \w+: Exception encountered)")
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: the line that says what failed``, for warnings and errors that name a
+    framework's error: the innermost cause (what batchjac wrapped), the last ``...Error: ...``
+    line of a traceback TensorFlow quotes ("in user code: ... ValueError: ..."), else the first
+    line that is not a frame of one or a Keras preamble; terminal colour codes removed."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    quoted = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)]
+    line = quoted[-1] if quoted else next(
+        (line for line in lines if not _BOILERPLATE.match(line)), "")
+    if quoted:
+        return line[:limit]
+    return f"{type(e).__name__}: {line}"[:limit] if line else type(e).__name__
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside batchjac (and
+    contextlib), i.e. at the user's call, from the function that calls ``warnings.warn``."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+                                        or frame.f_code.co_filename == contextlib.__file__):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 @dataclass(frozen=True)
 class Signature:
     """What a compiled function depends on, besides the chunk size and the mode."""
@@ -82,6 +189,12 @@ class Kernel(ABC):
     #: whether :meth:`launch` returns before the computation ends (JAX dispatches
     #: asynchronously): the caller's checks can then run while it computes
     asynchronous: bool = False
+
+    @property
+    def computes(self) -> Mode:
+        """The mode the kernel computes: its own, or the other one where its own fails for the
+        model and the call let it fall back (known once built, or after its first call)."""
+        return self.mode
 
     def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
@@ -180,11 +293,18 @@ class BoundModel(ABC):
     #: eager framework's kernels are free to make, so callers may use any size they like
     compiles_kernels: bool = True
 
+    #: kernels kept per bound model, the least recently used dropped first: each compiled
+    #: one holds its executable (measured, 1.7 MB for a small JAX MLP, 2.6 MB for Keras), and
+    #: calls with ever new chunk sizes (``chunk_size=n``, ``out=`` arrays of each N, repeated
+    #: N that earn their own kernel, see ``_tuning.reuse``) would otherwise grow without bound
+    MAX_KERNELS: ClassVar[int] = 16
+
     def __init__(self, signature: Signature) -> None:
         self.signature = signature
         self.probed: bool = False
         self.output_shape: tuple[int, ...] | None = None
-        self._kernels: dict[tuple[str, int, bool], Kernel] = {}
+        self._kernels: OrderedDict[tuple[str, int, bool], Kernel] = OrderedDict()
+        self._kernels_lock = threading.Lock()  # threads sharing a model share its kernels
         #: (chunk size, with outputs) -> (mode, measured timings), from _autotune
         self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
         #: ("rows", mode, planned chunk size, with outputs) -> (fastest rows, timings)
@@ -206,9 +326,17 @@ class BoundModel(ABC):
                variant: str | None = None) -> Kernel:
         """The cached kernel; ``variant`` fixes its implementation (see :class:`Kernel`)."""
         key = (mode, chunk_size, with_outputs)
-        if key not in self._kernels:
-            self._kernels[key] = self.build_kernel(mode, chunk_size, with_outputs)
-        kernel = self._kernels[key]
+        with self._kernels_lock:
+            kernel = self._kernels.get(key)
+            if kernel is not None:
+                self._kernels.move_to_end(key)
+        if kernel is None:
+            kernel = self.build_kernel(mode, chunk_size, with_outputs)  # (outside the lock)
+            with self._kernels_lock:
+                kernel = self._kernels.setdefault(key, kernel)  # another thread's, if first
+                self._kernels.move_to_end(key)
+                while len(self._kernels) > self.MAX_KERNELS:  # never this one: the newest
+                    self._kernels.popitem(last=False)
         # a variant the kernel no longer offers (XLA failed to compile this model, here and in
         # the run that recorded "xla") is left as it is: the fallback is the same every time
         if variant is not None and kernel.variant != variant and variant in kernel.variants:
@@ -217,7 +345,8 @@ class BoundModel(ABC):
 
     def kernel_sizes(self, mode: Mode, with_outputs: bool) -> list[int]:
         """The chunk sizes of the kernels built so far for ``mode`` (and outputs flag)."""
-        return [size for (m, size, w) in self._kernels if m == mode and w == with_outputs]
+        with self._kernels_lock:
+            return [size for (m, size, w) in self._kernels if m == mode and w == with_outputs]
 
     def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:
         """The per-instance output shape without computing or compiling anything (JAX's

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
@@ -50,11 +51,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import InputError, ModelError
+from .._errors import (
+    ForwardModeFallbackWarning,
+    InputError,
+    ModelError,
+    ReverseModeFallbackWarning,
+)
 from .._spec import assemble
-from ._base import Backend, BoundModel, Kernel, Mode, Signature, race
+from ._base import (
+    Backend,
+    BoundModel,
+    Kernel,
+    Mode,
+    Signature,
+    asked_mode_failed,
+    fallback_allowed,
+    fallback_message,
+    first_line,
+    in_mode_race,
+    other_mode,
+    race,
+    user_stacklevel,
+)
 
 _OPTIONS = ("params", "per_instance")
+#: why a mode fails in JAX, for the fallback's warning and error
+_CAUSES: dict[Mode, str] = {
+    "forward": "Usual cause: a jax.custom_vjp function, which has no forward-mode rule.",
+    "reverse": ("Usual cause: lax.while_loop (or fori_loop with traced bounds), which has no "
+                "reverse-mode rule."),
+}
 _X64_FIX = (
     'call jax.config.update("jax_enable_x64", True) at the start of the program (before '
     "creating any JAX array), or compute in float32 with dtype='float32'"
@@ -122,6 +148,11 @@ class JaxBound(BoundModel):
         self._x64 = x64_enabled()
         self._sites = _Sites()
         self._captured = _captured_values(model, self._sites)
+        #: modes that failed to trace for this model where the other one worked (JAX traces
+        #: the same for every chunk size): kernels then compute the other mode at once
+        self.failed: dict[Mode, str] = {}
+        #: the fallback warnings given for this model (one of each kind)
+        self.warned: set[type[Warning]] = set()
 
     # -- options and state -------------------------------------------------------------------
     @property
@@ -154,6 +185,7 @@ class JaxBound(BoundModel):
             self._model_split = _Split(self.model)
             self._params_split = _Split(self._params)
             self._kernels.clear()
+            self.failed.clear()
             self._forward = None
             self.probed = False
             self._x64 = x64_enabled()
@@ -376,18 +408,73 @@ class JaxKernel(Kernel):
         self._bound = bound
         self._lowered: dict[int, Any] = {}  # block rows (the chunk size: no blocks) -> lowering
         self._compiled: dict[str, Any] = {}
-        try:  # each build of one blocking compiles the same lowering
-            self._compiled["default"] = self._lowering(chunk_size).compile()
-        except (ModelError, InputError):
-            raise
-        except Exception as e:
-            raise bound._explain(e) from e
+        #: the mode computed: ``mode``, or the other one where ``mode`` fails for this model
+        #: and the call did not ask for it (see :meth:`_compile_default`)
+        self._computes: Mode = mode
+        self.failure = ""  # why ``mode`` failed, when ``computes`` is the other mode
+        self._compile_default()
         builds: tuple[str, ...] = ("default",)
         if jax.default_backend() == "cpu":
             builds = ("default", "no-ynnpack")
         self.variants = builds + tuple(f"{b}/{rows}" for b in builds for rows in self._block_sizes())
         self._fn = self._compiled["default"]
         self.variant, self.note = None, ""
+
+    @property
+    def computes(self) -> Mode:
+        return self._computes
+
+    def _compile_default(self) -> None:
+        """Trace and compile the default build of ``mode``. Where that fails (JAX has no
+        reverse mode for ``lax.while_loop`` with traced bounds, no forward mode for
+        ``custom_vjp``) and the other mode works, the kernel computes the other mode, with one
+        warning, unless the call asked for the mode: that call gets a ModelError naming the
+        other mode. Where both fail, the model's error for ``mode`` is raised."""
+        bound = self._bound
+        if not fallback_allowed() and self.mode in bound.failed:  # a kernel of another size
+            raise asked_mode_failed(self.mode, bound.failed[self.mode], _CAUSES[self.mode])
+        failed: Exception | None = None
+        for mode in (self.mode, other_mode(self.mode)):
+            if mode in bound.failed:  # the other mode worked for a kernel of another size
+                self.failure = bound.failed[mode]
+                continue
+            self._computes = mode
+            self._lowered.clear()
+            try:  # each build of one blocking compiles the same lowering
+                self._compiled["default"] = self._lowering(self.chunk_size).compile()
+            except InputError:
+                raise
+            except Exception as e:
+                if isinstance(e, Warning):  # warnings as errors: not the model's failure
+                    raise
+                error = e if isinstance(e, ModelError) else bound._explain(e)
+                if error is not e:
+                    error.__cause__ = e
+                failed = failed or error
+                continue
+            if mode != self.mode:  # the failure is the mode's, not the model's
+                if failed is not None:
+                    self.failure = bound.failed[self.mode] = first_line(failed)
+                if not fallback_allowed():
+                    raise asked_mode_failed(self.mode, self.failure, _CAUSES[self.mode]) from failed
+                self._warn_fallback()
+            return
+        assert failed is not None
+        raise failed
+
+    def _warn_fallback(self) -> None:
+        bound = self._bound
+        kind: type[Warning] = ForwardModeFallbackWarning if self.mode == "forward" \
+            else ReverseModeFallbackWarning
+        if kind not in bound.warned and not in_mode_race():
+            bound.warned.add(kind)
+            warnings.warn(fallback_message(self.mode, self.failure, _CAUSES[self.mode]), kind,
+                          stacklevel=user_stacklevel())
+
+    def _check_asked(self) -> None:
+        """A kernel that fell back, called by a call that asks for its mode: refuse."""
+        if self._computes != self.mode and not fallback_allowed():
+            raise asked_mode_failed(self.mode, self.failure, _CAUSES[self.mode])
 
     def _block_sizes(self) -> list[int]:
         """Rows a block for each of BLOCK_ROWS, evened over the chunk: for chunks at least
@@ -408,7 +495,7 @@ class JaxKernel(Kernel):
     def _body(self, args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
         """The Jacobians (and outputs) of the rows of ``u``: ``vmap(jacfwd|jacrev)``."""
         one = self._bound._instance_fn(args)
-        jac = jax.jacfwd if self.mode == "forward" else jax.jacrev
+        jac = jax.jacfwd if self._computes == "forward" else jax.jacrev
         if self.with_outputs:
             j, y = jax.vmap(jac(lambda u_i, c_i: (one(u_i, c_i),) * 2, has_aux=True))(u, ctx)
             return y, j
@@ -451,6 +538,8 @@ class JaxKernel(Kernel):
 
     def _select(self, variant: str, note: str) -> None:
         self._fn = self._compile(variant)
+        if self._computes != self.mode:
+            note = f"{note}; computed in {self._computes} mode ({self.failure})"
         self.variant, self.note = variant, note
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
@@ -461,6 +550,7 @@ class JaxKernel(Kernel):
                     ) -> tuple[np.ndarray | None, np.ndarray]:
         """Before the first call has chosen: what the last kernel of this model chose (its
         build, in blocks if this chunk has them), else the default; nothing is timed."""
+        self._check_asked()
         fn = self._fn
         if self.variant is None:
             build, blocked = self._bound.hint
@@ -470,6 +560,7 @@ class JaxKernel(Kernel):
 
     def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+        self._check_asked()
         if self.variant is None:
             self._first_call(u, ctx)
         return self._result(self._fn(self._bound.args, u, tuple(ctx)))  # runs in the background

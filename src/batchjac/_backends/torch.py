@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 import threading
 import time
 import types
 import warnings
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -47,7 +45,17 @@ from .._errors import (
     TrainingModeWarning as TrainingModeWarning,
 )
 from .._spec import assemble
-from ._base import Backend, BoundModel, Kernel, Mode, Signature, allowed, race
+from ._base import (
+    Backend,
+    BoundModel,
+    Kernel,
+    Mode,
+    Signature,
+    allowed,
+    in_mode_race,
+    race,
+    user_stacklevel,
+)
 
 Engine = Literal["func", "autograd", "replicated"]
 
@@ -57,22 +65,66 @@ _OPTIONS = ("train_mode", "device")
 _MODE_DEPENDENT = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
 
 
+#: torch's forward-mode AD levels (``enter_dual_level``, which ``torch.func.jvp`` uses) are
+#: process-wide, not per thread: threads running forward mode at once on one module (a thread
+#: pool, Dask's threaded scheduler) exited each other's levels, and calls raised "no level
+#: exists, make sure to enter_dual_level() first", fell back to reverse mode with a warning
+#: blaming the model, or returned zero Jacobians. Forward-mode computations hold this lock
+#: (they run one at a time; reverse mode, whose torch.func state is per thread, does not).
+_FORWARD_AD = threading.Lock()
+
+_SILENCED = threading.Lock()
+_silenced_count: dict[tuple[str, type[Warning]], int] = {}
+
+
+@contextlib.contextmanager
+def _silenced(message: str, category: type[Warning]) -> Iterator[None]:
+    """Ignore one warning of torch's within the block, in a way threads can share.
+    ``warnings.catch_warnings`` saves and restores the whole filter list, so blocks of two
+    threads that overlap undo each other's filter (one of the blocks then lets the warning
+    through, and a warnings-as-errors run fails); here the one filter is added by the first
+    block in and removed by the last one out."""
+    key = (message, category)
+    with _SILENCED:
+        _silenced_count[key] = _silenced_count.get(key, 0) + 1
+        if _silenced_count[key] == 1:
+            warnings.filterwarnings("ignore", message=message, category=category)
+    try:
+        yield
+    finally:
+        with _SILENCED:
+            _silenced_count[key] -= 1
+            if not _silenced_count[key]:
+                del _silenced_count[key]
+                filters = cast("list[Any]", warnings.filters)
+                for i, entry in enumerate(filters):
+                    pattern = entry[1]
+                    if entry[0] == "ignore" and entry[2] is category and \
+                            getattr(pattern, "pattern", None) == message and entry[3] is None:
+                        del filters[i]
+                        mutated = getattr(warnings, "_filters_mutated", None)
+                        if mutated is not None:  # (invalidates the per-module caches)
+                            mutated()
+                        break
+
+
 def _load_forward_ad() -> None:
     """torch loads its forward-mode decompositions on the first dual tensor and, in torch
     2.9+, that import warns that ``torch.jit.script`` is deprecated: framework noise the user
     cannot act on, which a warnings-as-errors run would turn into a failure of forward mode.
-    Load them here once, with that one warning silenced."""
+    Load them here once, with that one warning silenced (other threads wait for it: one that
+    went on would load them itself, unsilenced)."""
     global _forward_ad_loaded
     if _forward_ad_loaded:
         return
-    _forward_ad_loaded = True
-    load = getattr(torch.autograd.forward_ad, "_maybe_load_decompositions", None)
-    if load is None:  # pragma: no cover - other torch versions
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated",
-                                category=DeprecationWarning)
-        load()
+    with _FORWARD_AD:
+        if _forward_ad_loaded:
+            return
+        load = getattr(torch.autograd.forward_ad, "_maybe_load_decompositions", None)
+        if load is not None:  # (other torch versions: nothing to load)
+            with _silenced(".*torch.jit.script.* is deprecated", DeprecationWarning):
+                load()
+        _forward_ad_loaded = True
 
 
 _forward_ad_loaded = False
@@ -83,24 +135,8 @@ def _unknowns_require_grad() -> Iterator[None]:
     """Plain autograd needs ``requires_grad`` on the unknowns; a model that branches on their
     values (``float(x.max())``) then gets torch's warning about converting such a tensor to a
     number. The flag is batchjac's doing, not the user's, so that one warning is silenced."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True",
-                                category=UserWarning)
+    with _silenced("Converting a tensor with requires_grad=True", UserWarning):
         yield
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside batchjac (and
-    contextlib), i.e. at the user's call, from the function that calls ``warnings.warn``."""
-    level, frame = 1, sys._getframe(1)
-    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
-                                        or frame.f_code.co_filename == contextlib.__file__):
-        frame = frame.f_back
-        level += 1
-    return level
 
 
 def _to_torch(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -247,7 +283,7 @@ class TorchBound(BoundModel):
             f"Call model.eval() to silence this warning, or pass "
             f"backend_options={{'train_mode': True}} to force training mode (models with "
             f"batch statistics are then rejected, since their rows interact).",
-            TrainingModeWarning, stacklevel=_user_stacklevel(),
+            TrainingModeWarning, stacklevel=user_stacklevel(),
         )
 
     def _state(self) -> dict[str, torch.Tensor]:
@@ -465,7 +501,8 @@ class TorchKernel(Kernel):
     def _run(self, path: tuple[Mode, Engine], u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
              ) -> tuple[torch.Tensor, torch.Tensor]:
         if path[0] == "forward":
-            return self._bound.jac_forward(u, ctx, self._in_basis)
+            with _FORWARD_AD:
+                return self._bound.jac_forward(u, ctx, self._in_basis)
         return self._bound.jac_reverse(u, ctx, self._out_basis, path[1])
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
@@ -558,7 +595,7 @@ class TorchKernel(Kernel):
     def _warn_fallback(self) -> None:
         self.mode = "reverse"
         bound = self._bound
-        if bound.fallback_warned:
+        if bound.fallback_warned or in_mode_race():
             return
         bound.fallback_warned = True
         warnings.warn(
@@ -567,7 +604,7 @@ class TorchKernel(Kernel):
             f"backward pass per output rather than one pass per unknown. Usual cause: an "
             f"operator or a custom torch.autograd.Function without a forward-mode rule (jvp, "
             f"or vmap support). Pass mode='reverse' to skip the attempt.",
-            ForwardModeFallbackWarning, stacklevel=_user_stacklevel(),
+            ForwardModeFallbackWarning, stacklevel=user_stacklevel(),
         )
 
 
