@@ -151,8 +151,7 @@ def recall_variant(bound: Any, backend: str, kernel: Any) -> None:
                       f"{kernel.mode}/{kernel.chunk_size}/{int(kernel.with_outputs)}")
     found = cache.get(key, validate={"variant": set(kernel.variants)}) if key is not None else None
     if found is not None:
-        kernel.use(found["variant"])
-        kernel.note = f"{found['variant']} (remembered: {found.get('timings', '')})"
+        kernel.use(found["variant"], why=f"remembered: {found.get('timings', '')}")
 
 
 def persist(bound: Any, backend: str, kernel: Any | None = None) -> None:

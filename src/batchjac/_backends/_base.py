@@ -212,15 +212,19 @@ class Kernel(ABC):
         choosing compiles and times several builds, worth it only for the size kept)."""
         return self(u, ctx)
 
-    def use(self, variant: str) -> None:
-        """Run as ``variant`` from now on (one of ``variants``)."""
+    def use(self, variant: str, why: str = "fixed") -> None:
+        """Run as ``variant`` from now on (one of ``variants``); ``why`` goes into the note."""
         if variant not in self.variants:
             from .._errors import InputError
 
             raise InputError(f"This kernel has no variant {variant!r}; it has {self.variants}.")
         self._forced = variant
+        self._forced_why = why
         if self.variant is not None:  # already running: switch now
-            self._select(variant, f"{variant} (fixed)")
+            self._select(variant, f"{variant} ({why})")
+
+    #: why the variant was fixed (a store's record, a decision remembered on disk)
+    _forced_why: str = "fixed"
 
     def _select(self, variant: str, note: str) -> None:
         """Make ``variant`` the implementation in use (backends with variants extend this)."""

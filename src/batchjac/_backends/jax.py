@@ -578,7 +578,7 @@ class JaxKernel(Kernel):
         from ._base import race_allowed, untimed_note
 
         if self._forced is not None:
-            self._select(self._forced, f"{self._forced} (fixed)")
+            self._select(self._forced, f"{self._forced} ({self._forced_why})")
             return
         if len(self.variants) == 1:
             self._select("default", "")

@@ -574,7 +574,7 @@ class TFKernel(Kernel):
             self._xla_failed(xla_error)
             return
         if self._forced is not None:
-            self._select(self._forced, f"{self._forced} (fixed)")
+            self._select(self._forced, f"{self._forced} ({self._forced_why})")
             return
         if not race_allowed():  # autotune off, or the plain graph failed above: XLA, untimed
             self._select("xla", f"xla ({untimed_note()})")

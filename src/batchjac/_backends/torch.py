@@ -563,7 +563,7 @@ class TorchKernel(Kernel):
         from ._base import race_allowed, untimed_note
 
         if self._forced is not None:
-            self._select(self._forced, f"{self._forced} (fixed)")
+            self._select(self._forced, f"{self._forced} ({self._forced_why})")
             return
         if not race_allowed():
             self.note = f"vmap ({untimed_note()})"
