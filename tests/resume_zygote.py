@@ -94,17 +94,9 @@ def tree(out: Path) -> dict[str, bytes]:
     """Every file a finished output occupies, by name relative to its folder, and its bytes."""
     from batchjac import _stores
 
-    fmt = _stores.store_format(out)
-    found: dict[str, bytes] = {}
-    for p in fmt.final_paths(out):
-        if p.is_dir():
-            for root, _, names in os.walk(p):
-                for name in names:
-                    full = Path(root, name)
-                    found[str(full.relative_to(out.parent))] = full.read_bytes()
-        elif p.exists():
-            found[p.name] = p.read_bytes()
-    return found
+    from .store_conformance import tree as files_of
+
+    return files_of(_stores.store_format(out), out)
 
 
 def kill_when(run: Run, out: Path, done: int, extra_delay: float, timeout: float = 120) -> int:

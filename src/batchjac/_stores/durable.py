@@ -51,11 +51,13 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(root))
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+def write_atomic(path: Path, text: str, tmp: Path, *, sync_dir: bool = True) -> None:
+    """Write ``text`` to ``tmp`` (created new, never through a link), fsync it and rename it to
+    ``path``: a reader sees the old file or the whole new one. ``sync_dir`` also makes the
+    rename durable (done records skip it: one per chunk, and a lost record only recomputes)."""
     try:
         with os.fdopen(create_new(tmp), "w") as f:
-            json.dump(data, f, sort_keys=True, indent=1)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -63,7 +65,12 @@ def write_json_atomic(path: Path, data: Any) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_atomic(path, json.dumps(data, sort_keys=True, indent=1), path.with_name(f".{path.name}.tmp"))
 
 
 def move(src: Path, dst: Path) -> None:

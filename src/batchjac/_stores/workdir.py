@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import StoreBusyError, StoreError
-from .durable import CLOEXEC, NOFOLLOW, NotRegularFileError, create_new, fsync_dir, open_regular
+from .durable import CLOEXEC, NOFOLLOW, NotRegularFileError, create_new, fsync_dir, open_regular, write_atomic
 from .manifest import load_manifest
 
 WORK_SUFFIX = ".partial"
@@ -168,16 +168,7 @@ class WorkDir:
         tmp = self.done / f"{index:08d}.json.tmp"
         data = json.dumps({**(extra or {}), "index": index, "lo": lo, "hi": hi,
                            "input": input_hash, "result": result_hash}, sort_keys=True)
-        try:
-            with os.fdopen(create_new(tmp), "w") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        write_atomic(path, data, tmp, sync_dir=False)
 
     def remove(self) -> None:
         """Delete the work directory. It is renamed away first (atomic), so a kill in the
