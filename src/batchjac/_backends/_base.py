@@ -246,7 +246,10 @@ class Kernel(ABC):
         self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
     ) -> tuple[np.ndarray | None, np.ndarray]:
         """``u`` is ``(chunk_size, *unknown_shape)``; returns ``(y or None, J)`` with ``J`` of
-        shape ``(chunk_size, *output_shape, *unknown_shape)``, as numpy arrays."""
+        shape ``(chunk_size, *output_shape, *unknown_shape)``, as numpy arrays; or, when
+        ``u`` and ``ctx`` are the framework's own arrays (``jacobian`` with tensors in and
+        out, see :mod:`batchjac._arrays`), as the framework's arrays, on the device, with no
+        copy to the host."""
 
 
 def race(run: Callable[[str], object], names: Iterable[str], *, prune: float | None = None,
@@ -356,6 +359,11 @@ class BoundModel(ABC):
         """The per-instance output shape without computing or compiling anything (JAX's
         ``eval_shape``), or None where the framework cannot tell that cheaply. Where it can, the
         probes run beside the first kernel's compilation instead of before it."""
+        return None
+
+    def device_free_memory(self) -> int | None:
+        """Free bytes of the accelerator the kernels run on, for the memory budget; None when
+        they run on the host (the budget then comes from the host's memory)."""
         return None
 
     def in_thread(self) -> contextlib.AbstractContextManager[Any]:

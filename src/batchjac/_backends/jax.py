@@ -316,6 +316,10 @@ class JaxBound(BoundModel):
 
         return enable_x64(x64)  # type: ignore[no-any-return]  # pragma: no cover
 
+    def device_free_memory(self) -> int | None:
+        """Free bytes of JAX's default device when it is an accelerator (None on the CPU)."""
+        return _free_bytes(_default_device())
+
     def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:
         try:
             out = jax.eval_shape(self._batch, self.args, u, tuple(ctx))
@@ -556,16 +560,22 @@ class JaxKernel(Kernel):
             build, blocked = self._bound.hint
             fn = self._compile(next((v for v in self.variants if blocked and
                                      v.startswith(build + "/")), build))
-        return self._result(fn(self._bound.args, u, tuple(ctx)))()
+        return self._result(fn(self._bound.args, u, tuple(ctx)), isinstance(u, jax.Array))()
 
     def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
         self._check_asked()
         if self.variant is None:
             self._first_call(u, ctx)
-        return self._result(self._fn(self._bound.args, u, tuple(ctx)))  # runs in the background
+        return self._result(self._fn(self._bound.args, u, tuple(ctx)),  # runs in the background
+                            isinstance(u, jax.Array))
 
-    def _result(self, out: Any) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+    def _result(self, out: Any, native: bool = False
+                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+        """The wait for ``out``: numpy views of its buffers, or (``native``: JAX arrays in)
+        the JAX arrays themselves, left on their device."""
+        if native:
+            return lambda: (out[0], out[1]) if self.with_outputs else (None, out)
         if self.with_outputs:
             return lambda: (np.asarray(out[0]), np.asarray(out[1]))
         return lambda: (None, np.asarray(out))
@@ -748,6 +758,77 @@ def _leaf_key(leaf: Any) -> Hashable:
     except TypeError:
         return ("id", id(leaf))
     return leaf
+
+
+def _default_device() -> Any:
+    """The device JAX computes on when nothing is committed elsewhere."""
+    return getattr(jax.config, "jax_default_device", None) or jax.devices()[0]
+
+
+def _free_bytes(device: Any) -> int | None:
+    if getattr(device, "platform", "cpu") == "cpu":
+        return None
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a platform without memory statistics
+        return None
+    limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+    return None if limit is None else max(0, int(limit) - int(used))
+
+
+class JaxOps:
+    """JAX arrays as the pipeline's arrays (:class:`batchjac._xp.ArrayOps`), on their device:
+    what ``jacobian`` works with when JAX arrays go into a JAX model."""
+
+    kind = "jax"
+
+    def is_native(self, a: Any) -> bool:
+        return isinstance(a, jax.Array)
+
+    def dtype_of(self, a: Any) -> np.dtype:
+        return np.dtype(a.dtype)
+
+    def device_of(self, a: Any) -> Any:
+        """The device of a committed array (the result is committed to it too); None for an
+        uncommitted one, which JAX moves wherever it is used."""
+        if not getattr(a, "committed", False):
+            return None
+        devices = a.devices()
+        return next(iter(devices)) if len(devices) == 1 else None
+
+    def cast(self, a: Any, dtype: np.dtype) -> Any:
+        return a if a.dtype == dtype else a.astype(dtype)
+
+    def contiguous(self, a: Any) -> Any:
+        return a
+
+    def take(self, a: Any, cols: tuple[int, ...]) -> Any:
+        return jnp.take(a, jnp.asarray(cols), axis=-1)
+
+    def pad_rows(self, a: Any, rows: int) -> Any:
+        return jnp.concatenate([a, jnp.repeat(a[-1:], rows - a.shape[0], axis=0)])
+
+    def concat(self, parts: list[Any]) -> Any:
+        return jnp.concatenate(parts)
+
+    def all_finite(self, a: Any) -> bool:
+        return not jnp.issubdtype(a.dtype, jnp.floating) or bool(jnp.isfinite(a).all())
+
+    def any_nonzero(self, a: Any) -> bool:
+        return bool(jnp.any(a))
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return np.asarray(a)
+
+    def from_numpy(self, a: np.ndarray, device: Any = None) -> Any:
+        return jax.device_put(a, device) if device is not None else jnp.asarray(a)
+
+    def to_device(self, a: Any, device: Any) -> Any:
+        # committed to it: on the same device that shares the buffer (no copy)
+        return a if a.committed and a.devices() == {device} else jax.device_put(a, device)
+
+
+OPS = JaxOps()
 
 
 class JaxBackend(Backend):
