@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ._backends import array_framework, array_ops
+from ._backends import array_framework, array_ops, get_backend
 from ._errors import InputError
 from ._sinks import ArraySink, new_result
 from ._spec import BatchSpec
@@ -107,6 +107,15 @@ def resolve(inputs: tuple[Any, ...], output: Any, backend: Callable[[], str], *,
     xp = array_ops(kind)  # (the install hint when that framework is missing)
     device = xp.device_of(kinds[kind]) if kind in kinds else None
     return Delivery(kind, device, native=kind == backend())
+
+
+def native_options(delivery: Delivery, backend: str, model: Any, options: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """The backend options of a native call: the backend's say on the inputs' device (torch: a
+    plain function computes where its input tensors are)."""
+    if not delivery.native or delivery.device is None:
+        return options
+    return get_backend(backend).device_options(model, delivery.device, options)
 
 
 def deliver(result: Any, delivery: Delivery) -> Any:

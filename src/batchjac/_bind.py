@@ -199,7 +199,9 @@ def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
     assert bound.output_shape is not None
     m = math.prod(bound.output_shape)
     in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
-    budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
+    # computing on a GPU, the budget is the device's memory, not the host's
+    budget = default_max_memory(bound.device_free_memory()) if max_memory is None \
+        else parse_bytes(max_memory)
     plan = make_plan(n=spec.n, k=spec.k, m=m, in_elems=in_elems, dtype=spec.dtype, mode=mode,
                      chunk_size=chunk_size, max_memory=budget)
     return plan

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import _backends, _fastpath, _tuning as tuning
-from ._arrays import OutputArg, deliver, in_memory, resolve
+from ._arrays import OutputArg, deliver, in_memory, native_options, resolve
 from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
 from ._bind import BackendName, plan_for, prepare, probed
 from ._dask import uses_dask
@@ -143,9 +143,10 @@ def jacobian(
                                         return_outputs=return_outputs, nan_policy=nan_policy,
                                         options=backend_options or {}, explain=explain,
                                         progress=progress)
+            options = native_options(delivery, name, model, backend_options or {})
             return deliver(_compute(model, spec, name, mode=mode, chunk_size=chunk_size,
                                     max_memory=max_memory, return_outputs=return_outputs,
-                                    out=out, options=backend_options or {}, explain=explain,
+                                    out=out, options=options, explain=explain,
                                     progress=progress, fast_key=fast), delivery)
     except StoreError:  # about the output, not the model or inputs: no context to add
         raise

@@ -392,6 +392,12 @@ class Backend(ABC):
     def bind(self, model: Any, signature: Signature, **options: Any) -> BoundModel:
         """Wrap ``model`` for ``signature``. Framework-specific checks of the model go here."""
 
+    def device_options(self, model: Any, device: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """The options of a call whose inputs are this framework's arrays on ``device``
+        (:mod:`batchjac._arrays`): where the model does not say where it computes, the
+        inputs' device. By default the options as given (the framework places the work)."""
+        return options
+
     def options_key(self, options: dict[str, Any]) -> Hashable:
         """What bound models are cached by, besides the model and the signature (hashable).
         Options left out of the key reach the cached bound model through ``update``."""

@@ -714,6 +714,16 @@ def _explain_model_failure(e: Exception, sig: Signature) -> ModelError:
 class TorchBackend(Backend):
     name = "torch"
 
+    def device_options(self, model: Any, device: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """Tensors on ``device`` into a model with no parameters or buffers of its own (a plain
+        function): compute on that device. A module computes where its parameters are."""
+        module = _owner_module(model)
+        owns = module is not None and (next(module.parameters(), None) is not None
+                                       or next(module.buffers(), None) is not None)
+        if "device" in options or owns or device is None:
+            return options
+        return {**options, "device": device}
+
     def bind(self, model: Any, signature: Signature, **options: Any) -> BoundModel:
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
