@@ -28,6 +28,10 @@ from ._tuning import persist_probes, recall_probes
 
 BackendName = Literal["tensorflow", "torch", "jax"]
 
+#: rows of a framework's (device) arrays copied to the host for the one-off probes (which
+#: read the first 64 rows)
+PROBE_HOST_ROWS = 64
+
 
 def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any], *,
             overlap: bool = False) -> _backends.BoundModel:
@@ -65,6 +69,7 @@ def _prepare(be: _backends.Backend, model: Any, spec: BatchSpec, backend: str,
     bound.refresh()
     if not bound.probed and not _same_code(model, bound, backend) \
             and not (probes_enabled() and recall_probes(bound, backend)):
+        spec = spec.on_host(PROBE_HOST_ROWS)  # (a framework's arrays: a few rows to the host)
         unknown_name = spec.names[0 if spec.layout.kind == "concat" else spec.layout.wrt_index]
         if probes_enabled() and overlap and _start_probes(bound, spec, unknown_name, backend):
             return bound

@@ -24,9 +24,6 @@ from ._validate import DTypeLike, NanPolicy, normalize
 
 log = logging.getLogger("batchjac")
 
-#: rows of native (device) inputs the one-off probes read, copied to the host (they read 64)
-PROBE_HOST_ROWS = 64
-
 def jacobian(
     model: Any,
     *inputs: Any,
@@ -227,8 +224,7 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
              out: Any, options: dict[str, Any], explain: bool,
              progress: bool | Callable[[int], None] = False,
              fast_key: tuple[Any, ...] | None = None) -> Any:
-    # the probes read a few rows, on the host
-    bound = prepare(model, spec.on_host(PROBE_HOST_ROWS), backend, options, overlap=out is None)
+    bound = prepare(model, spec, backend, options, overlap=out is None)
     try:
         result = _compute_bound(model, bound, spec, backend, mode=mode, chunk_size=chunk_size,
                                 max_memory=max_memory, return_outputs=return_outputs, out=out,

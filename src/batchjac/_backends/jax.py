@@ -574,8 +574,9 @@ class JaxKernel(Kernel):
                 ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
         """The wait for ``out``: numpy views of its buffers, or (``native``: JAX arrays in)
         the JAX arrays themselves, left on their device."""
-        if native:
-            return lambda: (out[0], out[1]) if self.with_outputs else (None, out)
+        if native:  # (waited for as numpy results are: the tuning times these calls)
+            return lambda: (tuple(jax.block_until_ready(out)) if self.with_outputs
+                            else (None, jax.block_until_ready(out)))
         if self.with_outputs:
             return lambda: (np.asarray(out[0]), np.asarray(out[1]))
         return lambda: (None, np.asarray(out))
