@@ -380,3 +380,36 @@ def test_tensorflow_budget_from_the_visible_gpu(monkeypatch: pytest.MonkeyPatch)
     spec = _spec()
     bound = tf_backend.TFBound(lambda x: x, _signature(spec))
     assert _plan_budget(bound, spec, monkeypatch) == 4 * 2**30
+
+
+_TWO_DEVICES = """
+import numpy as np, jax, batchjac
+from batchjac.examples import workload_model
+d1 = jax.devices()[1]
+x = np.random.default_rng(22).normal(size=(100, 8)).astype(np.float32)
+u, h = x[:, :5], x[:, 5:]
+model = workload_model("W1", "jax")
+ref = batchjac.jacobian(model, u, h)
+for chunk_size in (None, 30):
+    y, jac = batchjac.jacobian(model, jax.device_put(u, d1), jax.device_put(h, d1),
+                               return_outputs=True, chunk_size=chunk_size)
+    assert jac.devices() == {d1} and jac.committed and y.devices() == {d1}, jac.devices()
+    assert np.array_equal(np.asarray(jac), ref), chunk_size
+print("ok")
+"""
+
+
+def test_jax_arrays_on_another_device_are_computed_there() -> None:
+    """Two CPU devices (XLA's host platform split in a fresh process): arrays committed to the
+    second one are computed with kernels compiled for it and come back committed to it."""
+    pytest.importorskip("jax")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _TWO_DEVICES], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")

@@ -74,7 +74,7 @@ from ._base import (
     user_stacklevel,
 )
 
-_OPTIONS = ("params", "per_instance")
+_OPTIONS = ("params", "per_instance", "device")
 #: why a mode fails in JAX, for the fallback's warning and error
 _CAUSES: dict[Mode, str] = {
     "forward": "Usual cause: a jax.custom_vjp function, which has no forward-mode rule.",
@@ -113,11 +113,11 @@ def _cast_floats(leaves: list[Any], dtype: np.dtype) -> list[Any]:
 class _Split:
     """A pytree cut into its array leaves (kernel arguments) and the rest (static)."""
 
-    def __init__(self, tree: Any) -> None:
+    def __init__(self, tree: Any, device: Any = None) -> None:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         self.treedef: Any = treedef
         self.where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-        self.arrays = [jax.device_put(leaves[i]) for i in self.where]
+        self.arrays = [jax.device_put(leaves[i], device) for i in self.where]
         self.static = [None if _is_array(leaf) else leaf for leaf in leaves]
 
     def merge(self, arrays: list[Any]) -> Any:
@@ -132,14 +132,17 @@ _NO_PARAMS = object()
 
 class JaxBound(BoundModel):
     def __init__(self, model: Any, signature: Signature, *, params: Any = _NO_PARAMS,
-                 per_instance: bool = False) -> None:
+                 per_instance: bool = False, device: Any = None) -> None:
         super().__init__(signature)
         self.model = model
+        #: where the kernels compute (None: JAX's default device); the model's arrays and the
+        #: kernels' arguments are placed there
+        self.device = device
         self.per_instance = per_instance
         self.has_params = params is not _NO_PARAMS
-        self._model_split = _Split(model)
+        self._model_split = _Split(model, device)
         self._params = params if self.has_params else None
-        self._params_split = _Split(self._params)
+        self._params_split = _Split(self._params, device)
         self._forward: Any = None
         #: what the last kernel that timed its variants chose (see JaxKernel): its build,
         #: and whether in blocks. Kernels timed against it (other chunk sizes) run the same
@@ -165,7 +168,7 @@ class JaxBound(BoundModel):
         params = options.get("params", self._params)
         if not self.has_params or params is self._params:
             return
-        new = _Split(params)
+        new = _Split(params, self.device)
         same = new.treedef == self._params_split.treedef and \
             [np.shape(a) for a in new.arrays] == [np.shape(a) for a in self.args[1]]
         if not same:
@@ -182,8 +185,8 @@ class JaxBound(BoundModel):
         if self._x64 != x64_enabled() or not _same_values(captured, self._captured):
             # the x64 mode changes the dtypes of traced arrays; rebound closure values would
             # be stale constants in the compiled kernels: trace everything again
-            self._model_split = _Split(self.model)
-            self._params_split = _Split(self._params)
+            self._model_split = _Split(self.model, self.device)
+            self._params_split = _Split(self._params, self.device)
             self._kernels.clear()
             self.failed.clear()
             self._forward = None
@@ -302,8 +305,10 @@ class JaxBound(BoundModel):
 
     def _specs(self, rows: int) -> tuple[Any, tuple[Any, ...]]:
         sig = self.signature
-        u = jax.ShapeDtypeStruct((rows, *sig.unknown_shape), sig.dtype)
-        ctx = tuple(jax.ShapeDtypeStruct((rows, *shape), jax.dtypes.canonicalize_dtype(dt))
+        at = {} if self.device is None else \
+            {"sharding": jax.sharding.SingleDeviceSharding(self.device)}
+        u = jax.ShapeDtypeStruct((rows, *sig.unknown_shape), sig.dtype, **at)
+        ctx = tuple(jax.ShapeDtypeStruct((rows, *shape), jax.dtypes.canonicalize_dtype(dt), **at)
                     for shape, dt in sig.ctx)
         return u, ctx
 
@@ -317,8 +322,9 @@ class JaxBound(BoundModel):
         return enable_x64(x64)  # type: ignore[no-any-return]  # pragma: no cover
 
     def device_free_memory(self) -> int | None:
-        """Free bytes of JAX's default device when it is an accelerator (None on the CPU)."""
-        return _free_bytes(_default_device())
+        """Free bytes of the device the kernels run on when it is an accelerator (None on the
+        CPU)."""
+        return _free_bytes(self.device if self.device is not None else _default_device())
 
     def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:
         try:
@@ -855,7 +861,19 @@ class JaxBackend(Backend):
             )
         _require_x64(signature.dtype)
         kwargs = {"params": options["params"]} if "params" in options else {}
-        return JaxBound(model, signature, per_instance=bool(per_instance), **kwargs)
+        device = options.get("device")
+        if device is not None and not isinstance(device, jax.Device):
+            raise InputError(f"backend_options['device'] must be a jax.Device (e.g. "
+                             f"jax.devices()[0]); got {device!r}.")
+        return JaxBound(model, signature, per_instance=bool(per_instance), device=device,
+                        **kwargs)
+
+    def device_options(self, model: Any, device: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """Arrays committed to a device other than the default one: the kernels are compiled
+        for that device (an executable compiled for the default device refuses them)."""
+        if "device" in options or device is None or device == _default_device():
+            return options
+        return {**options, "device": device}
 
     def options_key(self, options: dict[str, Any]) -> Hashable:
         """A hashable key for caching bound models: params by structure, shapes and dtypes
