@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import batchjac
+from batchjac._arrays import kind_of
 from batchjac.examples import workload_inputs, workload_model
 
 
@@ -54,7 +55,7 @@ def measure(framework: str, n: int = 10_000, repeats: int = 5, warmup: int = 3) 
     would show as a numpy array."""
     case = _torch_case if framework == "torch" else _jax_case
     ours, base, wait = case(n)
-    kind = type(ours()).__module__.split(".")[0]
+    kind = kind_of(ours())
     if kind == "numpy":
         raise AssertionError("batchjac returned numpy for native inputs")
     for _ in range(warmup):
