@@ -413,3 +413,14 @@ def test_jax_arrays_on_another_device_are_computed_there() -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_numpy_known_beside_native_unknown(fw: str) -> None:
+    """A numpy `known` beside the framework's `unknown`: converted once, the result native."""
+    put, dev, device_of = _on_cpu(fw)
+    u, h = _data(90, seed=23)
+    jac = batchjac.jacobian(workload_model("W1", fw), put(u), h, chunk_size=40)
+    assert isinstance(jac, _array_type(fw))
+    assert device_of(jac) == dev
+    assert_jac_close(_host(jac), _reference(u, h)[1])
