@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,64 +21,16 @@ import pytest
 import batchjac
 from batchjac._finite_diff import max_relative_error
 
-from .helpers import RTOL
+from .helpers import RTOL, tanh_model
 
 THREADS, CALLS = 20, 3
-K, H, M = 3, 2, 8  # 3 unknowns + 2 known -> 8 outputs: mode="auto" picks forward mode
+K, H = 3, 2  # tanh_model: 3 unknowns + 2 known -> 8 outputs; mode="auto" picks forward
 LIMIT_S = 60  # a hang, not slowness, is what this catches (measured: 1-4 s per case)
-
-_rng = np.random.default_rng(1919)
-W = (_rng.normal(size=(K + H, M)) * 0.7).astype(np.float32)
-B = (_rng.normal(size=(M,)) * 0.1).astype(np.float32)
-
-
-def build(backend: str) -> tuple[Any, Callable[[np.ndarray, np.ndarray], np.ndarray]]:
-    """The model ``tanh([u, h] @ W + b)`` of ``backend``, and the framework's own per-instance
-    Jacobian with respect to ``u`` (its batch_jacobian / vmap of jacrev)."""
-    if backend == "tensorflow":
-        tf = pytest.importorskip("tensorflow")
-        keras = pytest.importorskip("keras")
-        dense = keras.layers.Dense(M, activation="tanh")
-        model = keras.Sequential([keras.Input((K + H,)), dense])
-        dense.set_weights([W, B])
-
-        def tf_reference(u: np.ndarray, h: np.ndarray) -> np.ndarray:
-            ut = tf.constant(u)
-            with tf.GradientTape() as tape:
-                tape.watch(ut)
-                y = model(tf.concat([ut, tf.constant(h)], axis=1))
-            return np.asarray(tape.batch_jacobian(y, ut))
-
-        return model, tf_reference
-    if backend == "jax":
-        jax = pytest.importorskip("jax")
-        jnp = jax.numpy
-        wj, bj = jnp.asarray(W), jnp.asarray(B)
-
-        def jax_model(z: Any) -> Any:
-            return jnp.tanh(z @ wj + bj)
-
-        row_jac = jax.jit(jax.vmap(jax.jacrev(
-            lambda u, h: jax_model(jnp.concatenate([u, h])[None])[0])))
-        return jax_model, lambda u, h: np.asarray(row_jac(u, h))
-    torch = pytest.importorskip("torch")
-    net = torch.nn.Sequential(torch.nn.Linear(K + H, M), torch.nn.Tanh())
-    with torch.no_grad():
-        net[0].weight.copy_(torch.from_numpy(W.T.copy()))
-        net[0].bias.copy_(torch.from_numpy(B))
-
-    def torch_reference(u: np.ndarray, h: np.ndarray) -> np.ndarray:
-        row = torch.func.jacrev(lambda ui, hi: net(torch.cat([ui, hi])[None])[0])
-        with torch.no_grad():
-            return torch.func.vmap(row)(torch.from_numpy(u), torch.from_numpy(h)).numpy()
-
-    return net, torch_reference
-
 
 @pytest.mark.parametrize("mode", ["forward", "auto", "reverse"])
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 def test_twenty_threads_on_one_model_get_correct_values(backend: str, mode: str) -> None:
-    model, reference = build(backend)
+    model, reference = tanh_model(backend)
     rng = np.random.default_rng(19000)
     # 4 threads share each row count: kernels of one size and of several built concurrently
     sizes = [5 + i % 5 + 3 * c for i in range(THREADS) for c in range(CALLS)]
