@@ -6,10 +6,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .. import _backends
 from .._bind import BackendName
 from .._errors import InputError
 from .._plan import ModeArg
-from .._solve import IterationInfo, Method, SolveResult, solve as solve_in_memory
+from .._solve import IterationInfo, Method, SolveResult, solve as _in_memory
 from .._solve_store import SolveInputs, SolveStoreResult, solve_to_store
 from .._stores import Store
 from .._validate import DTypeLike
@@ -124,31 +125,19 @@ def solve(
         if block_size is not None:
             raise InputError("`block_size` sizes the blocks of a resumable output; it goes with "
                              "`out=`. For an in-memory solve, use `chunk_size` or `max_memory`.")
-        return solve_in_memory(
-            model, targets, known,
-            x0=x0,
-            bounds=bounds,
-            method=method,
-            max_iter=max_iter,
-            xtol=xtol,
-            ftol=ftol,
-            gtol=gtol,
-            weights=weights,
-            sigma=sigma,
-            n_starts=n_starts,
-            seed=seed,
-            fit_tol=fit_tol,
-            n_unknowns=n_unknowns,
-            return_jacobian=return_jacobian,
-            return_covariance=return_covariance,
-            dtype=dtype,
-            mode=mode,
-            chunk_size=chunk_size,
-            max_memory=max_memory,
-            backend=backend,
-            backend_options=backend_options,
-            callback=callback,
-            reproducible=reproducible)
+        # a mode asked for is computed or refused (a ModelError naming the other), never
+        # swapped for the other with a warning, as in jacobian(); a store's mode comes from
+        # the cost model and falls back
+        with _backends.mode_asked(mode != "auto"):
+            return _in_memory(model, targets, known, x0=x0, bounds=bounds, method=method,
+                              max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
+                              weights=weights, sigma=sigma, n_starts=n_starts, seed=seed,
+                              fit_tol=fit_tol, n_unknowns=n_unknowns,
+                              return_jacobian=return_jacobian,
+                              return_covariance=return_covariance, dtype=dtype, mode=mode,
+                              chunk_size=chunk_size, max_memory=max_memory, backend=backend,
+                              backend_options=backend_options, callback=callback,
+                              reproducible=reproducible)
     return _to_store(model, targets, known, x0=x0, bounds=bounds, method=method, max_iter=max_iter,
                      xtol=xtol, ftol=ftol, gtol=gtol, weights=weights, sigma=sigma, n_starts=n_starts,
                      seed=seed, fit_tol=fit_tol, n_unknowns=n_unknowns, return_jacobian=return_jacobian,
