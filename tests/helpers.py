@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 
 from batchjac._finite_diff import central_differences, max_relative_error
 
@@ -39,3 +41,53 @@ def race_now(monkeypatch: Any) -> None:
     import batchjac._tuning
 
     monkeypatch.setattr(batchjac._tuning, "worth", lambda *args, **kwargs: True)
+
+
+# ---- one small model in every framework, with the framework's own Jacobian ---------------------
+K, H, M = 3, 2, 8  # 3 unknowns + 2 known inputs -> 8 outputs: mode="auto" picks forward mode
+_rng = np.random.default_rng(1919)
+W = (_rng.normal(size=(K + H, M)) * 0.7).astype(np.float32)
+B = (_rng.normal(size=(M,)) * 0.1).astype(np.float32)
+
+
+def tanh_model(backend: str) -> tuple[Any, Callable[[np.ndarray, np.ndarray], np.ndarray]]:
+    """The model ``tanh([u, h] @ W + b)`` of ``backend``, and the framework's own per-instance
+    Jacobian with respect to ``u`` (its batch_jacobian / vmap of jacrev)."""
+    if backend == "tensorflow":
+        tf = pytest.importorskip("tensorflow")
+        keras = pytest.importorskip("keras")
+        dense = keras.layers.Dense(M, activation="tanh")
+        model = keras.Sequential([keras.Input((K + H,)), dense])
+        dense.set_weights([W, B])
+
+        def tf_reference(u: np.ndarray, h: np.ndarray) -> np.ndarray:
+            ut = tf.constant(u)
+            with tf.GradientTape() as tape:
+                tape.watch(ut)
+                y = model(tf.concat([ut, tf.constant(h)], axis=1))
+            return np.asarray(tape.batch_jacobian(y, ut))
+
+        return model, tf_reference
+    if backend == "jax":
+        jax = pytest.importorskip("jax")
+        jnp = jax.numpy
+        wj, bj = jnp.asarray(W), jnp.asarray(B)
+
+        def jax_model(z: Any) -> Any:
+            return jnp.tanh(z @ wj + bj)
+
+        row_jac = jax.jit(jax.vmap(jax.jacrev(
+            lambda u, h: jax_model(jnp.concatenate([u, h])[None])[0])))
+        return jax_model, lambda u, h: np.asarray(row_jac(u, h))
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential(torch.nn.Linear(K + H, M), torch.nn.Tanh())
+    with torch.no_grad():
+        net[0].weight.copy_(torch.from_numpy(W.T.copy()))
+        net[0].bias.copy_(torch.from_numpy(B))
+
+    def torch_reference(u: np.ndarray, h: np.ndarray) -> np.ndarray:
+        row = torch.func.jacrev(lambda ui, hi: net(torch.cat([ui, hi])[None])[0])
+        with torch.no_grad():
+            return torch.func.vmap(row)(torch.from_numpy(u), torch.from_numpy(h)).numpy()
+
+    return net, torch_reference

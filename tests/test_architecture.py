@@ -137,7 +137,8 @@ def test_frameworks_only_in_framework_modules() -> None:
 #: the layers of the data flow, lowest first: a module imports only its own layer and those
 #: below (the longest matching prefix places a module)
 LAYERS = [
-    ["batchjac._version", "batchjac._errors", "batchjac._config", "batchjac._finite_diff"],
+    ["batchjac._version", "batchjac._errors", "batchjac._config", "batchjac._finite_diff",
+     "batchjac._fit"],
     ["batchjac._spec", "batchjac._xp", "batchjac._fingerprint", "batchjac._tunecache"],
     ["batchjac._backends", "batchjac._loaders", "batchjac._examples"],  # the framework modules
     ["batchjac._plan", "batchjac._probes", "batchjac._sinks", "batchjac._runner",

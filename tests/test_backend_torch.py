@@ -536,21 +536,31 @@ class CubeOldStyle(torch.autograd.Function):
 
 @pytest.mark.parametrize("op", [CubeNoJvp, CubeVmapNoJvp, CubeOldStyle])
 def test_forward_mode_falls_back_to_reverse_once(op: Any) -> None:
+    """mode="auto" (which picks forward mode: 3 unknowns, 15 outputs) falls back with one
+    warning; mode="forward", asked for, is refused as in TensorFlow and JAX, before and after."""
+
     class Model(nn.Module):
-        def forward(self, x: Any) -> Any:
-            return op.apply(torch.sin(x)) * 2
+        def forward(self, x: Any) -> Any:  # [2 op(sin x), x, 2x, 3x, 4x]
+            return torch.cat([op.apply(torch.sin(x)) * 2, *(c * x for c in (1, 2, 3, 4))], dim=1)
 
     model = Model()
     x = data((23, 3), seed=31)
-    ref = np.einsum("ni,ij->nij", 6 * np.sin(x.astype(np.float64)) ** 2 * np.cos(x.astype(np.float64)),
-                    np.eye(3))
+    x64 = x.astype(np.float64)
+    eye = np.broadcast_to(np.eye(3), (23, 3, 3))
+    ref = np.concatenate([np.einsum("ni,ij->nij", 6 * np.sin(x64) ** 2 * np.cos(x64), np.eye(3)),
+                          *(c * eye for c in (1, 2, 3, 4))], axis=1)
+    with pytest.raises(batchjac.ModelError, match=r"Forward mode failed.*mode='reverse'"):
+        batchjac.jacobian(model, x, mode="forward", chunk_size=10)
     with pytest.warns(ForwardModeFallbackWarning, match="Forward mode failed for this model"):
-        jac = batchjac.jacobian(model, x, mode="forward", chunk_size=10)
+        jac = batchjac.jacobian(model, x, chunk_size=10)
     assert_jac_close(jac, ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning, for another chunk size too
-        assert_jac_close(batchjac.jacobian(model, x, mode="forward", chunk_size=8), ref)
+        assert_jac_close(batchjac.jacobian(model, x, chunk_size=8), ref)
         assert_jac_close(batchjac.jacobian(model, x, mode="reverse"), ref)
+        for size in (10, 8):  # the kernels that fell back refuse a call that asks the mode
+            with pytest.raises(batchjac.ModelError, match="mode='reverse'"):
+                batchjac.jacobian(model, x, mode="forward", chunk_size=size)
 
 
 # ---- threads --------------------------------------------------------------------------------

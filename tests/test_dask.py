@@ -210,3 +210,22 @@ def test_cli_compute_on_a_scheduler(client: Any, tmp_path: Any) -> None:
     assert result.exit_code == 0, result.output
     stored = zarr.open_group(str(tmp_path / "j.zarr"), mode="r")["jacobians"][:]
     np.testing.assert_allclose(stored, batchjac.jacobian(model, unknown, known), rtol=1e-5, atol=1e-6)
+
+
+def test_asked_mode_is_refused_on_the_workers_too(client: Any, tmp_path: Any) -> None:
+    """mode="forward" for a torch model without forward mode, into a store on the cluster: the
+    workers computed reverse mode without a word (the caller's "mode asked" did not travel to
+    them); now they refuse, as the local path does, and no unfinished store is left."""
+    pytest.importorskip("torch")
+    from .test_fallbacks import cube_sin_reference, data, torch_cube_model
+
+    model = torch_cube_model()
+    x = data((40, 3), seed=213)
+    with pytest.raises(batchjac.ModelError, match=r"Forward mode failed.*mode='reverse'"):
+        batchjac.jacobian(model, x, mode="forward", out=str(tmp_path / "j.zarr"), chunk_size=10,
+                          client=client)
+    assert not (tmp_path / "j.zarr").exists()
+    assert not (tmp_path / "j.zarr.partial").exists()
+    res = batchjac.jacobian(model, x, mode="reverse", out=str(tmp_path / "j.zarr"), chunk_size=10,
+                            client=client)
+    np.testing.assert_allclose(np.asarray(res.open()), cube_sin_reference(x), rtol=1e-5, atol=1e-6)

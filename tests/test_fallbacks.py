@@ -379,3 +379,135 @@ def test_a_failing_mode_loses_the_mode_race_without_a_warning(
     with no_fallback_warning():
         assert_jac_close(batchjac.jacobian(model, x), reference(x))
         assert_jac_close(batchjac.jacobian(model, x[:7]), reference(x[:7]))
+
+
+# ---- a mode asked for is refused where it fails, by every verb and every path ------------------
+
+TORCH_CUBE_SOURCE = '''
+import torch
+
+
+class Cube(torch.autograd.Function):
+    """x**3 with a backward rule only: no forward mode (jvp), no torch.func support."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+def model(x):
+    return torch.cat([Cube.apply(x), torch.sin(x)], dim=1)
+'''
+
+JAX_CUBE_SOURCE = '''
+import jax
+import jax.numpy as jnp
+
+
+@jax.custom_vjp
+def cube(x):
+    return x**3
+
+
+cube.defvjp(lambda x: (x**3, x), lambda x, g: (3 * x**2 * g,))
+
+
+def model(x):
+    return jnp.concatenate([cube(x), jnp.sin(x)], axis=1)
+'''
+
+
+def cube_sin_reference(x: np.ndarray) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    return np.concatenate([diag(3 * x64**2), diag(np.cos(x64))], axis=1)
+
+
+def torch_cube_model() -> Any:
+    pytest.importorskip("torch")
+    space: dict[str, Any] = {}
+    exec(compile(TORCH_CUBE_SOURCE, "<torch_cube>", "exec"), space)  # a model without jvp
+    return space["model"]
+
+
+def forward_failing(backend: str) -> tuple[Any, np.ndarray, np.ndarray]:
+    """A model whose forward mode fails in ``backend``, inputs, and its Jacobians."""
+    if backend == "tensorflow":
+        x = data((12, 2), seed=210)
+        return keras_model("foldl"), x, keras_reference("foldl", x)
+    x = data((12, 3), seed=211)
+    if backend == "jax":
+        return custom_vjp_model()[0], x, cube_sin_reference(x)
+    return torch_cube_model(), x, cube_sin_reference(x)
+
+
+#: the refusal, not the fallback warning (which says "Pass mode='reverse' to skip the attempt"
+#: and, as tests turn warnings into errors, would be raised too)
+ASKED = r"Forward mode failed for this model.*Pass mode='reverse' \(or mode='auto'"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_asked_forward_mode_is_refused_by_every_verb(backend: str, tmp_path: Any) -> None:
+    """jacobian (in memory and into a store), solve, check and propagate all refuse a
+    mode="forward" that fails for the model, before and after mode="auto" fell back; torch used
+    to compute reverse mode instead (with a warning, and a store without one)."""
+    model, x, ref = forward_failing(backend)
+    with pytest.raises(batchjac.ModelError, match=ASKED):
+        batchjac.jacobian(model, x, mode="forward")
+    with pytest.raises(batchjac.ModelError, match=ASKED):
+        batchjac.jacobian(model, x, mode="forward", out=str(tmp_path / "j.zarr"))
+    assert not (tmp_path / "j.zarr").exists()
+    assert not (tmp_path / "j.zarr.partial").exists()  # no chunk done: nothing left behind
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", batchjac.ForwardModeFallbackWarning)
+        assert_jac_close(batchjac.jacobian(model, x), ref)  # auto: the other mode
+        y = np.asarray(batchjac.jacobian(model, x, mode="reverse", return_outputs=True)[0])
+    with pytest.raises(batchjac.ModelError, match=ASKED):  # after the fallback too
+        batchjac.jacobian(model, x, mode="forward", chunk_size=5)
+    with pytest.raises(batchjac.ModelError, match=ASKED):
+        batchjac.jacobian(model, x, mode="forward", out=str(tmp_path / "k.zarr"))
+    with pytest.raises(batchjac.ModelError, match=ASKED):
+        batchjac.solve(model, y, n_unknowns=x.shape[1], x0=x + 0.05, mode="forward")
+    with pytest.raises(batchjac.ModelError, match=ASKED):
+        batchjac.check(model, x, mode="forward")
+    with pytest.raises(batchjac.ModelError, match=ASKED):
+        batchjac.propagate(model, x, std=0.1, mode="forward")
+    solved = batchjac.solve(model, y, n_unknowns=x.shape[1], x0=x + 0.05, mode="reverse")
+    assert isinstance(solved, batchjac.SolveResult)
+    assert solved.success.all(), solved
+    np.testing.assert_allclose(solved.x, x, atol=2e-3)
+
+
+@pytest.mark.parametrize(("backend", "source"), [("jax", JAX_CUBE_SOURCE),
+                                                 ("torch", TORCH_CUBE_SOURCE)])
+@pytest.mark.parametrize("command", ["compute", "check"])
+def test_cli_asked_forward_mode_exits_5_with_the_fix(backend: str, source: str, command: str,
+                                                     tmp_path: Any) -> None:
+    pytest.importorskip(backend)
+    from click.testing import CliRunner
+
+    from batchjac.cli import cli
+
+    (tmp_path / "cube.py").write_text(source)
+    np.save(tmp_path / "x.npy", data((12, 3), seed=212))
+    args = [command, f"{tmp_path / 'cube.py'}:model", "-i", str(tmp_path / "x.npy")]
+    if command == "compute":
+        args += ["-o", str(tmp_path / "j.zarr")]
+    result = CliRunner().invoke(cli, [*args, "--mode", "forward"])
+    assert result.exit_code == 5, result.output
+    assert "Pass mode='reverse' (or mode='auto'" in result.stderr  # the refusal, not the warning
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "j.zarr").exists()
+    assert not (tmp_path / "j.zarr.partial").exists()  # so auto, next, is not "another job"
+    if command == "compute":  # auto falls back and finishes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", batchjac.ForwardModeFallbackWarning)
+            done = CliRunner().invoke(cli, args)
+        assert done.exit_code == 0, done.output
+        jac = np.asarray(batchjac.open_store(str(tmp_path / "j.zarr")))
+        assert_jac_close(jac, cube_sin_reference(data((12, 3), seed=212)))

@@ -186,10 +186,13 @@ def test_slow_instances_flagged_while_others_converge() -> None:
 
 def test_unreachable_target_has_large_residual_and_honest_status() -> None:
     """A target above the model's range: the best fit is a stationary point with a large
-    residual (reported as such); a saturated tanh with zero Jacobian is *not* converged."""
+    residual, converged but not fitted (LOCAL_MINIMUM, not a success); a saturated tanh with
+    zero Jacobian is *not* converged."""
     res = solve(cubic, np.full((N, 1), 2.5), x0=np.full((N, 1), -1.5), bounds=(-1.8, 0.0))
     assert_consistent(res)
-    assert res.success.all()  # the constrained minimum at z = -1 is a true stationary point
+    assert (res.status == Status.LOCAL_MINIMUM).all()  # z = -1 is a stationary point, no fit
+    assert not res.success.any()
+    assert res.converged.all()
     np.testing.assert_allclose(res.x[:, 0], -1.0, atol=1e-4)
     np.testing.assert_allclose(res.residual, 0.5, atol=1e-6)
 
@@ -317,7 +320,10 @@ def test_bounds_rounded_inwards_in_float32() -> None:
     for x in seen:
         assert (x >= 0.1).all()
         assert (x <= 0.3).all()
-    assert res.success.all()
+    # the box keeps the targets out of reach: a converged bound minimum, not a fit
+    assert res.converged.all()
+    assert not res.success.any()
+    assert (res.status == Status.LOCAL_MINIMUM).all()
     inside = [np.float32(0.1), np.nextafter(np.float32(0.3), np.float32(0))]
     assert float(inside[0]) >= 0.1
     assert float(inside[1]) < 0.3 < float(np.float32(0.3))

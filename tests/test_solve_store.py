@@ -287,7 +287,7 @@ def test_cli_streams_files_and_reports(tmp_path: Path) -> None:
     summary = json.loads(result.stdout)  # the summary on stdout; progress and messages on stderr
     assert summary["blocks"] == 4
     assert summary["succeeded"] == 199
-    assert "199/200 instances converged" in result.output
+    assert "199/200 instances fitted" in result.output
     got = np.load(tmp_path / "out" / "x.npy")
     ok = np.arange(200) != 2
     np.testing.assert_allclose(got[ok], x[ok], atol=2e-3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
+import threading
 import types
 import warnings
 import weakref
@@ -67,6 +68,20 @@ def _prepare(be: _backends.Backend, model: Any, spec: BatchSpec, backend: str,
         except TypeError:  # not weakly referenceable: no cached decisions for it
             bound._source = lambda: None  # type: ignore[attr-defined]
     bound.refresh()
+    if bound.probed:
+        _remember_code(bound, backend)
+        return bound
+    # threads sharing a bound model probe it once: the others wait here, then find it probed
+    with bound.__dict__.setdefault("_prepare_lock", threading.RLock()):
+        return _probe_once(be, model, spec, backend, bound, overlap=overlap)
+
+
+def _probe_once(be: _backends.Backend, model: Any, spec: BatchSpec, backend: str,
+                bound: _backends.BoundModel, *, overlap: bool) -> _backends.BoundModel:
+    pending = getattr(bound, "_probing", None)
+    if pending is not None:  # started beside another thread's first kernel: their verdict
+        pending.result()  # raises what they found (that thread's probed() resets the bound)
+        return bound
     if not bound.probed and not _same_code(model, bound, backend) \
             and not (probes_enabled() and recall_probes(bound, backend)):
         spec = spec.on_host(PROBE_HOST_ROWS)  # (a framework's arrays: a few rows to the host)

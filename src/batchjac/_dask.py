@@ -192,11 +192,14 @@ def dask_jacobian(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ..
 def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: Any, dtype: Any,
                 unknown_shape: tuple[int, ...], names: tuple[str, ...], rows: list[np.ndarray],
                 index: int, lo: int, hi: int, chunk_size: int, mode: str, with_outputs: bool,
-                fmt: Any, out: str, arrays: list[Any], variant: str | None = None
-                ) -> dict[str, Any]:
+                fmt: Any, out: str, arrays: list[Any], variant: str | None = None,
+                asked: bool = False) -> dict[str, Any]:
     """On a worker: compute one chunk, then save it into the store's data (write, fsync,
     record) with the one function that saves a unit (``_stores.save_chunk``): the same steps,
-    hashes and records as the local path."""
+    hashes and records as the local path. ``asked``: the call asked for ``mode`` (the
+    worker's kernel refuses it if it fails, as the local path does, rather than computing the
+    other mode: a context variable of the calling process does not travel to a worker)."""
+    from ._backends import mode_asked
     from ._bind import prepare
     from ._runner import Chunk, call, pad_args
     from ._spec import BatchSpec
@@ -207,7 +210,8 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
     bound = prepare(ref.load(), spec, backend, options)
     u, ctx = spec.chunk(0, hi - lo)
     kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant)  # type: ignore[arg-type]
-    out_ = call(kernel, *pad_args(u, ctx, chunk_size), Chunk(index, lo, hi), rows=hi - lo)
+    with mode_asked(asked):
+        out_ = call(kernel, *pad_args(u, ctx, chunk_size), Chunk(index, lo, hi), rows=hi - lo)
     return save_chunk_at(fmt, out, arrays, index, lo, hi, Unit(out_, hash_arrays([u, *ctx])))
 
 
@@ -219,6 +223,7 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
     have already written durably)."""
     from dask.distributed import as_completed
 
+    from ._backends._base import fallback_allowed
     from ._errors import ModelError
 
     del bound  # workers bind their own copy
@@ -228,6 +233,7 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
     window = 2 * workers  # enough to keep every worker busy, bounded input memory
     queue = list(pending.todo)
     index_of: dict[Any, int] = {}
+    asked = not fallback_allowed()  # the call asked for its mode: so do the workers
 
     def submit(index: int) -> Any:
         lo, hi = pending.bounds(index)
@@ -235,7 +241,7 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
         fut = client.submit(_store_task, ref, backend, options, spec.layout, spec.dtype, spec.unknown_shape,
                             spec.names, rows, index, lo, hi, plan["chunk_size"], plan["mode"],
                             with_outputs, pending.format, str(pending.out), pending.arrays,
-                            plan.get("variant"), pure=False, retries=2)
+                            plan.get("variant"), asked, pure=False, retries=2)
         index_of[fut] = index
         return fut
 

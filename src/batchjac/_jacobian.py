@@ -212,11 +212,14 @@ def _on_dask(model: Any, inputs: tuple[Any, ...], *, client: Any, scheduler: str
         name = kw["backend"] or _backends.detect(model)
         options = kw["backend_options"] or {}
         on_cluster = functools.partial(_dask.store_chunks_on_cluster, client, model, name, options)
-        return compute_to_store(
-            model, spec, name, store=as_store(out), mode=kw["mode"], chunk_size=kw["chunk_size"],
-            max_memory=kw["max_memory"], return_outputs=kw["return_outputs"],
-            nan_policy=kw["nan_policy"], options=options, explain=kw["explain"],
-            progress=kw["progress"], compute_chunks=on_cluster)
+        # a mode asked for is computed or refused on the workers too, never swapped
+        with _backends.mode_asked(kw["mode"] != "auto"):
+            return compute_to_store(
+                model, spec, name, store=as_store(out), mode=kw["mode"],
+                chunk_size=kw["chunk_size"], max_memory=kw["max_memory"],
+                return_outputs=kw["return_outputs"], nan_policy=kw["nan_policy"],
+                options=options, explain=kw["explain"], progress=kw["progress"],
+                compute_chunks=on_cluster)
 
 
 def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,

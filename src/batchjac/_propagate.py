@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from . import _backends
 from ._errors import BatchJacError, CovarianceClippedWarning, InputError, add_context
 from ._evaluate import (
     Evaluator,
@@ -300,8 +301,9 @@ def propagate(
     clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
         if method == "linear":
-            _linear(bound, spec, unc, sink, m, mode=mode, chunk_size=chunk_size,
-                    max_memory=max_memory)
+            with _backends.mode_asked(mode != "auto"):  # a mode asked for: computed or refused
+                _linear(bound, spec, unc, sink, m, mode=mode, chunk_size=chunk_size,
+                        max_memory=max_memory)
         else:
             evaluator = Evaluator(bound, _block(spec, m, method, n_samples, max_memory))
             for lo, hi in _instance_chunks(spec, m, chunk_size, max_memory):

@@ -59,6 +59,7 @@ from ._autotune import time_modes, tune
 from ._bind import BackendName, prepare
 from ._config import autotune_enabled, default_max_memory, parse_bytes
 from ._errors import BatchJacError, InputError, InputTypeError, add_context
+from ._fit import CHI2_LEVEL, default_fit_tol, fitted
 from ._plan import ModeArg, Plan, make_plan
 from ._runner import call, pad_args
 from ._spec import BatchSpec
@@ -70,7 +71,11 @@ Method = Literal["lm", "gn"]
 
 
 class Status(enum.IntEnum):
-    """Why the iterations of one instance stopped. ``success`` is ``status > 0``.
+    """Why the iterations of one instance stopped. ``success`` is ``status > 0``: the
+    iterations converged *and* the residual passes the fit test of :mod:`batchjac._fit`
+    (chi-square below its 99.9% quantile with ``sigma``, else ``||sqrt(w) r|| <= fit_tol *
+    max(||sqrt(w) t||, sqrt(sum w))``). A converged instance that fails it is
+    ``LOCAL_MINIMUM``.
 
     ====================  =====  ===============================================================
     name                  value  meaning
@@ -89,6 +94,9 @@ class Status(enum.IntEnum):
                                  below 2^-40) before ``xtol`` was met
     ``NON_FINITE``          -3   the model returned NaN/Inf at ``x0``, or at every trial point
                                  down to the ``xtol`` scale, or 30 times in a row
+    ``LOCAL_MINIMUM``       -4   converged (on gtol, ftol or xtol) to a point whose residual
+                                 fails the fit test: a local minimum of the cost, or targets
+                                 the model cannot reach; ``n_starts > 1`` tries other starts
     ====================  =====  ===============================================================
     """
 
@@ -99,6 +107,7 @@ class Status(enum.IntEnum):
     INVALID_INPUT = -1
     STALLED = -2
     NON_FINITE = -3
+    LOCAL_MINIMUM = -4
 
 
 _RUNNING = -100  # internal: still iterating
@@ -110,6 +119,8 @@ _STATUS_TEXT = {
     Status.INVALID_INPUT: "not solved: NaN/Inf in the targets or known inputs",
     Status.STALLED: "not converged: zero Jacobian, or no acceptable step found",
     Status.NON_FINITE: "not converged: the model returned non-finite values",
+    Status.LOCAL_MINIMUM: "converged, but the residual fails the fit test: a local minimum or "
+                          "unreachable targets (n_starts > 1 tries other starts)",
 }
 
 _ACCEPT_RHO = 1e-4  # minimum gain ratio for an LM step
@@ -138,9 +149,13 @@ class SolveResult:
     """Per-instance results of :func:`solve`; every array has one row per instance."""
 
     x: np.ndarray  #: (N, k) the solution (compute dtype); NaN for invalid input
-    residual: np.ndarray  #: (N,) ``||sqrt(w) (f(x) - targets)||_2``
+    #: (N,) the weighted residual *norm* ``||sqrt(w) (f(x) - targets)||_2`` (one number per
+    #: instance, not the residual vector; ``residual.npy`` of a solve output holds the same)
+    residual: np.ndarray
     cost: np.ndarray  #: (N,) ``0.5 * residual**2``
-    success: np.ndarray  #: (N,) bool, ``status > 0`` (converged on gtol, ftol or xtol)
+    #: (N,) bool, ``status > 0``: converged (on gtol, ftol or xtol) *and* fitted (the residual
+    #: passes the fit test); converged but not fitted is ``Status.LOCAL_MINIMUM``
+    success: np.ndarray
     status: np.ndarray  #: (N,) int8 :class:`Status` codes
     iterations: np.ndarray  #: (N,) trial steps taken (each one batched model evaluation)
     rank: np.ndarray  #: (N,) numerical rank of ``sqrt(W) J`` at ``x``
@@ -162,6 +177,12 @@ class SolveResult:
         """A sentence on instance ``i``."""
         return _STATUS_TEXT[Status(int(self.status[i]))]
 
+    @property
+    def converged(self) -> np.ndarray:
+        """(N,) bool: the iterations converged, whether or not the targets were fitted
+        (``success`` or ``LOCAL_MINIMUM``)."""
+        return np.asarray(self.success | (self.status == Status.LOCAL_MINIMUM))
+
     def summary(self) -> dict[str, int]:
         """How many instances ended with each status."""
         return {s.name.lower(): int((self.status == s.value).sum()) for s in Status
@@ -169,8 +190,11 @@ class SolveResult:
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in self.summary().items())
+        minima = int((self.status == Status.LOCAL_MINIMUM).sum())
+        hint = (f"; {minima} converged without fitting the targets: try n_starts > 1"
+                if minima and self.info.get("n_starts", 1) == 1 else "")
         return (f"SolveResult(n={len(self.x)}, k={self.x.shape[-1] if self.x.ndim > 1 else 0}, "
-                f"success={int(self.success.sum())}, {counts})")
+                f"success={int(self.success.sum())}, {counts}{hint})")
 
 
 def solve(
@@ -189,6 +213,7 @@ def solve(
     sigma: Any = None,
     n_starts: int = 1,
     seed: int | None = None,
+    fit_tol: float | None = None,
     n_unknowns: int | None = None,
     return_jacobian: bool = False,
     return_covariance: bool = False,
@@ -211,6 +236,7 @@ def solve(
     n_starts = _count(n_starts, "n_starts", minimum=1)
     data = _read_data(targets, known, x0, bounds, n_unknowns=n_unknowns, dtype=dtype,
                       xtol=xtol, ftol=ftol, gtol=gtol)
+    fit_tol = _fit_tol(fit_tol, data.dtype)
     fitted = _bind_model(model, data, backend, backend_options)
     sqrt_w, absolute = _weights(weights, sigma, data.n, fitted.output_shape)
     plan, timed = _solve_plan(fitted, data, n_starts, mode=mode, chunk_size=chunk_size,
@@ -223,6 +249,7 @@ def solve(
                              tune_modes=timed),
         target=data.targets.reshape(data.n, fitted.m).astype(np.float64),
         sqrt_w=sqrt_w, absolute=absolute, starts=_drawn_starts(data, n_starts, seed),
+        fit_tol=fit_tol,
     )
     rows = _Rows.empty(data.n * n_starts, data.k, fitted.m, data.dtype, jacobian=return_jacobian,
                        covariance=return_covariance)
@@ -385,6 +412,7 @@ class _Job:
     sqrt_w: np.ndarray | None  # (1 or N, m) square roots of the weights
     absolute: bool  # weights from sigma: the covariance is not scaled by the residual
     starts: np.ndarray | None  # (N * n_starts, k) every row's start; None for one start
+    fit_tol: float  # the relative residual of a fit (without sigma): see _fit
 
 
 @dataclass(frozen=True)
@@ -431,6 +459,10 @@ def _solve_block(job: _Job, inst: np.ndarray, rows: _Rows) -> None:
     )
     out = _iterate(problem, job.evaluator, data.dtype, method=job.method, max_iter=job.max_iter,
                    tols=data.tols, callback=job.callback)
+    # converged is not fitted: a local minimum of the cost converges as well as a fit does
+    unfit = (out.status > 0) & ~fitted(np.sqrt(2.0 * out.cost), problem.target, sw, k=data.k,
+                                       absolute=job.absolute, fit_tol=job.fit_tol)
+    out.status[unfit] = Status.LOCAL_MINIMUM
     rows.x[dest], rows.cost[dest], rows.status[dest] = out.x, out.cost, out.status
     rows.iterations[dest] = out.iterations
     rows.rank[dest], cov = _rank_and_covariance(out.jac, out.gram, sw, data.dtype,
@@ -478,6 +510,9 @@ def _result(job: _Job, rows: _Rows, plan: Plan, start_time: float) -> SolveResul
         info={"method": job.method, "backend": job.model.backend, "dtype": str(dt),
               "mode": plan.mode, "chunk_size": plan.chunk_size, "xtol": tols[0], "ftol": tols[1],
               "gtol": tols[2], "max_iter": job.max_iter, "n_starts": job.n_starts,
+              "fit_test": (f"chi2 <= its {CHI2_LEVEL:.1%} quantile (sigma given)" if job.absolute
+                           else f"residual <= {job.fit_tol:g} * max(||sqrt(w) t||, sqrt(sum w))"),
+              "fit_tol": job.fit_tol,
               "seconds": time.perf_counter() - start_time, "kernel_calls": evaluator.calls,
               "kernel_seconds": evaluator.seconds,
               "compiled_chunk_sizes": sorted(evaluator.compiled)},
@@ -489,6 +524,16 @@ def _count(value: Any, name: str, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise InputError(f"`{name}` must be an integer >= {minimum}; got {value!r}.")
     return int(value)
+
+
+def _fit_tol(value: float | None, dt: np.dtype) -> float:
+    if value is None:
+        return default_fit_tol(dt)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+            or not np.isfinite(value) or value <= 0:
+        raise InputError(f"`fit_tol` must be a finite number > 0 (the relative residual a fitted "
+                         f"instance may keep, e.g. 1e-3); got {value!r}.")
+    return float(value)
 
 
 def _tolerances(dt: np.dtype, **given: float | None) -> tuple[float, float, float]:

@@ -22,6 +22,10 @@ job (its inputs, options and arrays) and how one block is solved:
 - Only the same job resumes (model fingerprint and probe outputs, inputs' shapes and dtypes,
   every option); another job is refused unless ``overwrite``.
 
+``success`` means converged *and* fitted (the fit test of :mod:`batchjac._fit`); the summary
+counts both ``succeeded`` and ``local_minima`` (converged, not fitted). ``residual`` holds the
+weighted residual *norm* per instance (the name is kept: outputs and resumes stay readable).
+
 Formats: a directory of ``.npy`` files (``x.npy``, ``residual.npy``, ... with ``manifest.json``
 and ``summary.json``: the default for an ``OUT`` without a suffix), or every array in one Zarr
 group (``.zarr``) or HDF5 file (``.h5``/``.hdf5``).
@@ -97,7 +101,8 @@ class SolveStoreResult:
     block_size: int
     computed_blocks: int
     resumed_blocks: int
-    succeeded: int
+    succeeded: int  #: converged and fitted (``success``)
+    local_minima: int  #: converged without fitting the targets (``Status.LOCAL_MINIMUM``)
     status_counts: dict[str, int]
     seconds: float
 
@@ -148,6 +153,7 @@ def solve_to_store(
     gtol: float | None = None,
     n_starts: int = 1,
     seed: int | None = None,
+    fit_tol: float | None = None,
     n_unknowns: int | None = None,
     dtype: Any = None,
     backend: str | None = None,
@@ -165,7 +171,7 @@ def solve_to_store(
     out_path = Path(out)
     fmt = result_format(out_path)
     options = _Options(method=method, max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
-                       n_starts=n_starts, seed=seed, covariance=return_covariance,
+                       n_starts=n_starts, seed=seed, fit_tol=fit_tol, covariance=return_covariance,
                        jacobian=return_jacobian)
     problem = _problem(model, inputs, n_unknowns=n_unknowns, n_starts=n_starts, dtype=dtype,
                        backend=backend, backend_options=backend_options, max_memory=max_memory,
@@ -199,6 +205,7 @@ class _Options:
     gtol: float | None
     n_starts: int
     seed: int | None
+    fit_tol: float | None
     covariance: bool
     jacobian: bool
 
@@ -340,6 +347,9 @@ def _job(model: Any, p: _Problem, o: _Options, *, model_id: str | None, fmt: For
         "options": {
             "method": o.method, "max_iter": o.max_iter, "xtol": o.xtol, "ftol": o.ftol,
             "gtol": o.gtol, "n_starts": o.n_starts, "seed": o.seed, "n_unknowns": p.k,
+            # what success means (the fit test): recorded, so that an output begun before the
+            # fit test existed, or with another fit_tol, is another job, not resumed into
+            "fit_tol": o.fit_tol, "fit_test": "v1",
             "dtype": p.dtype.name, "backend": p.backend, "backend_options": p.backend_options,
             "covariance": o.covariance, "jacobian": o.jacobian, "block_size": p.block_size,
             "format": fmt.name,
@@ -386,7 +396,8 @@ def _solver(model: Any, p: _Problem, o: _Options, manifest: dict[str, Any]) -> U
                 else (rows["lower"], rows["upper"]),
                 method=o.method, max_iter=o.max_iter, xtol=o.xtol, ftol=o.ftol,  # type: ignore[arg-type]
                 gtol=o.gtol, weights=rows["weights"], sigma=rows["sigma"],
-                n_starts=o.n_starts, seed=block_seed, n_unknowns=p.k, dtype=p.dtype,
+                n_starts=o.n_starts, seed=block_seed, fit_tol=o.fit_tol, n_unknowns=p.k,
+                dtype=p.dtype,
                 mode=mode, chunk_size=(hi - lo) * o.n_starts if p.n_blocks == 1
                 else p.block_size * o.n_starts, backend=p.backend,  # type: ignore[arg-type]
                 backend_options=p.backend_options, return_covariance=o.covariance,
@@ -409,6 +420,7 @@ def _summary(n: int, done: dict[int, dict[str, Any]]) -> dict[str, Any]:
             totals[key] = totals.get(key, 0) + int(value)
     succeeded = sum(v for key, v in totals.items() if Status[key.upper()].value > 0)
     return {"summary": {"instances": n, "succeeded": succeeded,
+                        "local_minima": totals.get(Status.LOCAL_MINIMUM.name.lower(), 0),
                         "status_counts": dict(sorted(totals.items()))}}
 
 
@@ -438,7 +450,8 @@ def _result(out: Path, fmt: Format, outcome: Outcome, *, seconds: float) -> Solv
         path=os.fspath(out), format=fmt.name, instances=plan["rows"], blocks=plan["chunks"],
         block_size=plan["chunk_size"], computed_blocks=outcome.computed,
         resumed_blocks=outcome.resumed, succeeded=summary["succeeded"],
-        status_counts=summary["status_counts"], seconds=seconds)
+        local_minima=summary.get("local_minima", 0), status_counts=summary["status_counts"],
+        seconds=seconds)
 
 
 # -- helpers ----------------------------------------------------------------------------------

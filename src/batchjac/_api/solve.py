@@ -6,10 +6,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .. import _backends
 from .._bind import BackendName
 from .._errors import InputError
 from .._plan import ModeArg
-from .._solve import IterationInfo, Method, SolveResult, solve as solve_in_memory
+from .._solve import IterationInfo, Method, SolveResult, solve as _in_memory
 from .._solve_store import SolveInputs, SolveStoreResult, solve_to_store
 from .._stores import Store
 from .._validate import DTypeLike
@@ -31,6 +32,7 @@ def solve(
     sigma: Any = None,
     n_starts: int = 1,
     seed: int | None = None,
+    fit_tol: float | None = None,
     n_unknowns: int | None = None,
     return_jacobian: bool = False,
     return_covariance: bool = False,
@@ -89,10 +91,19 @@ def solve(
       :class:`SolveStoreResult` (``.open(name)`` reads an array). ``callback`` and
       ``chunk_size`` are for in-memory solves; stores are always ``reproducible``.
 
-    Returns a :class:`SolveResult`. ``success`` means the iterations converged (``status`` says
-    on which test), as in ``scipy.optimize.least_squares``: a local minimum with a large
-    residual (an unreachable target) converges too, so look at ``residual`` to tell whether the
-    targets were matched. ``rank_deficient`` flags instances whose unknowns the outputs do not
+    - ``fit_tol``: the fit test's relative residual when ``sigma`` is not given (default 1e-6 in
+      float64, 1e-4 in float32; see below).
+
+    Returns a :class:`SolveResult`. ``success`` means the targets are **fitted**: the iterations
+    converged (``status`` says on which test) *and* the weighted residual norm ``residual =
+    ||sqrt(w) (f(x) - t)||`` passes the fit test. With ``sigma``, ``residual**2`` is a
+    chi-square statistic and must lie below its 99.9% quantile for ``max(m - k, 1)`` degrees
+    of freedom; otherwise ``residual <= fit_tol * max(||sqrt(w) t||, sqrt(sum(w)))``. An
+    instance that converged to a point failing it (a local minimum of the cost, or a target
+    the model cannot reach) has ``status == Status.LOCAL_MINIMUM`` and ``success`` False
+    (``converged`` is True for both): ``n_starts > 1`` restarts it from random points. Noisy
+    targets without ``sigma`` need ``fit_tol`` of the noise's relative size.
+    ``rank_deficient`` flags instances whose unknowns the outputs do not
     determine (always so when k > m: the damped steps then stay close to ``x0`` in the
     directions the outputs do not see, a minimum-norm-like solution).
 
@@ -114,33 +125,22 @@ def solve(
         if block_size is not None:
             raise InputError("`block_size` sizes the blocks of a resumable output; it goes with "
                              "`out=`. For an in-memory solve, use `chunk_size` or `max_memory`.")
-        return solve_in_memory(
-            model, targets, known,
-            x0=x0,
-            bounds=bounds,
-            method=method,
-            max_iter=max_iter,
-            xtol=xtol,
-            ftol=ftol,
-            gtol=gtol,
-            weights=weights,
-            sigma=sigma,
-            n_starts=n_starts,
-            seed=seed,
-            n_unknowns=n_unknowns,
-            return_jacobian=return_jacobian,
-            return_covariance=return_covariance,
-            dtype=dtype,
-            mode=mode,
-            chunk_size=chunk_size,
-            max_memory=max_memory,
-            backend=backend,
-            backend_options=backend_options,
-            callback=callback,
-            reproducible=reproducible)
+        # a mode asked for is computed or refused (a ModelError naming the other), never
+        # swapped for the other with a warning, as in jacobian(); a store's mode comes from
+        # the cost model and falls back
+        with _backends.mode_asked(mode != "auto"):
+            return _in_memory(model, targets, known, x0=x0, bounds=bounds, method=method,
+                              max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
+                              weights=weights, sigma=sigma, n_starts=n_starts, seed=seed,
+                              fit_tol=fit_tol, n_unknowns=n_unknowns,
+                              return_jacobian=return_jacobian,
+                              return_covariance=return_covariance, dtype=dtype, mode=mode,
+                              chunk_size=chunk_size, max_memory=max_memory, backend=backend,
+                              backend_options=backend_options, callback=callback,
+                              reproducible=reproducible)
     return _to_store(model, targets, known, x0=x0, bounds=bounds, method=method, max_iter=max_iter,
                      xtol=xtol, ftol=ftol, gtol=gtol, weights=weights, sigma=sigma, n_starts=n_starts,
-                     seed=seed, n_unknowns=n_unknowns, return_jacobian=return_jacobian,
+                     seed=seed, fit_tol=fit_tol, n_unknowns=n_unknowns, return_jacobian=return_jacobian,
                      return_covariance=return_covariance, dtype=dtype, mode=mode,
                      chunk_size=chunk_size, max_memory=max_memory, backend=backend,
                      backend_options=backend_options, callback=callback, out=out,

@@ -7,6 +7,7 @@ unless those are actually needed"), so ``import batchjac`` works with no framewo
 from __future__ import annotations
 
 import importlib
+import threading
 import types
 import weakref
 from typing import Any
@@ -153,9 +154,18 @@ _bound: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], BoundModel]] = (
     weakref.WeakKeyDictionary()
 )
 _bound_strong: dict[int, tuple[Any, dict[tuple[Any, ...], BoundModel]]] = {}
+#: threads binding one model at once must get one bound model: without the lock each built its
+#: own (20 threads, one JAX function: each probed and compiled again, and the copies counted as
+#: "new function objects with the same code", a false RebindWarning)
+_bind_lock = threading.RLock()
 
 
 def bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> BoundModel:
+    with _bind_lock:
+        return _bind(backend, model, signature, **options)
+
+
+def _bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> BoundModel:
     key = (backend.name, signature, backend.options_key(options))
     try:
         per_model = _bound.setdefault(model, {})

@@ -52,6 +52,8 @@ from ._base import (
     Mode,
     Signature,
     allowed,
+    asked_mode_failed,
+    fallback_allowed,
     in_mode_race,
     race,
     user_stacklevel,
@@ -549,6 +551,7 @@ class TorchKernel(Kernel):
             self._out_basis = _basis(m, chunk_size, bound.output_shape, bound.dtype, bound.device)
         self._in_basis = _basis(bound._k, chunk_size, sig.unknown_shape, bound.dtype, bound.device)
         self._path: tuple[Mode, Engine] | None = None
+        self.planned = mode  # ``mode`` becomes "reverse" where forward mode falls back
         if mode == "forward":
             _load_forward_ad()
         self.variants = ("vmap", "replicated") if mode == "reverse" else ("vmap",)
@@ -572,6 +575,8 @@ class TorchKernel(Kernel):
         ut, ct = bound.tensors(u, ctx)
         with bound.calling():
             if self._path is not None:
+                if self._path[0] != self.planned and not fallback_allowed():
+                    raise asked_mode_failed(self.planned, str(bound.forward_failure), _FORWARD_CAUSE)
                 y, jac = self._run(self._path, ut, ct)
             else:
                 y, jac = self._first_call(ut, ct)
@@ -611,6 +616,10 @@ class TorchKernel(Kernel):
                 continue
             if path[0] == "reverse":
                 bound.reverse_engine = path[1]
+                if self.mode == "forward" and not fallback_allowed():
+                    # asked for (as TensorFlow and JAX do): refuse, the failure being the mode's
+                    raise asked_mode_failed("forward", str(bound.forward_failure),
+                                            _FORWARD_CAUSE) from first
                 if self.mode == "forward":
                     self._warn_fallback()
             self._path = path
@@ -664,11 +673,14 @@ class TorchKernel(Kernel):
         warnings.warn(
             f"Forward mode failed for this model ({bound.forward_failure}); batchjac computes "
             f"the Jacobians in reverse mode instead, which gives the same values but takes one "
-            f"backward pass per output rather than one pass per unknown. Usual cause: an "
-            f"operator or a custom torch.autograd.Function without a forward-mode rule (jvp, "
-            f"or vmap support). Pass mode='reverse' to skip the attempt.",
+            f"backward pass per output rather than one pass per unknown. {_FORWARD_CAUSE} "
+            f"Pass mode='reverse' to skip the attempt.",
             ForwardModeFallbackWarning, stacklevel=user_stacklevel(),
         )
+
+
+_FORWARD_CAUSE = ("Usual cause: an operator or a custom torch.autograd.Function without a "
+                  "forward-mode rule (jvp, or vmap support).")
 
 
 def _first_line(e: Exception) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import StoreExistsError, StoreMismatchError, StoreRecomputeWarning
+from .._errors import StoreError, StoreExistsError, StoreMismatchError, StoreRecomputeWarning
 from .arrays import ArrayInfo, ArraySpec, layout
 from .durable import write_error, write_json_atomic
 from .formats import Format
@@ -199,7 +199,20 @@ def _finished(target: Target, work: WorkDir, job: Job, existing: dict[str, Any])
 
 def _write(target: Target, work: WorkDir, job: Job, progress: bool | Callable[[int], None],
            loop: UnitLoop | None) -> Outcome:
-    """Steps 3 to 6 of the protocol, the lock held."""
+    """Steps 3 to 6 of the protocol, the lock held. A failure before any unit is done (the
+    model's or the inputs', while planning or on the first unit) leaves no work directory:
+    nothing in it is worth keeping, and the corrected command (another mode, a fixed model)
+    must not be refused as "a different job". Errors about the store itself leave it as it is."""
+    try:
+        return _write_units(target, work, job, progress, loop)
+    except BaseException as e:
+        if not isinstance(e, StoreError) and not _any_done(work):
+            work.remove()
+        raise
+
+
+def _write_units(target: Target, work: WorkDir, job: Job,
+                 progress: bool | Callable[[int], None], loop: UnitLoop | None) -> Outcome:
     while True:
         manifest, arrays = _open(target, work, job)
         if job.announce is not None:
@@ -228,6 +241,14 @@ def _write(target: Target, work: WorkDir, job: Job, progress: bool | Callable[[i
             bar.close()
     work.remove()
     return Outcome(final, computed=len(todo), resumed=plan["chunks"] - len(todo))
+
+
+def _any_done(work: WorkDir) -> bool:
+    """Whether a done record exists on disk (one may have been written after ``done``)."""
+    try:
+        return work.done.is_dir() and any(work.done.iterdir())
+    except OSError:
+        return True  # cannot tell: keep the work directory
 
 
 def _open(target: Target, work: WorkDir, job: Job) -> tuple[dict[str, Any], list[ArrayInfo]]:

@@ -48,6 +48,10 @@ from .options import (
 @click.option("--sigma", metavar="NUM|FILE", help="Per-output standard deviations instead of weights.")
 @click.option("--n-starts", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--seed", type=int, help="Seed of the random starts (drawn and recorded if not given).")
+@click.option("--fit-tol", type=click.FloatRange(min=0, min_open=True), metavar="REL",
+              help="A converged instance succeeds when its residual norm is at most REL times "
+                   "the targets' norm (default 1e-6 in float64, 1e-4 in float32); with --sigma, "
+                   "a chi-square test instead.")
 @click.option("--n-unknowns", type=click.IntRange(min=1),
               help="k, when neither --x0 nor bound files give it.")
 @model_options
@@ -64,15 +68,18 @@ from .options import (
 def solve(model: str, targets: str, known: str | None, x0: str | None, out: str,
           lower: str | None, upper: str | None, method: str, max_iter: int, xtol: float | None,
           ftol: float | None, gtol: float | None, weights: str | None, sigma: str | None,
-          n_starts: int, seed: int | None, n_unknowns: int | None, backend: str | None,
+          n_starts: int, seed: int | None, fit_tol: float | None, n_unknowns: int | None,
+          backend: str | None,
           dtype: str | None, trust_model: bool, max_memory: str | None, block_size: int | None,
           covariance: bool, jacobian: bool, overwrite: bool, quiet: bool, as_json: bool,
           explain: bool) -> None:
     """Solve MODEL(concat([x, known])) = targets for the unknowns x, row by row.
 
-    Writes x, residual, cost, success, status, iterations, rank, rank_deficient and start
-    (one row per instance) to OUT, with the status counts and codes in summary.json (or the
-    manifest of a .zarr/.h5 output). If the run stops, the same command continues.
+    Writes x, residual (the weighted residual norm), cost, success, status, iterations,
+    rank, rank_deficient and start (one row per instance) to OUT, with the status counts and
+    codes in summary.json (or the manifest of a .zarr/.h5 output). success means converged
+    and fitted (see --fit-tol); converged to a point that does not fit is the status
+    local_minimum. If the run stops, the same command continues.
     """
     from .._solve_store import SolveInputs, output_format, solve_to_store
 
@@ -87,22 +94,25 @@ def solve(model: str, targets: str, known: str | None, x0: str | None, out: str,
         result = solve_to_store(
             loaded.model, inputs, out, overwrite=overwrite, model_id=loaded.fingerprint,
             method=method, max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
-            n_starts=n_starts, seed=seed, n_unknowns=n_unknowns, dtype=dtype,
+            n_starts=n_starts, seed=seed, fit_tol=fit_tol, n_unknowns=n_unknowns, dtype=dtype,
             backend=backend or loaded.backend, return_covariance=covariance,
             return_jacobian=jacobian, max_memory=max_memory, block_size=block_size,
             progress=not quiet, explain=explain)
     if as_json:
         click.echo(json.dumps(result.summary()))
     if not quiet:
-        click.echo(_describe(result), err=True)
+        click.echo(_describe(result, n_starts), err=True)
 
 
-def _describe(result: Any) -> str:
+def _describe(result: Any, n_starts: int) -> str:
     counts = ", ".join(f"{k} {v}" for k, v in result.status_counts.items())
     resumed = (f"; {result.resumed_blocks} of {result.blocks} blocks were already done"
                if result.resumed_blocks else "")
-    return (f"batchjac solve: {result.succeeded}/{result.instances} instances converged "
-            f"({counts}) in {result.seconds:.2f} s{resumed}; results in {result.path}")
+    minima = (f"; {result.local_minima} converged without fitting the targets (local_minimum): "
+              f"--n-starts {max(8, 2 * n_starts)} restarts them from random points"
+              if result.local_minima else "")
+    return (f"batchjac solve: {result.succeeded}/{result.instances} instances fitted "
+            f"({counts}) in {result.seconds:.2f} s{minima}{resumed}; results in {result.path}")
 
 
 command = solve
