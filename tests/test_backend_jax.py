@@ -517,3 +517,66 @@ def test_same_jacobians_as_keras(name: str, n: int) -> None:
     np.testing.assert_allclose(y_j, y_k, rtol=1e-5, atol=1e-5)
     assert jac_j.shape == jac_k.shape
     assert_jac_close(jac_j, np.asarray(jac_k, np.float64))
+
+
+# ---- compiled kernels remembered on disk -----------------------------------------------------
+
+
+def test_a_later_process_loads_the_compiled_kernel_instead_of_compiling(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executable this process compiled is loaded by the next one (no XLA compilation
+    there, the same bits); a model of the same code with other weights compiles its own (the
+    weights are constants of the module the key hashes) and gets its own Jacobians."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from batchjac._backends import jax_executables
+
+    monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)  # tiny test kernels
+    sizes = (6, 16, 3)
+    x = data((50, 6), seed=31)
+    got = batchjac.jacobian(jax_examples.mlp(sizes, seed=3), x)
+    jax_executables.flush()
+    np.testing.assert_allclose(got, mlp_jacobian(mlp_weights(sizes, 3), x), rtol=2e-4, atol=1e-5)
+    assert list(Path(os.environ["BATCHJAC_CACHE_DIR"]).rglob("*.bin")), "no executable written"
+    np.save(tmp_path / "x.npy", x)
+    code = f"""
+        import numpy as np, batchjac
+        from batchjac import _backends
+        from batchjac._examples import jax as jax_examples
+        model = jax_examples.mlp({sizes}, seed=3)
+        jac = batchjac.jacobian(model, np.load({str(tmp_path / 'x.npy')!r}))
+        np.save({str(tmp_path / 'jac.npy')!r}, jac)
+        (bound,) = _backends._bound[model].values()
+        print("COMPILES", bound.compile_count, "TRACES", bound.trace_count)
+    """
+    src = str(Path(batchjac.__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+                          env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "COMPILES 0 TRACES 1" in proc.stdout  # traced (the key), not compiled
+    np.testing.assert_array_equal(np.load(tmp_path / "jac.npy"), got)
+    other = jax_examples.mlp(sizes, seed=4)  # the same code, other weights
+    jac = batchjac.jacobian(other, x)
+    assert bound_of(other).compile_count == 1
+    np.testing.assert_allclose(jac, mlp_jacobian(mlp_weights(sizes, 4), x), rtol=2e-4, atol=1e-5)
+    assert np.abs(jac - got).max() > 1e-2  # (the weights do matter)
+
+
+def test_an_executable_that_fails_to_load_is_compiled_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchjac._backends import jax_executables
+
+    monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)
+    x = data((20, 6), seed=32)
+    batchjac.jacobian(jax_examples.mlp((6, 8, 2), seed=5), x)
+    jax_executables.flush()
+    monkeypatch.setattr(jax_executables, "_load", lambda payload: None)  # e.g. another jaxlib
+    monkeypatch.setattr(jax_executables, "_SEEN", set())
+    model = jax_examples.mlp((6, 8, 2), seed=5)
+    jac = batchjac.jacobian(model, x)
+    assert bound_of(model).compile_count == 1
+    np.testing.assert_allclose(jac, mlp_jacobian(mlp_weights((6, 8, 2), 5), x), rtol=2e-4, atol=1e-5)

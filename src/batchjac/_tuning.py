@@ -193,12 +193,19 @@ def recall_probes(bound: Any, backend: str) -> bool:
     return True
 
 
-def persist_probes(bound: Any, backend: str) -> None:
+def persist_probes(bound: Any, backend: str, *,
+                   later: Callable[..., object] | None = None) -> None:
+    """Write the probes' verdict; with ``later`` (an executor's ``submit``), the file is
+    written there, into the cache directory of this moment."""
     if not autotune_enabled() or bound.output_shape is None:
         return
     cache, key = _key(bound, backend, "probes", "")
     if key is not None:
-        cache.put(key, {"output_shape": [int(s) for s in bound.output_shape]})
+        decision = {"output_shape": [int(s) for s in bound.output_shape]}
+        if later is None:
+            cache.put(key, decision)
+        else:
+            later(cache.put, key, decision)
 
 
 def pending(bound: Any) -> bool:

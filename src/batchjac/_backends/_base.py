@@ -309,6 +309,12 @@ class BoundModel(ABC):
         self.output_shape: tuple[int, ...] | None = None
         self._kernels: OrderedDict[tuple[str, int, bool], Kernel] = OrderedDict()
         self._kernels_lock = threading.Lock()  # threads sharing a model share its kernels
+        #: set once the caller's thread has left Python for a while (JAX: XLA compiles its first
+        #: kernel outside Python's lock), or has stopped waiting for the probes: probes run
+        #: beside the first kernel wait for it, since their tracing would take that lock from
+        #: the caller's own tracing (measured on JAX's W1: the kernel's trace 67-124 ms beside
+        #: the probes against 38 ms alone)
+        self.compiling = threading.Event()
         #: (chunk size, with outputs) -> (mode, measured timings), from _autotune
         self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
         #: ("rows", mode, planned chunk size, with outputs) -> (fastest rows, timings)
