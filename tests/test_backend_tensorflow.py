@@ -347,3 +347,33 @@ def test_xla_fixed_on_a_running_graph_kernel_falls_back() -> None:
         _, jac = kernel(x, ())
     assert kernel.variant == "graph"
     assert_jac_close(jac, np.einsum("ni,ij->nij", np.cos(x.astype(np.float64)) * 2, np.eye(3)))
+
+
+def test_a_remembered_xla_build_waits_until_the_work_repays_it() -> None:
+    """An earlier process's race chose XLA: a first call still builds the plain graph (sooner
+    built than XLA compiles, the cheaper first answer), and the remembered XLA replaces it,
+    without a race, once the work seen repays one more build. Right Jacobians throughout."""
+    from batchjac import _backends, _tuning
+
+    unknown, known = workload_inputs("W1", 200, seed=23)
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
+    first = seed_model("tensorflow")
+    assert_jac_close(batchjac.jacobian(first, unknown, known, mode="reverse"), ref)
+    bound = next(b for b in _backends._bound[first].values() if b.signature.dtype == np.float32)
+    cache, key = _tuning._key(bound, "tensorflow", "variant", "reverse/200/0")
+    cache.put(key, {"variant": "xla", "timings": "xla 0.4 ms, graph 0.6 ms"})  # as a race writes it
+
+    model = seed_model("tensorflow")  # a fresh process's model: the same computation
+    assert_jac_close(batchjac.jacobian(model, unknown, known, mode="reverse"), ref)
+    bound = next(b for b in _backends._bound[model].values() if b.signature.dtype == np.float32)
+    kernel = bound.kernel("reverse", 200, False)
+    assert kernel.variant == "graph"
+    assert kernel.remembered is not None
+    assert kernel.remembered[0] == "xla"
+    book = _tuning.ledger(bound)  # the work of many repeated calls
+    book.rows, book.seconds = 10**7, 1e3
+    for _ in range(3):  # (the fast path hands the due decision to the full path)
+        assert_jac_close(batchjac.jacobian(model, unknown, known, mode="reverse"), ref)
+    assert kernel.variant == "xla"
+    assert kernel.note.startswith("xla (remembered")
+    assert not kernel.raced  # taken, not raced again

@@ -12,6 +12,10 @@ directory of small JSON files, one per :class:`TuneKey`::
      "decision": {"mode": "forward", "chunk_size": 1000, ...},
      "written": "2025-01-01T00:00:00Z"}
 
+Binary payloads (a compiled JAX executable, :mod:`batchjac._backends.jax_executables`) sit
+beside them as ``<sha256 of the key>.bin``: one header line (the key, the payload's size and
+sha256) and the bytes, read back only when size and checksum match (:meth:`TuneCache.get_bytes`).
+
 The cache directory is ``$BATCHJAC_CACHE_DIR``, else ``$XDG_CACHE_HOME/batchjac``, else
 ``~/.cache/batchjac`` (:func:`batchjac._config.cache_dir`); ``BATCHJAC_CACHE=off`` reads
 nothing and writes nothing, not even the directory.

@@ -235,6 +235,12 @@ class Kernel(ABC):
     untimed: bool = False
     #: whether the implementation in use was chosen by a race here (the decision to remember)
     raced: bool = False
+    #: the build a first call takes untimed because it is the cheapest to make, if there is
+    #: one (TensorFlow: the plain graph); a remembered build other than it waits for the work
+    #: to repay its making (see ``batchjac._tuning.recall_variant``)
+    cheap_first: str | None = None
+    #: that remembered build and why, until it is taken
+    remembered: tuple[str, str] | None = None
 
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:  # noqa: B027 - optional
         """Time the builds now, on ``(u, ctx)``, and keep the fastest: the race the first call
@@ -363,6 +369,12 @@ class BoundModel(ABC):
         ``eval_shape``), or None where the framework cannot tell that cheaply. Where it can, the
         probes run beside the first kernel's compilation instead of before it."""
         return None
+
+    def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
+        """True when the framework can prove, without computing anything, that the model is
+        deterministic and maps each row of a batch to its own output row (JAX reads its
+        jaxpr): the probes then skip their forward passes. False: cannot tell."""
+        return False
 
     def in_thread(self) -> contextlib.AbstractContextManager[Any]:
         """The framework settings of the calling thread, entered in another thread that works

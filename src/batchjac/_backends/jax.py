@@ -328,6 +328,20 @@ class JaxBound(BoundModel):
             return None
         return tuple(int(s) for s in shape[1:])
 
+    def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
+        """Read from the jaxpr of the batch function (:mod:`batchjac._backends.jax_rows`):
+        a trace, no compilation (the forward passes the probes would run otherwise cost a
+        compilation of the forward, as much as the first kernel's on small models)."""
+        from . import jax_rows
+
+        try:
+            closed = jax.make_jaxpr(self._batch)(self.args, u, tuple(ctx))
+        except Exception:  # the probes' forward pass will explain it
+            return False
+        n_args = len(jax.tree_util.tree_leaves(self.args))
+        n_ctx = len(jax.tree_util.tree_leaves(tuple(ctx)))
+        return jax_rows.rows_apart(closed, [False] * n_args + [True] * (1 + n_ctx))
+
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
         if self._forward is None:
             self._forward = jax.jit(self._batch)

@@ -358,6 +358,7 @@ class TFKernel(Kernel):
     """
 
     variants: tuple[str, ...] = ("xla", "graph")
+    cheap_first = "graph"  # built sooner than XLA compiles (see _first_call)
     #: below this ratio graph/XLA time, the graph is chosen
     GRAPH_MARGIN = 0.95
 
