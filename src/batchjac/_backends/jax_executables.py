@@ -43,18 +43,20 @@ _WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1,
 _SEEN: set[str] = set()
 
 
-def _key(lowered: Any, options: dict[str, str]) -> tuple[TuneKey, str] | None:
+def _key(lowered: Any, options: dict[str, str]) -> TuneKey | None:
+    """The module's text without source locations hashed (its MLIR bytecode is quicker to make
+    but holds the caller's file and line, which differ between two scripts calling the same
+    model: measured here, a second process then compiled again)."""
     try:
-        text = lowered.as_text()
+        text = lowered.as_text(debug_info=False)
     except Exception:  # a lowering without a text form: compile as usual
         return None
     if "callback" in text:  # host callbacks: an executable bound to this process
         return None
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     extra = json.dumps(sorted(options.items()))
-    key = TuneKey.make(f"hlo-sha256:{digest}", extra, "executable", jax.default_backend(),
-                       framework="jax")
-    return key, text
+    return TuneKey.make(f"hlo-sha256:{digest}", extra, "executable", jax.default_backend(),
+                        framework="jax")
 
 
 def compile(lowered: Any, options: dict[str, str] | None = None) -> tuple[Any, bool]:
@@ -64,9 +66,8 @@ def compile(lowered: Any, options: dict[str, str] | None = None) -> tuple[Any, b
 
     options = dict(options or {})
     cache = default_cache()
-    found = _key(lowered, options) if cache.enabled else None
-    if found is not None:
-        key, _ = found
+    key = _key(lowered, options) if cache.enabled else None
+    if key is not None:
         payload = cache.get_bytes(key)
         if payload is not None:
             loaded = _load(payload)
@@ -75,10 +76,10 @@ def compile(lowered: Any, options: dict[str, str] | None = None) -> tuple[Any, b
                 return loaded, True
     start = time.perf_counter()
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
-    if found is not None and time.perf_counter() - start >= MIN_COMPILE_SECONDS \
-            and found[0].digest() not in _SEEN:
-        _SEEN.add(found[0].digest())
-        _WRITER.submit(_store, cache, found[0], compiled)
+    if key is not None and time.perf_counter() - start >= MIN_COMPILE_SECONDS \
+            and key.digest() not in _SEEN:
+        _SEEN.add(key.digest())
+        _WRITER.submit(_store, cache, key, compiled)
     return compiled, False
 
 
