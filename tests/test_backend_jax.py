@@ -517,3 +517,147 @@ def test_same_jacobians_as_keras(name: str, n: int) -> None:
     np.testing.assert_allclose(y_j, y_k, rtol=1e-5, atol=1e-5)
     assert jac_j.shape == jac_k.shape
     assert_jac_close(jac_j, np.asarray(jac_k, np.float64))
+
+
+# ---- compiled kernels remembered on disk -----------------------------------------------------
+
+
+def test_a_later_process_loads_the_compiled_kernel_instead_of_compiling(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executable this process compiled is loaded by the next one (no XLA compilation
+    there, the same bits); a model of the same code with other weights compiles its own (the
+    weights are constants of the module the key hashes) and gets its own Jacobians."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from batchjac._backends import jax_executables
+
+    monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)  # tiny test kernels
+    sizes = (6, 16, 3)
+    x = data((50, 6), seed=31)
+    got = batchjac.jacobian(jax_examples.mlp(sizes, seed=3), x)
+    jax_executables.flush()
+    np.testing.assert_allclose(got, mlp_jacobian(mlp_weights(sizes, 3), x), rtol=2e-4, atol=1e-5)
+    assert list(Path(os.environ["BATCHJAC_CACHE_DIR"]).rglob("*.bin")), "no executable written"
+    np.save(tmp_path / "x.npy", x)
+    code = f"""
+        import numpy as np, batchjac
+        from batchjac import _backends
+        from batchjac._examples import jax as jax_examples
+        model = jax_examples.mlp({sizes}, seed=3)
+        jac = batchjac.jacobian(model, np.load({str(tmp_path / 'x.npy')!r}))
+        np.save({str(tmp_path / 'jac.npy')!r}, jac)
+        (bound,) = _backends._bound[model].values()
+        print("COMPILES", bound.compile_count, "TRACES", bound.trace_count)
+    """
+    src = str(Path(batchjac.__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+                          env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "COMPILES 0 TRACES 1" in proc.stdout  # traced (the key), not compiled
+    np.testing.assert_array_equal(np.load(tmp_path / "jac.npy"), got)
+    other = jax_examples.mlp(sizes, seed=4)  # the same code, other weights
+    jac = batchjac.jacobian(other, x)
+    assert bound_of(other).compile_count == 1
+    np.testing.assert_allclose(jac, mlp_jacobian(mlp_weights(sizes, 4), x), rtol=2e-4, atol=1e-5)
+    assert np.abs(jac - got).max() > 1e-2  # (the weights do matter)
+
+
+def test_an_executable_that_fails_to_load_is_compiled_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchjac._backends import jax_executables
+
+    monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)
+    x = data((20, 6), seed=32)
+    batchjac.jacobian(jax_examples.mlp((6, 8, 2), seed=5), x)
+    jax_executables.flush()
+    monkeypatch.setattr(jax_executables, "_load", lambda payload: None)  # e.g. another jaxlib
+    monkeypatch.setattr(jax_executables, "_SEEN", set())
+    model = jax_examples.mlp((6, 8, 2), seed=5)
+    jac = batchjac.jacobian(model, x)
+    assert bound_of(model).compile_count == 1
+    np.testing.assert_allclose(jac, mlp_jacobian(mlp_weights((6, 8, 2), 5), x), rtol=2e-4, atol=1e-5)
+
+
+# ---- probes proven from the jaxpr -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workload", ["W1", "W3", "W4"])
+def test_row_independence_is_read_from_the_jaxpr_without_a_forward_pass(
+        workload: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workloads' models keep their rows apart, which the jaxpr shows: the probes then run
+    no forward pass (no compilation of the forward), and the Jacobians are still right."""
+    from batchjac._backends.jax import JaxBound
+
+    calls: list[int] = []
+    original = JaxBound.forward
+    monkeypatch.setattr(JaxBound, "forward", lambda self, u, ctx: calls.append(1) or original(self, u, ctx))
+    model = workload_model(workload, "jax")
+    unknown, known = workload_inputs(workload, 6, seed=41)
+    data_ = (unknown,) if known is None else (unknown, known)
+    jac = batchjac.jacobian(model, *data_)
+    assert calls == []
+    assert bound_of(model).probed
+    if workload == "W1":
+        layers = mlp_weights((8, 64, 64, 4))
+        ref = mlp_jacobian(layers, np.concatenate([unknown, known], 1))[:, :, :5]
+        np.testing.assert_allclose(jac, ref, rtol=2e-3, atol=2e-5)
+    else:  # against JAX's own per-instance Jacobians
+        def one(u: Any, h: Any) -> Any:
+            x = u if h is None else jnp.concatenate([u, h], axis=-1)
+            return model(x[None])[0]
+
+        ref = jax.vmap(jax.jacrev(one), in_axes=(0, None if known is None else 0))(unknown, known)
+        np.testing.assert_allclose(jac, np.asarray(ref), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("name", "fn"), [
+    ("mean over rows", lambda x: x - x.mean(axis=0, keepdims=True)),
+    ("sort along rows", lambda x: jnp.sort(x, axis=0) * x),
+    ("cumulative sum over rows", lambda x: jnp.cumsum(x, axis=0)),
+    ("roll of rows", lambda x: jnp.roll(x, 1, axis=0) + x),
+    ("row-mixing matrix product", lambda x: x @ (x.T @ x)),
+])
+def test_rows_that_interact_are_never_proven_apart(name: str, fn: Any) -> None:
+    """Whatever mixes rows answers "cannot tell" (or is not proven), and the probes' forward
+    passes then find the interaction."""
+    from batchjac._backends import jax_rows
+
+    x = data((4, 3), seed=43)
+    closed = jax.make_jaxpr(fn)(x)
+    assert not jax_rows.rows_apart(closed, [True]), name
+    with pytest.raises(batchjac.RowInteractionError):
+        batchjac.jacobian(fn, data((10, 3), seed=44), backend="jax")
+
+
+def test_rows_apart_follows_the_primitives_it_knows() -> None:
+    from batchjac._backends import jax_rows
+
+    x = data((4, 3), seed=45)
+    w = jnp.asarray(data((3, 5), seed=46))
+    images = data((4, 6, 6, 1), seed=47)
+    kernel = jnp.asarray(data((3, 3, 1, 2), seed=48))
+    apart = {
+        "dense": lambda x: jnp.tanh(x @ w + 1.0),
+        "softplus and where": lambda x: jnp.where(x > 0, jax.nn.softplus(x), x**2),
+        "reductions over features": lambda x: x.sum(axis=1, keepdims=True) * x.max(axis=-1)[:, None],
+        "reshape and slices": lambda x: jnp.concatenate([x[:, :2], x[:, 1:]], axis=1).reshape(4, 2, 2),
+        "a jitted inner function": jax.jit(lambda x: jnp.sin(x) @ w),
+        "arange and eye": lambda x: x @ jnp.eye(3) + jnp.arange(3.0),
+    }
+    for name, fn in apart.items():
+        assert jax_rows.rows_apart(jax.make_jaxpr(fn)(x), [True]), name
+
+    def conv(z: Any) -> Any:
+        return jax.lax.conv_general_dilated(z, kernel, (1, 1), "VALID",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    assert jax_rows.rows_apart(jax.make_jaxpr(conv)(images), [True])
+    # an output that does not depend on the rows, a random draw, a host callback: cannot tell
+    for fn in (lambda x: jnp.ones((x.shape[0], 3)),
+               lambda x: x * jax.random.normal(jax.random.key(0), x.shape),
+               lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)):
+        assert not jax_rows.rows_apart(jax.make_jaxpr(fn)(x), [True])

@@ -347,3 +347,87 @@ def test_xla_fixed_on_a_running_graph_kernel_falls_back() -> None:
         _, jac = kernel(x, ())
     assert kernel.variant == "graph"
     assert_jac_close(jac, np.einsum("ni,ij->nij", np.cos(x.astype(np.float64)) * 2, np.eye(3)))
+
+
+def test_a_remembered_xla_build_waits_until_the_work_repays_it() -> None:
+    """An earlier process's race chose XLA: a first call still builds the plain graph (sooner
+    built than XLA compiles, the cheaper first answer), and the remembered XLA replaces it,
+    without a race, once the work seen repays one more build. Right Jacobians throughout."""
+    from batchjac import _backends, _tuning
+
+    unknown, known = workload_inputs("W1", 200, seed=23)
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
+    first = seed_model("tensorflow")
+    assert_jac_close(batchjac.jacobian(first, unknown, known, mode="reverse"), ref)
+    bound = next(b for b in _backends._bound[first].values() if b.signature.dtype == np.float32)
+    cache, key = _tuning._key(bound, "tensorflow", "variant", "reverse/200/0")
+    cache.put(key, {"variant": "xla", "timings": "xla 0.4 ms, graph 0.6 ms"})  # as a race writes it
+
+    model = seed_model("tensorflow")  # a fresh process's model: the same computation
+    assert_jac_close(batchjac.jacobian(model, unknown, known, mode="reverse"), ref)
+    bound = next(b for b in _backends._bound[model].values() if b.signature.dtype == np.float32)
+    kernel = bound.kernel("reverse", 200, False)
+    assert kernel.variant == "graph"
+    assert kernel.remembered is not None
+    assert kernel.remembered[0] == "xla"
+    book = _tuning.ledger(bound)  # the work of many repeated calls
+    book.rows, book.seconds = 10**7, 1e3
+    for _ in range(3):  # (the fast path hands the due decision to the full path)
+        assert_jac_close(batchjac.jacobian(model, unknown, known, mode="reverse"), ref)
+    assert kernel.variant == "xla"
+    assert kernel.note.startswith("xla (remembered")
+    assert not kernel.raced  # taken, not raced again
+
+
+# ---- probes proven from the layers -------------------------------------------------------------
+
+
+def test_a_keras_model_of_row_wise_layers_is_probed_without_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense and convolution stacks of Keras's own layers keep their rows apart: the probes
+    call nothing (no graph trace of their own), and the Jacobians are still right."""
+    from batchjac._backends import keras_rows
+    from batchjac._backends.tensorflow import TFBound
+
+    calls: list[str] = []
+    original = TFBound.forward
+    monkeypatch.setattr(TFBound, "forward", lambda self, *a: calls.append("forward") or original(self, *a))
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 40, seed=25)
+    jac = batchjac.jacobian(model, unknown, known)
+    assert calls == []
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
+    assert_jac_close(jac, ref)
+
+    rng = np.random.default_rng(26)
+    conv = keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(3, 3, activation="tanh"),
+                             keras.layers.MaxPooling2D(2), keras.layers.Flatten(),
+                             keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+    assert keras_rows.output_shape(conv) == (2,)
+    x = rng.normal(size=(7, 6, 6, 1)).astype(np.float32)
+    with tf.GradientTape() as tape:  # TensorFlow's own per-instance Jacobians
+        xt = tf.constant(x)
+        tape.watch(xt)
+        y = conv(xt, training=False)
+    ref = tape.batch_jacobian(y, xt).numpy()
+    calls.clear()
+    np.testing.assert_allclose(batchjac.jacobian(conv, x), ref, rtol=1e-4, atol=1e-6)
+    assert calls == []
+
+
+def test_keras_models_that_might_mix_rows_are_probed_with_values() -> None:
+    from batchjac._backends import keras_rows
+
+    def functional(layer: Any) -> Any:
+        inp = keras.Input((4,))
+        return keras.Model(inp, keras.layers.Dense(3)(layer(inp)))
+
+    centred = functional(keras.layers.Lambda(lambda t: t - tf.reduce_mean(t, axis=0, keepdims=True)))
+    own_activation = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        3, activation=lambda t: t - tf.reduce_mean(t, axis=0, keepdims=True))])
+    softmax_rows = functional(keras.layers.Softmax(axis=0))
+    x = np.random.default_rng(27).normal(size=(10, 4)).astype(np.float32)
+    for model in (centred, own_activation, softmax_rows):
+        assert keras_rows.output_shape(model) is None
+        with pytest.raises(batchjac.RowInteractionError):
+            batchjac.jacobian(model, x)
+    assert keras_rows.output_shape(functional(keras.layers.Softmax(axis=-1))) == (3,)

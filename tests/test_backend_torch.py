@@ -649,3 +649,57 @@ def test_cnn_float64_against_finite_differences() -> None:
     assert_jac_close(jac, central_differences(float64_forward(model), x))
     # the example carries exactly the shared weights
     np.testing.assert_array_equal(model.dense.weight.detach().numpy().T, cnn_weights()["dense_w"])
+
+
+def test_a_reverse_mode_first_call_does_not_load_torch_dynamo(tmp_path: Any) -> None:
+    """torch.func's reverse mode imports torch._dynamo on its first pullback (0.5 s here, on
+    a job that computes in milliseconds): a fresh process's first call of a small reverse-mode
+    job runs on plain autograd instead, untimed, and gives the closed form's Jacobians."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = """
+        import sys, numpy as np, batchjac
+        from batchjac import _backends
+        from batchjac.examples import seed_model, workload_inputs, mlp_jacobian, mlp_weights
+        model = seed_model("torch")
+        unknown, known = workload_inputs("W1", 300, seed=29)
+        jac = batchjac.jacobian(model, unknown, known)
+        ref = mlp_jacobian(mlp_weights((8, 64, 64, 4)), np.concatenate([unknown, known], 1))[:, :, :5]
+        (bound,) = _backends._bound[model].values()
+        (kernel,) = bound._kernels.values()
+        print("DYNAMO", "torch._dynamo" in sys.modules, "VARIANT", kernel.variant,
+              "UNTIMED", kernel.untimed, "ERR", float(np.abs(jac - ref).max() / np.abs(ref).max()))
+    """
+    src = str(Path(batchjac.__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+                          env={**os.environ, "PYTHONPATH": src, "BATCHJAC_CACHE_DIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    words = proc.stdout.split()
+    assert words[:6] == ["DYNAMO", "False", "VARIANT", "replicated", "UNTIMED", "True"], proc.stdout
+    assert float(words[7]) < 1e-5
+
+
+def test_the_replicated_first_build_is_raced_once_the_work_repays_it() -> None:
+    """The untimed replicated first build is not the last word: retune times it against
+    torch.func's vmap, and either is right."""
+    from batchjac._backends.torch import TorchKernel
+
+    model = _smooth_module(torch.float64)
+    x = data((12, 4), seed=30, dtype="float64")
+    ref = central_differences(float64_forward(model), x)
+    jac = batchjac.jacobian(model, x[:, :3], x[:, 3:], mode="reverse")
+    assert_jac_close(jac, ref[..., :3])
+    bound = bound_of(model, np.float64)
+    kernel = bound.kernel("reverse", 12, False)
+    assert isinstance(kernel, TorchKernel)
+    kernel.untimed, kernel._path, kernel.variant = True, ("reverse", "replicated"), "replicated"
+    kernel.retune(x[:, :3], (x[:, 3:],))
+    assert not kernel.untimed
+    assert kernel.variant in ("vmap", "replicated")
+    assert kernel.note.startswith(("vmap (", "replicated (timed"))
+    assert_jac_close(kernel(x[:, :3], (x[:, 3:],))[1], ref[..., :3])

@@ -153,6 +153,49 @@ def test_corrupt_and_truncated_files_are_ignored_with_one_warning(cache_env: Pat
     assert cache.get(key("mode")) == DECISION
 
 
+
+def test_payloads_round_trip_and_damaged_ones_are_never_handed_out(cache_env: Path) -> None:
+    """A binary payload (a compiled executable) is given back byte for byte; one that was
+    truncated, had a byte flipped, or sits under another key is ignored with one warning: a
+    framework's loader never sees damaged bytes."""
+    cache = default_cache()
+    rng = np.random.default_rng(7)
+    payloads = {what: rng.integers(0, 256, size=int(rng.integers(1000, 5000)), dtype=np.uint8).tobytes()
+                for what in ("a", "b", "c", "d")}
+    for what, payload in payloads.items():
+        cache.put_bytes(key(what), payload)
+    assert cache.get_bytes(key("a")) == payloads["a"]
+    truncated, flipped, copied = (cache.blob_path(key(w)) for w in ("b", "c", "d"))
+    assert truncated is not None
+    assert flipped is not None
+    assert copied is not None
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    raw = bytearray(flipped.read_bytes())
+    raw[-10] ^= 0x01
+    flipped.write_bytes(bytes(raw))
+    copied.write_bytes(cache.blob_path(key("a")).read_bytes())  # type: ignore[union-attr]
+    with pytest.warns(TuneCacheWarning, match=r"ignores the cache file .*truncated") as caught:
+        found = [cache.get_bytes(key(w)) for w in ("b", "c", "d")]
+    assert found == [None, None, None]
+    assert len(caught) == 1  # one warning per process and kind
+    _tunecache._reset_warnings()
+    with pytest.warns(TuneCacheWarning, match="does not match its checksum"):
+        assert cache.get_bytes(key("c")) is None
+    _tunecache._reset_warnings()
+    with pytest.warns(TuneCacheWarning, match="belongs to another key"):
+        assert cache.get_bytes(key("d")) is None
+    assert cache.get_bytes(key("missing")) is None  # nothing stored: no warning
+    assert cache.get_bytes(key("a")) == payloads["a"]  # the sound file is still read
+
+
+def test_payloads_are_not_written_with_the_cache_off(cache_env: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHJAC_CACHE", "off")
+    default_cache().put_bytes(key(), b"\x01\x02")
+    assert not cache_env.exists()
+    with pytest.raises(InputTypeError, match="payload must be bytes; got str"):
+        _tunecache.TuneCache(cache_env).put_bytes(key(), "text")  # type: ignore[arg-type]
+
 @pytest.mark.parametrize(("document", "match"), [
     ({"key": "other"}, r"belongs to another key \(its model differ"),
     ({"schema": "someone-else"}, "not a batchjac tuning cache file"),

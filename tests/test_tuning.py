@@ -248,8 +248,11 @@ def test_a_sequence_of_batch_sizes_compiles_once(framework: str) -> None:
         (bound,) = [b for b in _backends._bound[model].values() if b.signature.dtype == np.float32]
         if traces is None:
             traces, kernels = bound.trace_count, set(bound._kernels)
+            compiles = getattr(bound, "compile_count", None)  # JAX: XLA compilations
         if bound.compiles_kernels:
             assert bound.trace_count == traces, f"N={n} traced again"
             assert set(bound._kernels) == kernels, f"N={n} built a kernel"
+            assert getattr(bound, "compile_count", None) == compiles, f"N={n} compiled again"
+        assert not any(k.raced for k in bound._kernels.values()), f"N={n} raced a kernel's builds"
         assert bound.tuned == {}, f"N={n} raced modes"
         assert bound.tuned_rows == {}, f"N={n} raced chunk sizes"

@@ -90,7 +90,7 @@ def _probe_once(be: _backends.Backend, model: Any, spec: BatchSpec, backend: str
             return bound
         if probes_enabled():
             run_probes(bound, spec, unknown_name)
-            persist_probes(bound, backend)
+            persist_probes(bound, backend, later=_PROBES.submit)  # (its fsync: 5-20 ms)
         else:  # still need the output shape
             u, ctx = spec.chunk(0, min(spec.n, 2))
             bound.output_shape = tuple(bound.forward(u, ctx).shape[1:])
@@ -100,6 +100,8 @@ def _probe_once(be: _backends.Backend, model: Any, spec: BatchSpec, backend: str
     return bound
 
 
+#: the longest the probes beside a first kernel wait for the caller to start compiling it
+PROBE_WAIT = 10.0
 _PROBES = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjac-probes")
 
 
@@ -114,10 +116,13 @@ def _start_probes(bound: _backends.BoundModel, spec: BatchSpec, name: str, backe
     settings = bound.in_thread()  # the caller's framework settings (JAX's x64 mode)
 
     def probe() -> None:
+        # not while the caller traces its kernel (both would take turns at Python's lock)
+        bound.compiling.wait(PROBE_WAIT)
         with settings:
             run_probes(bound, spec, name)
-        persist_probes(bound, backend)
         _remember_code(bound, backend)
+        # the verdict's file (an fsync: 5-20 ms) is written after the caller stops waiting
+        persist_probes(bound, backend, later=_PROBES.submit)
 
     bound.output_shape = shape
     bound._probing = _PROBES.submit(probe)  # type: ignore[attr-defined]
@@ -130,6 +135,7 @@ def probed(bound: _backends.BoundModel) -> None:
     future = getattr(bound, "_probing", None)
     if future is None:
         return
+    bound.compiling.set()  # (a call that failed before compiling: the probes need not wait)
     try:
         future.result()
     except BaseException:

@@ -43,6 +43,15 @@ def _probe_batch(spec: BatchSpec) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
 def run_probes(bound: BoundModel, spec: BatchSpec, name: str) -> None:
     u, ctx = _probe_batch(spec)
     rows = u.shape[0]
+    if bound.rows_apart(u, ctx):
+        # deterministic, rows kept apart, output rows at axis 0, all proven without values
+        # (JAX's jaxpr): only the connection is left to check, as abstractly
+        shape = bound.output_shape_of(u, ctx)
+        if shape is not None:
+            _check_connected(bound, spec, name, u, ctx)
+            bound.output_shape = shape
+            bound.probed = True
+            return
     y0 = bound.forward(u, ctx)
     if y0.ndim == 0 or y0.shape[0] != rows:
         raise ModelError(
@@ -50,6 +59,15 @@ def run_probes(bound: BoundModel, spec: BatchSpec, name: str) -> None:
             f"(N, ...) to outputs (N, ...), one row per instance. If it handles one instance at "
             f"a time, vectorise it (e.g. jax.vmap) or use the backend's per-instance option."
         )
+    _check_connected(bound, spec, name, u, ctx)
+    if spec.n >= 1:
+        _check_rows_independent(bound, u, ctx, y0)
+    bound.output_shape = tuple(int(s) for s in y0.shape[1:])
+    bound.probed = True
+
+
+def _check_connected(bound: BoundModel, spec: BatchSpec, name: str, u: np.ndarray,
+                     ctx: tuple[np.ndarray, ...]) -> None:
     if not bound.connected(u, ctx):
         raise NotConnectedError(
             f"The model's output does not depend on the unknowns (`{name}`, per-instance shape "
@@ -59,10 +77,6 @@ def run_probes(bound: BoundModel, spec: BatchSpec, name: str) -> None:
             f"the model never reads the unknown input. (Unknown features that are merely unused "
             f"get zero columns; this error means none is used.)"
         )
-    if spec.n >= 1:
-        _check_rows_independent(bound, u, ctx, y0)
-    bound.output_shape = tuple(int(s) for s in y0.shape[1:])
-    bound.probed = True
 
 
 def _check_rows_independent(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...],

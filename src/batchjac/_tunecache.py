@@ -12,6 +12,10 @@ directory of small JSON files, one per :class:`TuneKey`::
      "decision": {"mode": "forward", "chunk_size": 1000, ...},
      "written": "2025-01-01T00:00:00Z"}
 
+Binary payloads (a compiled JAX executable, :mod:`batchjac._backends.jax_executables`) sit
+beside them as ``<sha256 of the key>.bin``: one header line (the key, the payload's size and
+sha256) and the bytes, read back only when size and checksum match (:meth:`TuneCache.get_bytes`).
+
 The cache directory is ``$BATCHJAC_CACHE_DIR``, else ``$XDG_CACHE_HOME/batchjac``, else
 ``~/.cache/batchjac`` (:func:`batchjac._config.cache_dir`); ``BATCHJAC_CACHE=off`` reads
 nothing and writes nothing, not even the directory.
@@ -68,6 +72,8 @@ SCHEMA = "batchjac-tunecache"
 VERSION = 1
 #: no file batchjac writes is larger: a larger one is foreign, and is not read whole
 MAX_BYTES = 1 << 20
+#: the largest binary payload kept (:meth:`TuneCache.put_bytes`: a compiled executable)
+MAX_BLOB_BYTES = 64 << 20
 
 #: a decision validator: a callable that raises or returns False to reject a decision, or a
 #: schema ``{field: spec}`` where spec is a type (or tuple of types), a set or list of the
@@ -292,6 +298,68 @@ class TuneCache:
             _warn_once("write", f"batchjac cannot write its tuning cache in {path.parent}: "
                        f"{_os_error_text(err)}; the decision is not remembered (the next process "
                        "times the alternatives again).",
+                       "Set BATCHJAC_CACHE_DIR to a directory you can write, or BATCHJAC_CACHE=off "
+                       "to do without the cache.")
+
+
+    # -- binary payloads (a compiled executable) ------------------------------------------------
+
+    def blob_path(self, key: TuneKey) -> Path | None:
+        """The file that holds ``key``'s payload (None for a disabled cache)."""
+        path = self.path(key)
+        return None if path is None else path.with_suffix(".bin")
+
+    def get_bytes(self, key: TuneKey) -> bytes | None:
+        """The payload stored for ``key`` with :meth:`put_bytes`, or None when there is none
+        usable: a file that is truncated, corrupt (its checksum does not match), of another
+        format or key is ignored with one :class:`TuneCacheWarning` per process, as in
+        :meth:`get`. A payload is handed to a framework's loader (a compiled executable),
+        which might crash on damaged bytes: the checksum is why none ever reaches it."""
+        path = self.blob_path(key)
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_BLOB_BYTES + MAX_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as err:
+            _warn_once("read", f"batchjac cannot read the cache file {path}: "
+                       f"{_os_error_text(err)}.", _READ_FIX)
+            return None
+        head, sep, payload = raw.partition(b"\n")
+        header, problem = _parse(head, key) if sep else (None, "it has no header line")
+        if problem is None and header is not None:
+            if header.get("bytes") != len(payload):
+                problem = (f"it holds {len(payload)} bytes of payload where its header says "
+                           f"{header.get('bytes')!r} (truncated)")
+            elif header.get("sha256") != hashlib.sha256(payload).hexdigest():
+                problem = "its payload does not match its checksum (corrupt)"
+        if problem is not None or header is None:
+            _warn_once("read", f"batchjac ignores the cache file {path}: {problem}.", _READ_FIX)
+            return None
+        return payload
+
+    def put_bytes(self, key: TuneKey, payload: bytes) -> None:
+        """Store ``payload`` (at most ``MAX_BLOB_BYTES``) for ``key``, atomically: one header
+        line (the key, the payload's size and sha256) and the bytes. A directory that cannot
+        be written is not an error (one warning per process, as in :meth:`put`)."""
+        if not isinstance(payload, (bytes, bytearray)):
+            raise InputTypeError(f"A cache payload must be bytes; got {type(payload).__name__}.")
+        if len(payload) > MAX_BLOB_BYTES:
+            return  # (a huge executable is cheaper to compile again than to keep)
+        path = self.blob_path(key)
+        if path is None:
+            return
+        header = _encode(key, {"bytes": len(payload),
+                               "sha256": hashlib.sha256(payload).hexdigest()})
+        data = json.dumps(json.loads(header), sort_keys=True).encode("utf-8") + b"\n" + bytes(payload)
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _atomic_write(path, data)
+        except OSError as err:
+            _warn_once("write", f"batchjac cannot write its cache in {path.parent}: "
+                       f"{_os_error_text(err)}; the payload is not remembered.",
                        "Set BATCHJAC_CACHE_DIR to a directory you can write, or BATCHJAC_CACHE=off "
                        "to do without the cache.")
 

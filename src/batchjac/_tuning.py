@@ -150,8 +150,17 @@ def recall_variant(bound: Any, backend: str, kernel: Any) -> None:
     cache, key = _key(bound, backend, "variant",
                       f"{kernel.mode}/{kernel.chunk_size}/{int(kernel.with_outputs)}")
     found = cache.get(key, validate={"variant": set(kernel.variants)}) if key is not None else None
-    if found is not None:
-        kernel.use(found["variant"], why=f"remembered: {found.get('timings', '')}")
+    if found is None:
+        return
+    why = f"remembered: {found.get('timings', '')}"
+    cheap = getattr(kernel, "cheap_first", None)
+    if cheap is not None and found["variant"] != cheap:
+        # a faster build that costs more to make (TensorFlow's XLA against its graph, W1: 0.14
+        # against 0.10 s): the first call takes the cheap one, and the remembered one replaces
+        # it once the work repays one more build (settle), without a race
+        kernel.remembered = (found["variant"], why)
+        return
+    kernel.use(found["variant"], why=why)
 
 
 def persist(bound: Any, backend: str, kernel: Any | None = None) -> None:
@@ -193,12 +202,19 @@ def recall_probes(bound: Any, backend: str) -> bool:
     return True
 
 
-def persist_probes(bound: Any, backend: str) -> None:
+def persist_probes(bound: Any, backend: str, *,
+                   later: Callable[..., object] | None = None) -> None:
+    """Write the probes' verdict; with ``later`` (an executor's ``submit``), the file is
+    written there, into the cache directory of this moment."""
     if not autotune_enabled() or bound.output_shape is None:
         return
     cache, key = _key(bound, backend, "probes", "")
     if key is not None:
-        cache.put(key, {"output_shape": [int(s) for s in bound.output_shape]})
+        decision = {"output_shape": [int(s) for s in bound.output_shape]}
+        if later is None:
+            cache.put(key, decision)
+        else:
+            later(cache.put, key, decision)
 
 
 def pending(bound: Any) -> bool:
@@ -289,6 +305,10 @@ def timed(bound: Any, kernel: Any, rows: int, run: Callable[[], T], *, new: bool
     """Run the computation of ``rows`` rows on ``kernel`` and record its time (with the
     ``built_seconds`` its construction took, for a ``new`` kernel: JAX compiles there); its
     first call may race the kernel's builds only when the work seen repays it."""
+    remembered = getattr(kernel, "remembered", None)
+    if remembered is not None and kernel.variant is None and worth(bound, rows, 1):
+        kernel.remembered = None  # this call repays the build an earlier race chose
+        kernel.use(*remembered)
     builds = max(0, len(kernel.variants) - 1)
     race = kernel.variant is None and builds > 0 and kernel._forced is None and \
         worth(bound, rows, builds)
@@ -301,7 +321,16 @@ def timed(bound: Any, kernel: Any, rows: int, run: Callable[[], T], *, new: bool
 
 
 def settle(bound: Any, kernel: Any, args: Callable[[], tuple[Any, Any]]) -> None:
-    """After a call: race the builds a first call skipped, once the work seen repays it."""
+    """After a call: race the builds a first call skipped, once the work seen repays it (or,
+    where an earlier process raced them, take the build it chose, once the work repays one
+    build)."""
+    remembered = getattr(kernel, "remembered", None)
+    if remembered is not None:
+        if kernel.untimed and worth(bound, 0, 1):
+            kernel.remembered = None
+            kernel.use(*remembered)
+            kernel.untimed = False
+        return
     if kernel.untimed and worth(bound, 0, max(1, len(kernel.variants) - 1)):
         kernel.retune(*args())
         kernel.raced = not kernel.untimed

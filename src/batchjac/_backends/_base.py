@@ -235,6 +235,12 @@ class Kernel(ABC):
     untimed: bool = False
     #: whether the implementation in use was chosen by a race here (the decision to remember)
     raced: bool = False
+    #: the build a first call takes untimed because it is the cheapest to make, if there is
+    #: one (TensorFlow: the plain graph); a remembered build other than it waits for the work
+    #: to repay its making (see ``batchjac._tuning.recall_variant``)
+    cheap_first: str | None = None
+    #: that remembered build and why, until it is taken
+    remembered: tuple[str, str] | None = None
 
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:  # noqa: B027 - optional
         """Time the builds now, on ``(u, ctx)``, and keep the fastest: the race the first call
@@ -312,6 +318,12 @@ class BoundModel(ABC):
         self.output_shape: tuple[int, ...] | None = None
         self._kernels: OrderedDict[tuple[str, int, bool], Kernel] = OrderedDict()
         self._kernels_lock = threading.Lock()  # threads sharing a model share its kernels
+        #: set once the caller's thread has left Python for a while (JAX: XLA compiles its first
+        #: kernel outside Python's lock), or has stopped waiting for the probes: probes run
+        #: beside the first kernel wait for it, since their tracing would take that lock from
+        #: the caller's own tracing (measured on JAX's W1: the kernel's trace 67-124 ms beside
+        #: the probes against 38 ms alone)
+        self.compiling = threading.Event()
         #: (chunk size, with outputs) -> (mode, measured timings), from _autotune
         self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
         #: ("rows", mode, planned chunk size, with outputs) -> (fastest rows, timings)
@@ -365,6 +377,12 @@ class BoundModel(ABC):
         """Free bytes of the accelerator the kernels run on, for the memory budget; None when
         they run on the host (the budget then comes from the host's memory)."""
         return None
+
+    def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
+        """True when the framework can prove, without computing anything, that the model is
+        deterministic and maps each row of a batch to its own output row (JAX reads its
+        jaxpr): the probes then skip their forward passes. False: cannot tell."""
+        return False
 
     def in_thread(self) -> contextlib.AbstractContextManager[Any]:
         """The framework settings of the calling thread, entered in another thread that works

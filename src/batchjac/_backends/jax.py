@@ -144,6 +144,8 @@ class JaxBound(BoundModel):
         self._params = params if self.has_params else None
         self._params_split = _Split(self._params, device)
         self._forward: Any = None
+        #: XLA compilations of kernels (an executable loaded from the disk cache is none)
+        self.compile_count = 0
         #: what the last kernel that timed its variants chose (see JaxKernel): its build,
         #: and whether in blocks. Kernels timed against it (other chunk sizes) run the same
         #: before they choose their own, so that sizes are compared alike
@@ -336,6 +338,20 @@ class JaxBound(BoundModel):
             return None
         return tuple(int(s) for s in shape[1:])
 
+    def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
+        """Read from the jaxpr of the batch function (:mod:`batchjac._backends.jax_rows`):
+        a trace, no compilation (the forward passes the probes would run otherwise cost a
+        compilation of the forward, as much as the first kernel's on small models)."""
+        from . import jax_rows
+
+        try:
+            closed = jax.make_jaxpr(self._batch)(self.args, u, tuple(ctx))
+        except Exception:  # the probes' forward pass will explain it
+            return False
+        n_args = len(jax.tree_util.tree_leaves(self.args))
+        n_ctx = len(jax.tree_util.tree_leaves(tuple(ctx)))
+        return jax_rows.rows_apart(closed, [False] * n_args + [True] * (1 + n_ctx))
+
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
         if self._forward is None:
             self._forward = jax.jit(self._batch)
@@ -451,7 +467,7 @@ class JaxKernel(Kernel):
             self._computes = mode
             self._lowered.clear()
             try:  # each build of one blocking compiles the same lowering
-                self._compiled["default"] = self._lowering(self.chunk_size).compile()
+                self._compiled["default"] = self._load_or_compile(self._lowering(self.chunk_size), {})
             except InputError:
                 raise
             except Exception as e:
@@ -542,9 +558,18 @@ class JaxKernel(Kernel):
         if variant not in self._compiled:
             build, _, rows = variant.partition("/")
             lowered = self._lowering(int(rows) if rows else self.chunk_size)
-            self._compiled[variant] = lowered.compile(
-                compiler_options=self._OPTIONS[build])  # type: ignore[arg-type]
+            self._compiled[variant] = self._load_or_compile(lowered, self._OPTIONS[build])
         return self._compiled[variant]
+
+    def _load_or_compile(self, lowered: Any, options: dict[str, str]) -> Any:
+        """XLA's compilation, or the executable an earlier process compiled for the same
+        lowered module (:mod:`batchjac._backends.jax_executables`)."""
+        from . import jax_executables
+
+        self._bound.compiling.set()  # the probes beside this first kernel may trace now
+        compiled, loaded = jax_executables.compile(lowered, options)
+        self._bound.compile_count += not loaded
+        return compiled
 
     def _select(self, variant: str, note: str) -> None:
         self._fn = self._compile(variant)

@@ -221,7 +221,30 @@ class TFBound(BoundModel):
                                               reduce_retracing=True)
         return self._graph_forward(u, *ctx).numpy()
 
+    def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
+        """Read from the Keras model's layers (:mod:`batchjac._backends.keras_rows`): no
+        call, so none of the graph traces the probes' passes would cost (W1: 115-120 ms)."""
+        return self.output_shape_of(u, ctx) is not None
+
+    def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:
+        """Only for a Keras model proven to keep its rows apart (then the probes need no call
+        and may run beside the first kernel); None otherwise: the probes call the model."""
+        if not self.is_keras or self.signature.layout.kind not in ("single", "concat"):
+            return None
+        if not hasattr(self, "_proven"):
+            from . import keras_rows
+
+            # the per-row shape the model is given must be the one it declares: where it is
+            # not, the probes' call fails, and its error is explained (batchjac._probes.diagnose)
+            x = assemble(self.signature.layout, u[:1], tuple(c[:1] for c in ctx),
+                         concat=lambda xs: np.concatenate(xs, axis=-1),
+                         take=lambda a, idx: np.take(a, list(idx), axis=-1))[0]
+            self._proven = keras_rows.output_shape(self.model, tuple(x.shape[1:]))
+        return self._proven
+
     def connected(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
+        if self.output_shape_of(u, ctx) is not None:
+            return True  # one input, and every output computed from it by Keras layers
         found: dict[str, bool] = {}
 
         def probe(u: tf.Tensor, *ctx: tf.Tensor) -> tf.Tensor:
@@ -363,6 +386,7 @@ class TFKernel(Kernel):
     """
 
     variants: tuple[str, ...] = ("xla", "graph")
+    cheap_first = "graph"  # built sooner than XLA compiles (see _first_call)
     #: below this ratio graph/XLA time, the graph is chosen
     GRAPH_MARGIN = 0.95
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 import time
 import types
@@ -585,7 +586,8 @@ class TorchKernel(Kernel):
         return (_to_numpy(y) if self.with_outputs else None), _to_numpy(jac)
 
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        if not self.untimed or self._path != ("reverse", "func") or "replicated" not in self.variants:
+        if not self.untimed or self._path not in (("reverse", "func"), ("reverse", "replicated")) \
+                or "replicated" not in self.variants:
             return
         self.untimed = False
         bound = self._bound
@@ -593,8 +595,15 @@ class TorchKernel(Kernel):
         with bound.calling(), allowed(True):
             self._choose_reverse(ut, ct)
 
+    #: the replicated pass is a reverse-mode first call's build while it holds at most this
+    #: many rows (the chunk times the outputs) and torch.func has not loaded torch._dynamo
+    REPLICATED_FIRST_ROWS = 16384
+
     def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._first_replicated(u, ctx)
+        if out is not None:
+            return out
         bound = self._bound
         paths: list[tuple[Mode, Engine]] = [("reverse", "func"), ("reverse", "autograd")]
         if bound.reverse_engine is not None:  # another kernel found what works
@@ -630,6 +639,36 @@ class TorchKernel(Kernel):
         assert first is not None
         raise _explain_model_failure(first, bound.signature) from first
 
+    def _first_replicated(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An untimed reverse-mode first call on plain autograd ("replicated"), where that is
+        the cheaper first answer: torch.func's reverse mode imports torch._dynamo when its
+        first pullback runs (measured here: 0.5 s idle, 2.4-2.7 s on the loaded machine, for a
+        W1 job that then computes in 1.5 ms), the replicated pass imports nothing, and on a
+        small chunk it is as fast (1.4x slower at 1,000 rows of an 8-output MLP, faster below).
+        The builds are raced later, once the work repays it (:meth:`retune`). None: the usual
+        first call (a variant fixed, a race allowed, torch.func loaded already, a large chunk,
+        another kernel of this model found that torch.func fails)."""
+        from .._config import autotune_enabled
+        from ._base import race_allowed, untimed_note
+
+        bound = self._bound
+        if self.mode != "reverse" or "replicated" not in self.variants or self._forced is not None \
+                or race_allowed() or not autotune_enabled() or "torch._dynamo" in sys.modules \
+                or bound.reverse_engine not in (None, "func") or bound.output_shape is None \
+                or math.prod(bound.output_shape) * self.chunk_size > self.REPLICATED_FIRST_ROWS:
+            return None
+        try:
+            out = self._run(("reverse", "replicated"), u, ctx)
+        except (ModelError, Warning):
+            raise
+        except Exception:  # e.g. a model that keeps state across rows: the usual first call
+            return None
+        self._path, self.variant, self.untimed = ("reverse", "replicated"), "replicated", True
+        self.note = (f"replicated (plain autograd: torch.func's reverse mode would load "
+                     f"torch._dynamo first; {untimed_note()})")
+        return out
+
     def _choose_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
         """"vmap" or "replicated" for a reverse-mode kernel that runs with torch.func."""
         from ._base import race_allowed, untimed_note
@@ -648,6 +687,7 @@ class TorchKernel(Kernel):
         self._run(paths["vmap"], u, ctx)
         took = time.perf_counter() - start
         if took >= self.REPLICATED_BELOW:  # the replicated pass holds m copies of the chunk
+            self._path, self.variant = paths["vmap"], "vmap"
             self.note = (f"vmap (a chunk takes {took * 1e3:.0f} ms; the replicated pass only "
                          f"pays off for chunks under {self.REPLICATED_BELOW * 1e3:.0f} ms)")
             return
@@ -655,6 +695,7 @@ class TorchKernel(Kernel):
             self._run(paths["replicated"], u, ctx)  # warm up
         except Exception:  # e.g. a model that keeps state across rows: torch.func only
             self.variants = ("vmap",)
+            self._path, self.variant = paths["vmap"], "vmap"
             self.note = "vmap (the replicated pass failed)"
             return
         best = race(lambda v: self._run(paths[v], u, ctx), paths, timing_seconds=0.1)
