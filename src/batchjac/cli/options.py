@@ -23,8 +23,8 @@ CONTEXT: dict[str, Any] = {"help_option_names": ["-h", "--help"]}
 INPUT_FORMATS = ".npy, .npz:key, .csv, .tsv, .parquet, .h5:/dataset or .zarr[:array]"
 
 MODEL_HELP = ("MODEL is a Keras .keras/.h5 file, a TensorFlow SavedModel directory, a TorchScript "
-              ".pt file, a torch.export .pt2 file, or a Python callable as module:attr or "
-              "file.py:attr (append '()' to call a factory).")
+              ".pt file, a torch.export .pt2 file, an ONNX .onnx file, or a Python callable as "
+              "module:attr or file.py:attr (append '()' to call a factory).")
 
 
 def _compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:
