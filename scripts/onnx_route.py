@@ -112,7 +112,8 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="onnx-route-"))
     models = {"mlp": (MLP().eval(), (torch.randn(4, 8),)), "cnn": (CNN().eval(), (torch.randn(4, 36),)),
               "concat": (Concat().eval(), (torch.randn(4, 5), torch.randn(4, 3)))}
-    print("| model | exporter | operators | onnx2torch 1.5.15 | batchjac (extended onnx2torch) | jaxonnxruntime |")
+    print("| model | exporter | operators | onnx2torch 1.5.15 | batchjac (extended onnx2torch) "
+          "| jaxonnxruntime |")
     print("| --- | --- | --- | --- | --- | --- |")
     files = {}
     for name, (module, args) in models.items():
