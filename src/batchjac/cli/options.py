@@ -99,7 +99,12 @@ overwrite_option = click.option(
     "--overwrite", is_flag=True,
     help="Replace an output, or discard an unfinished one, made by a different job.")
 quiet_option = click.option("-q", "--quiet", is_flag=True,
-                            help="No progress bar and no summary on stderr.")
+                            help="Only errors on stderr: no progress bar, summary or warnings.")
+verbose_option = click.option(
+    "-v", "--verbose", is_flag=True,
+    help="Show the frameworks' own logs and warnings too (hidden by default).")
+#: what every command takes for its terminal output: -q and -v (see batchjac.cli.quiet)
+output_options = _compose(quiet_option, verbose_option)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 
 
