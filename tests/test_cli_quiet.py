@@ -143,3 +143,30 @@ def test_min_log_level_keeps_the_users_setting(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
     assert min_log_level(False) == 1
     assert min_log_level(True) == 1
+
+
+def test_command_output_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    """Within a command: batchjac's warning as one line in CLI terms, others' warnings and the
+    frameworks' loggers (TensorFlow's retracing warnings) held back; all restored after."""
+    import logging
+
+    from batchjac import ForwardModeFallbackWarning
+    from batchjac.cli.quiet import command_output
+
+    tf_logger = logging.getLogger("tensorflow")
+    before = tf_logger.level
+    with command_output(quiet=False, verbose=False):
+        warnings.warn("forward mode failed.\nPass mode='reverse' to skip the attempt.",
+                      ForwardModeFallbackWarning, stacklevel=1)
+        warnings.warn("a framework's deprecation", UserWarning, stacklevel=1)
+        assert not tf_logger.isEnabledFor(logging.WARNING)
+    err = capsys.readouterr().err
+    assert err == "batchjac: warning: forward mode failed. Pass --mode reverse to skip the attempt.\n"
+    assert tf_logger.level == before
+    with command_output(quiet=True, verbose=False):
+        warnings.warn("dropped", ForwardModeFallbackWarning, stacklevel=1)
+    assert capsys.readouterr().err == ""
+    with command_output(quiet=False, verbose=True):
+        assert tf_logger.level == before  # -v: the frameworks' loggers as they are
+        with pytest.warns(UserWarning, match="shown"):
+            warnings.warn("shown", UserWarning, stacklevel=1)
