@@ -43,6 +43,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rng = np.random.default_rng(0)
     np.save(folder / "u.npy", rng.normal(size=(300, 5)).astype("float32"))
     np.save(folder / "h.npy", rng.normal(size=(300, 3)).astype("float32"))
+    (folder / "jax_model.py").write_text(
+        "import jax.numpy as jnp\n"
+        "def model(x):\n"
+        "    return jnp.tanh(2.0 * x[:, :4]) + x[:, 4:5] * x[:, 7:8]\n")
     (folder / "blind.py").write_text(
         "import torch\n"
         "def model(x):\n"
@@ -55,16 +59,19 @@ def _stderr_lines(text: str) -> list[str]:
     return [part for line in text.split("\n") for part in line.split("\r") if part.strip()]
 
 
-def test_compute_on_a_keras_model_prints_only_the_bar_and_the_summary(files: Path) -> None:
-    res = batchjac_cli("compute", "m.keras", "-i", "u.npy", "-k", "h.npy", "-o", "j.npy", cwd=files)
+@pytest.mark.parametrize("model", ["m.keras", "jax_model.py:model"])
+def test_compute_prints_only_the_bar_and_the_summary(files: Path, model: str) -> None:
+    """Keras: TensorFlow's oneDNN banner and absl preamble (twice); JAX: XLA's PjRt lines."""
+    out = f"j-{model.split('.')[0]}.npy"
+    res = batchjac_cli("compute", model, "-i", "u.npy", "-k", "h.npy", "-o", out, cwd=files)
     assert res.returncode == 0, res.stderr
     lines = _stderr_lines(res.stderr)
-    summary = [ln for ln in lines if ln.startswith("batchjac: 300 rows -> j.npy")]
+    summary = [ln for ln in lines if ln.startswith(f"batchjac: 300 rows -> {out}")]
     assert len(summary) == 1, res.stderr
     bar = [ln for ln in lines if ln.startswith("batchjac: ") and "row" in ln and "%|" in ln]
     assert bar, f"no progress bar in {res.stderr!r}"
     assert set(lines) == set(summary) | set(bar), res.stderr  # nothing else at all
-    assert np.load(files / "j.npy").shape == (300, 4, 5)
+    assert np.load(files / out).shape[0] == 300
 
 
 def test_quiet_means_an_empty_stderr(files: Path) -> None:
