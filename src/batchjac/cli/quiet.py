@@ -6,7 +6,8 @@ Two parts, applied by :func:`batchjac.cli.main` and by :func:`batchjac.cli.error
   2.21 prints its oneDNN banner and absl's "All log messages before absl::InitializeLog()" line
   while it is imported, and XLA its service lines when it compiles, whatever
   ``TF_CPP_MIN_LOG_LEVEL`` says (it is read too late for them). So before any framework is
-  imported, stderr's file descriptor is put behind a pipe, and a thread forwards everything but
+  imported, stderr's file descriptor is put behind a pipe (Python's ``sys.stderr`` still writes
+  to the real one), and a thread forwards everything but
   glog-format lines (``I0000 00:00:1796131449.801629   30259 port.cc:153] ...``) below the
   severity asked for: ``TF_CPP_MIN_LOG_LEVEL`` if the user set it (their setting is kept, and
   honoured for these lines too), else 2 (errors and fatal messages pass). ``-v`` (or
@@ -91,7 +92,11 @@ def _may_become_noise(partial: bytes) -> bool:
 
 
 class _Filter:
-    """File descriptor 2 behind a pipe, drained by a thread that drops native log lines."""
+    """File descriptor 2 behind a pipe, drained by a thread that drops native log lines.
+
+    Python's own ``sys.stderr`` keeps writing to the real stderr (a terminal stays a terminal
+    for the progress bar's width and for click), so only what native code (and child
+    processes) write to descriptor 2 passes through the pipe."""
 
     def __init__(self, level: int) -> None:
         self.level = level
@@ -101,6 +106,9 @@ class _Filter:
         os.dup2(write, 2)
         os.close(write)
         self.read = read
+        self.python_stderr = sys.stderr
+        sys.stderr = open(self.real, "w", buffering=1, closefd=False,  # noqa: SIM115
+                          encoding=self.python_stderr.encoding, errors=self.python_stderr.errors)
         self.crash_file: IO[str] = os.fdopen(os.dup(self.real), "w")
         faulthandler.enable(file=self.crash_file)
         self.thread = threading.Thread(target=self._pump, name="batchjac-stderr", daemon=True)
@@ -134,6 +142,7 @@ class _Filter:
         """Put the real stderr back and forward what is left in the pipe."""
         with contextlib.suppress(Exception):
             sys.stderr.flush()
+        sys.stderr = self.python_stderr
         os.dup2(self.real, 2)  # the pipe's last writer (unless a child process still holds it)
         self.thread.join(timeout=2)
 
