@@ -27,6 +27,7 @@ from ._evaluate import (
     subset,
     with_dtype,
 )
+from ._loaders import as_model
 from ._plan import ModeArg
 from ._spec import BatchSpec
 from ._validate import DTypeLike, normalize
@@ -184,6 +185,7 @@ def check(
     >>> report.passed, report.reference_dtype, report.max_rel_error.shape
     (True, 'float64', (20,))
     """
+    model = as_model(model)
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy="raise")
     if spec.n == 0:
         raise InputError("The inputs have no instances (N = 0); there is nothing to check.")

@@ -16,6 +16,7 @@ from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
 from ._bind import BackendName, plan_for, prepare, probed
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
+from ._loaders import as_model
 from ._plan import ModeArg, Plan, check_options
 from ._runner import Results, call, pad_chunk, run_chunks, run_single
 from ._spec import BatchSpec
@@ -101,6 +102,7 @@ def jacobian(
     >>> J.shape
     (1000, 4, 5)
     """
+    model = as_model(model)  # an ONNX file or ModelProto: its PyTorch module
     if client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in inputs) and uses_dask(inputs)):
         return _on_dask(model, inputs, client=client, scheduler=scheduler, rows_per_task=rows_per_task,

@@ -35,6 +35,7 @@ from ._evaluate import (
     output_size,
     repeat_rows,
 )
+from ._loaders import as_model
 from ._plan import ModeArg
 from ._sinks import ArraySink
 from ._spec import BatchSpec
@@ -286,6 +287,7 @@ def propagate(
     >>> res.mean.shape, res.cov.shape
     ((10, 4), (10, 4, 4))
     """
+    model = as_model(model)
     if method not in _METHODS:
         raise InputError(f"`method` must be one of {_METHODS}; got {method!r}.")
     inputs = (mean,) if known is None else (mean, known)

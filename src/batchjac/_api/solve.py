@@ -9,6 +9,7 @@ from typing import Any
 from .. import _backends
 from .._bind import BackendName
 from .._errors import InputError
+from .._loaders import as_model
 from .._plan import ModeArg
 from .._solve import IterationInfo, Method, SolveResult, solve as _in_memory
 from .._solve_store import SolveInputs, SolveStoreResult, solve_to_store
@@ -121,6 +122,7 @@ def solve(
     >>> bool(res.success.all()), float(np.abs(res.x - x_true).max()) < 1e-6
     (True, True)
     """
+    model = as_model(model)  # an ONNX file or ModelProto: its PyTorch module
     if out is None:
         if block_size is not None:
             raise InputError("`block_size` sizes the blocks of a resumable output; it goes with "

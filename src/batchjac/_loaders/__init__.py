@@ -1,7 +1,8 @@
 """Loading models named on the command line.
 
 ``MODEL`` may be a Keras file (``.keras``, ``.h5``), a TensorFlow SavedModel directory, a
-TorchScript file (``.pt``/``.pth``), a ``torch.export`` file (``.pt2``), or a Python callable as
+TorchScript file (``.pt``/``.pth``), a ``torch.export`` file (``.pt2``), an ONNX file
+(``.onnx``: translated into a PyTorch module, :mod:`.onnx`), or a Python callable as
 ``package.module:attr`` or ``path/to/file.py:attr`` (the user's own code: it runs as given;
 ``attr`` may be dotted, and ``attr()`` calls a zero-argument factory).
 
@@ -28,9 +29,11 @@ from .._fingerprint import file_fingerprint, model_fingerprint
 KERAS_SUFFIXES = (".keras", ".h5", ".hdf5")
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".jit")
 EXPORT_SUFFIXES = (".pt2",)
+ONNX_SUFFIXES = (".onnx",)
 MODEL_FORMATS_HELP = ("a Keras .keras/.h5 file, a TensorFlow SavedModel directory, a TorchScript "
-                      ".pt file, a torch.export .pt2 file, or a Python callable as module:attr or "
-                      "file.py:attr")
+                      ".pt file, a torch.export .pt2 file, an ONNX .onnx file, or a Python "
+                      "callable as module:attr or file.py:attr")
+_ONNX_HINT = "ONNX models need `pip install batchjac[onnx]`"
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,11 @@ def load_model(ref: str, *, trust: bool = False) -> LoadedModel:
 
         model = _guard(ref, lambda: torch_loader.load_exported(ref))
         return LoadedModel(model, "torch", file_fingerprint(ref), f"torch.export model {ref}")
+    if suffix in ONNX_SUFFIXES:  # data, not code: nothing in the file runs, so no trust needed
+        from . import onnx as onnx_loader
+
+        model = _guard(ref, lambda: onnx_loader.load_file(ref), hint=_ONNX_HINT)
+        return LoadedModel(model, "torch", file_fingerprint(ref), f"ONNX model {ref}")
     if suffix == ".py":
         raise InputFileError(f"{ref!r} is Python code: name the model in it as {ref}:NAME.")
     raise InputFileError(f"Unknown model format {suffix or '(no suffix)'!r} for {ref!r}; give "
@@ -107,16 +115,36 @@ def _check_keras_file(ref: str, suffix: str) -> None:
                          f"not one: is it corrupt or truncated, or a model of another format?")
 
 
-def _guard(ref: str, load: Any) -> Any:
+def as_model(model: Any) -> Any:
+    """What the public verbs differentiate when given ``model``: an ONNX model (a path to a
+    ``.onnx`` file, or an ``onnx.ModelProto``) becomes its PyTorch module (the same object
+    for the same bytes, so kernels and decisions are reused); anything else is returned as it
+    is. Imports onnx only for an ONNX model."""
+    if isinstance(model, (str, os.PathLike)) and Path(model).suffix.lower() in ONNX_SUFFIXES:
+        ref = os.fspath(model)
+        if not Path(ref).is_file():
+            raise InputFileError(f"The ONNX model file {ref!r} does not exist.")
+        from . import onnx as onnx_loader
+
+        return _guard(ref, lambda: onnx_loader.load_file(ref), hint=_ONNX_HINT)
+    if type(model).__name__ == "ModelProto" and type(model).__module__.startswith("onnx"):
+        from . import onnx as onnx_loader
+
+        return _guard("the onnx.ModelProto", lambda: onnx_loader.load_proto(model), hint=_ONNX_HINT)
+    return model
+
+
+def _guard(ref: str, load: Any, *, hint: str | None = None) -> Any:
     """Framework errors while loading become one ModelLoadError naming the file."""
     try:
         return load()
     except (ModelLoadError, InputFileError):
         raise
     except ImportError as e:
+        extra = hint or ("Install the extra, e.g. pip install batchjac[tensorflow] or "
+                         "batchjac[torch]")
         raise ModelLoadError(f"Loading {ref!r} needs a framework that is not installed: {e}. "
-                             f"Install the extra, e.g. pip install batchjac[tensorflow] or "
-                             f"batchjac[torch].") from e
+                             f"{extra}.") from e
     except Exception as e:
         raise ModelLoadError(f"Cannot load the model {ref!r}: {type(e).__name__}: "
                              f"{_first_line(e)}") from e

@@ -35,6 +35,9 @@ _register()
 
 def main() -> None:
     """The ``batchjac`` console script."""
+    from .quiet import silence_native_logs
+
+    silence_native_logs(sys.argv[1:])  # before any framework is imported (-v: not at all)
     try:
         cli(standalone_mode=True)
     except KeyboardInterrupt:  # pragma: no cover - Ctrl-C outside a command (while importing)

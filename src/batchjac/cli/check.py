@@ -12,7 +12,15 @@ import click
 
 from .common import Files, backend_of, gather_inputs, load_model
 from .errors import EXIT_FAILED, guard
-from .options import CONTEXT, input_options, max_memory_option, mode_option, model_argument, model_options
+from .options import (
+    CONTEXT,
+    input_options,
+    max_memory_option,
+    mode_option,
+    model_argument,
+    model_options,
+    output_options,
+)
 
 if TYPE_CHECKING:
     from .._plan import ModeArg
@@ -29,6 +37,7 @@ if TYPE_CHECKING:
 @mode_option("The mode whose Jacobians are checked.")
 @max_memory_option
 @click.pass_context
+@output_options
 @guard("check")
 def check(ctx: click.Context, model: str, inputs: tuple[str, ...], known: str | None,
           wrt: str | None, wrt_input: int | None, backend: str | None, dtype: str | None,

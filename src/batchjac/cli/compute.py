@@ -23,8 +23,8 @@ from .options import (
     mode_option,
     model_argument,
     model_options,
+    output_options,
     overwrite_option,
-    quiet_option,
 )
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 @click.option("--output-names", metavar="NAMES",
               help="Comma-separated names of the model's outputs, stored as metadata.")
 @overwrite_option
-@quiet_option
+@output_options
 @json_option
 @explain_option("the chosen mode and chunk size")
 @click.option("--scheduler", metavar="ADDRESS|local:N",

@@ -12,6 +12,7 @@ Only click is imported here; batchjac's error classes are imported when an error
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import warnings
 from collections.abc import Callable
@@ -105,10 +106,17 @@ def guard(name: str, *, interrupted: str = "run the same command again."
     """
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        takes = set(inspect.signature(fn).parameters)
+
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            from .quiet import command_output
+
+            quiet = bool(kwargs.get("quiet")) if "quiet" in takes else bool(kwargs.pop("quiet", False))
+            verbose = bool(kwargs.get("verbose")) if "verbose" in takes else \
+                bool(kwargs.pop("verbose", False))
             try:
-                with warnings.catch_warnings():
+                with command_output(quiet=quiet, verbose=verbose), warnings.catch_warnings():
                     # one command loads its model once: advice about defining a function once
                     # per process is for the Python API (in-process runs load it again)
                     from .._errors import RebindWarning
@@ -124,7 +132,9 @@ def guard(name: str, *, interrupted: str = "run the same command again."
                 code = exit_code(e)
                 if code is None:
                     raise  # a bug: keep the traceback (exit 1)
-                click.echo(f"batchjac {name}: error: {one_line(e)}", err=True)
+                from .quiet import in_cli_terms
+
+                click.echo(f"batchjac {name}: error: {in_cli_terms(one_line(e))}", err=True)
                 raise click.exceptions.Exit(code) from None
 
         return run

@@ -23,8 +23,8 @@ CONTEXT: dict[str, Any] = {"help_option_names": ["-h", "--help"]}
 INPUT_FORMATS = ".npy, .npz:key, .csv, .tsv, .parquet, .h5:/dataset or .zarr[:array]"
 
 MODEL_HELP = ("MODEL is a Keras .keras/.h5 file, a TensorFlow SavedModel directory, a TorchScript "
-              ".pt file, a torch.export .pt2 file, or a Python callable as module:attr or "
-              "file.py:attr (append '()' to call a factory).")
+              ".pt file, a torch.export .pt2 file, an ONNX .onnx file, or a Python callable as "
+              "module:attr or file.py:attr (append '()' to call a factory).")
 
 
 def _compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:
@@ -99,7 +99,12 @@ overwrite_option = click.option(
     "--overwrite", is_flag=True,
     help="Replace an output, or discard an unfinished one, made by a different job.")
 quiet_option = click.option("-q", "--quiet", is_flag=True,
-                            help="No progress bar and no summary on stderr.")
+                            help="Only errors on stderr: no progress bar, summary or warnings.")
+verbose_option = click.option(
+    "-v", "--verbose", is_flag=True,
+    help="Show the frameworks' own logs and warnings too (hidden by default).")
+#: what every command takes for its terminal output: -q and -v (see batchjac.cli.quiet)
+output_options = _compose(quiet_option, verbose_option)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 
 

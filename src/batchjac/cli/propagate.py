@@ -16,7 +16,15 @@ import click
 
 from .common import Files, backend_of, gather_inputs, load_model, require_file, writing_output
 from .errors import guard
-from .options import CONTEXT, input_options, max_memory_option, model_argument, model_options, parse_numbers
+from .options import (
+    CONTEXT,
+    input_options,
+    max_memory_option,
+    model_argument,
+    model_options,
+    output_options,
+    parse_numbers,
+)
 
 if TYPE_CHECKING:
     from .._propagate import Method
@@ -40,6 +48,7 @@ Shapes = tuple[int, tuple[int, ...], int]
 @max_memory_option
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
               help="Directory for mean.npy (N, *output_shape) and cov.npy (N, m, m).")
+@output_options
 @guard("propagate", interrupted="earlier results are kept, nothing half-written: run the same "
                                 "command again.")
 def propagate(model: str, inputs: tuple[str, ...], known: str | None, wrt: str | None,

@@ -19,6 +19,7 @@ from .options import (
     max_memory_option,
     model_argument,
     model_options,
+    output_options,
     parse_names,
 )
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
               help="Inputs listed per output.")
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
               help="Directory for report.md and its PNG charts.")
+@output_options
 @guard("report")
 def report(model: str | None, inputs: tuple[str, ...], known: str | None, wrt: str | None,
            wrt_input: int | None, backend: str | None, dtype: str | None, trust_model: bool,

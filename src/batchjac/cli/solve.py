@@ -20,8 +20,8 @@ from .options import (
     max_memory_option,
     model_argument,
     model_options,
+    output_options,
     overwrite_option,
-    quiet_option,
 )
 
 
@@ -61,7 +61,7 @@ from .options import (
 @click.option("--covariance", is_flag=True, help="Also write the covariance of x, (N, k, k).")
 @click.option("--jacobian", is_flag=True, help="Also write the Jacobian at the solutions.")
 @overwrite_option
-@quiet_option
+@output_options
 @json_option
 @explain_option("the blocks, mode and chunk size")
 @guard("solve", interrupted="finished blocks are kept: run the same command again to continue.")

@@ -1,0 +1,321 @@
+"""ONNX models, translated into PyTorch modules by onnx2torch (imports onnx, onnx2torch and
+PyTorch; a framework module).
+
+An ``.onnx`` file is data (a graph of named operators and its weights), not code: loading one
+runs nothing from the file, so it needs no ``--trust-model``. The graph becomes a
+``torch.fx.GraphModule`` of PyTorch operators, which the PyTorch backend differentiates like any
+``torch.nn.Module`` (forward or reverse mode, float64 copies for ``check``). The README says why
+this route (op coverage and speed measured against a JAX interpreter of ONNX).
+
+What onnx2torch 1.5 lacks, and this module adds (through its own registry, ``add_converter``):
+
+- operator versions newer than the ones it registered, where the ONNX schema only widened the
+  types (float8, int4, bfloat16, strings) or appended optional inputs or attributes: the newest
+  converter it has serves them, and a node that *uses* an input or attribute the older version
+  did not have is refused by name (:func:`_problem`). Models exported by ``torch.onnx.export``
+  in torch 2.9+ are opset 18-20 (``Reshape``-19, ``Constant``-19), which it did not convert;
+- ``Gelu`` (opset 20), which ``torch.onnx.export`` writes for ``nn.GELU``.
+
+Operators it still cannot translate are named, all of them, before anything is converted
+(:func:`unsupported`).
+
+onnx2torch imports torchvision (for two detection operators, ``NonMaxSuppression`` and
+``RoiAlign``). Where torchvision is installed but its compiled operators do not load (PyPI's
+torchvision wheels are built for CUDA torch, and fail to load beside a CPU build of torch), the
+import of onnx2torch would fail for every model; :func:`_import_converter` then imports it with
+a stand-in torchvision that names the problem if one of those two operators is ever run, and
+takes the stand-in out of ``sys.modules`` again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import types
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from onnx import defs
+
+from .._errors import ModelLoadError
+
+#: converted modules by the sha256 of the model's bytes: the same file or ModelProto gives the
+#: same module object, so compiled kernels, probes and tuning decisions are found again
+_MODULES: OrderedDict[str, torch.nn.Module] = OrderedDict()
+_FILES: dict[tuple[str, int, int], str] = {}  # (path, mtime_ns, size) -> sha256 of its bytes
+_KEEP = 8
+_LOCK = threading.Lock()
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def load_file(path: str | os.PathLike[str]) -> torch.nn.Module:
+    """The PyTorch module of the ONNX model in ``path`` (its external data files, if any, are
+    read from beside it)."""
+    full = os.path.realpath(path)
+    st = os.stat(full)
+    stamp = (full, st.st_mtime_ns, st.st_size)
+    with _LOCK:
+        key = _FILES.get(stamp)
+        if key is not None and key in _MODULES:
+            _MODULES.move_to_end(key)
+            return _MODULES[key]
+    data = Path(full).read_bytes()
+    key = hashlib.sha256(data).hexdigest()
+    _FILES[stamp] = key
+    with _LOCK:
+        if key in _MODULES:
+            return _MODULES[key]
+    try:
+        model = onnx.load_model(full)
+    except Exception as e:
+        raise ModelLoadError(f"Cannot load the model {str(path)!r}: it is not a readable ONNX file "
+                             f"({type(e).__name__}: {_first_line(e)}). Is it corrupt or truncated, "
+                             f"or a model of another format?") from e
+    return _remember(key, _convert(model, repr(str(path))))
+
+
+def load_proto(model: Any) -> torch.nn.Module:
+    """The PyTorch module of an ``onnx.ModelProto``."""
+    if not isinstance(model, onnx.ModelProto):
+        raise ModelLoadError(f"Expected an onnx.ModelProto; got {type(model).__name__}.")
+    key = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+    with _LOCK:
+        if key in _MODULES:
+            _MODULES.move_to_end(key)
+            return _MODULES[key]
+    name = model.graph.name
+    return _remember(key, _convert(model, f"(graph {name!r})" if name else "(ModelProto)"))
+
+
+def _remember(key: str, module: torch.nn.Module) -> torch.nn.Module:
+    with _LOCK:
+        _MODULES[key] = module
+        while len(_MODULES) > _KEEP:
+            _MODULES.popitem(last=False)
+    return module
+
+
+def _convert(model: onnx.ModelProto, what: str) -> torch.nn.Module:
+    convert = _import_converter()
+    missing = unsupported(model)
+    if missing:
+        raise ModelLoadError(
+            f"The ONNX model {what} uses operators that batchjac cannot translate to PyTorch "
+            f"(onnx2torch has no converter for them): {', '.join(missing)}. Export the model with "
+            f"other operators (an older opset, e.g. torch.onnx.export(..., opset_version=17)), or "
+            f"pass the model in the framework it was trained in.")
+    _check_interface(model, what)
+    names = [i.name for i in _graph_inputs(model)]
+    try:
+        module = convert(model, save_input_names=all(n.isidentifier() for n in names))
+    except Exception as e:
+        raise ModelLoadError(f"onnx2torch could not translate the ONNX model {what}: "
+                             f"{type(e).__name__}: {_first_line(e)}") from e
+    return module.eval()
+
+
+def _graph_inputs(model: onnx.ModelProto) -> list[Any]:
+    weights = {t.name for t in model.graph.initializer}
+    return [i for i in model.graph.input if i.name not in weights]
+
+
+def _check_interface(model: onnx.ModelProto, what: str) -> None:
+    """One output, and inputs whose first axis (the batch) is free: batchjac feeds chunks of
+    any number of rows."""
+    outputs = [o.name for o in model.graph.output]
+    if len(outputs) != 1:
+        raise ModelLoadError(
+            f"The ONNX model {what} has {len(outputs)} outputs {outputs}; batchjac differentiates "
+            f"one output tensor. Keep the one you need, e.g. with onnx.utils.extract_model(path, "
+            f"new_path, input_names, [{outputs[0]!r}]).")
+    for value in _graph_inputs(model):
+        dims = value.type.tensor_type.shape.dim
+        if dims and dims[0].HasField("dim_value"):
+            shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+            raise ModelLoadError(
+                f"The ONNX model {what} has a fixed batch size: its input {value.name!r} has shape "
+                f"{shape}, and batchjac feeds chunks of any number of rows. Export it with a "
+                f"dynamic first axis: torch.onnx.export(..., dynamic_axes={{{value.name!r}: "
+                f"{{0: 'n'}}}}) or dynamic_shapes=..., tf2onnx with a None batch dimension.")
+
+
+def unsupported(model: onnx.ModelProto) -> list[str]:
+    """The operators of ``model`` (as ``"Name (opset V)"``, in order of first use) that the
+    converter cannot translate; empty when it can translate them all."""
+    _import_converter()
+    from onnx2torch.node_converters.registry import get_converter
+
+    opsets = {o.domain: o.version for o in model.opset_import}
+    found: dict[str, None] = {}
+    for node in model.graph.node:
+        domain = "" if node.domain in _DEFAULT_DOMAINS else node.domain
+        version = opsets.get(domain) or (opsets.get("ai.onnx", 1) if not domain else 1)
+        label = f"{domain + '.' if domain else ''}{node.op_type} (opset {version})"
+        try:
+            converter = get_converter(node.op_type, version, domain or defs.ONNX_DOMAIN)
+        except NotImplementedError:
+            found.setdefault(label)
+            continue
+        problem = _problem(converter, node)
+        if problem:
+            found.setdefault(f"{label}: {problem}")
+    return list(found)
+
+
+# -- what this module adds to onnx2torch's registry --------------------------------------------
+
+_imported: Any = None
+_IMPORT = threading.Lock()
+
+
+def _import_converter() -> Any:
+    """``onnx2torch.convert``, with the registry extended (once)."""
+    global _imported
+    with _IMPORT:
+        if _imported is None:
+            _imported = _import_onnx2torch()
+            _extend_registry()
+        return _imported
+
+
+def _import_onnx2torch() -> Any:
+    if "onnx2torch" in sys.modules:
+        from onnx2torch import convert
+
+        return convert
+    try:
+        import torchvision  # noqa: F401  (onnx2torch imports it; see the module docstring)
+    except Exception as e:  # a torchvision whose compiled ops do not load raises RuntimeError
+        reason = f"{type(e).__name__}: {_first_line(e)}"
+    else:
+        from onnx2torch import convert
+
+        return convert
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        del sys.modules[name]
+    stand_in = types.ModuleType("torchvision")
+    ops = types.ModuleType("torchvision.ops")
+
+    def unavailable(*args: Any, **kwargs: Any) -> Any:
+        raise ModelLoadError(f"This ONNX model's NonMaxSuppression/RoiAlign operators run on "
+                             f"torchvision, which does not load here ({reason}); install the "
+                             f"torchvision build that matches your torch.")
+
+    ops.nms = ops.batched_nms = ops.roi_align = unavailable  # type: ignore[attr-defined]
+    stand_in.ops = ops  # type: ignore[attr-defined]
+    sys.modules["torchvision"], sys.modules["torchvision.ops"] = stand_in, ops
+    try:
+        from onnx2torch import convert
+    finally:  # the stand-in served onnx2torch's import only
+        sys.modules.pop("torchvision", None)
+        sys.modules.pop("torchvision.ops", None)
+    return convert
+
+
+class _Alias:
+    """onnx2torch's converter of an older version of an operator, serving a newer version whose
+    schema has the same inputs and attributes plus, at most, new optional ones at the end."""
+
+    def __init__(self, base: Any, attributes: set[str], inputs: int) -> None:
+        self.base, self.attributes, self.inputs = base, attributes, inputs
+
+    def problem(self, node: Any) -> str | None:
+        extra = sorted({a.name for a in node.attribute} - self.attributes)
+        if extra:
+            return f"attribute {', '.join(extra)} is not supported"
+        if len([i for i in node.input if i]) > self.inputs:
+            return f"more than {self.inputs} inputs are not supported"
+        return None
+
+    def __call__(self, node: Any, graph: Any) -> Any:
+        return self.base(node, graph)
+
+
+def _problem(converter: Any, node: Any) -> str | None:
+    return converter.problem(node) if isinstance(converter, _Alias) else None
+
+
+def _signature(schema: Any) -> tuple[set[str], list[str], list[str]]:
+    return (set(schema.attributes), [i.name for i in schema.inputs],
+            [o.name for o in schema.outputs])
+
+
+def _extend_registry() -> None:
+    from onnx2torch.node_converters.registry import _CONVERTER_REGISTRY, OperationDescription
+
+    for schema in [defs.get_schema("Reshape", 14), *_later_versions("Reshape", 14)]:
+        # onnx2torch refuses allowzero=1, which torch.onnx.export (dynamo) writes on every Reshape
+        _CONVERTER_REGISTRY[OperationDescription(defs.ONNX_DOMAIN, "Reshape",
+                                                 schema.since_version)] = _convert_reshape
+    newest: dict[str, int] = {}
+    for d in list(_CONVERTER_REGISTRY):
+        if d.domain == defs.ONNX_DOMAIN:
+            newest[d.operation_type] = max(newest.get(d.operation_type, 0), d.version)
+    for op, have in newest.items():
+        base = _CONVERTER_REGISTRY[OperationDescription(defs.ONNX_DOMAIN, op, have)]
+        old_attrs, old_inputs, old_outputs = _signature(defs.get_schema(op, have))
+        for schema in _later_versions(op, have):
+            attrs, inputs, outputs = _signature(schema)
+            if not (old_attrs <= attrs and inputs[:len(old_inputs)] == old_inputs
+                    and outputs == old_outputs):
+                break  # a version that changed the operator: it and later ones stay unsupported
+            key = OperationDescription(defs.ONNX_DOMAIN, op, schema.since_version)
+            _CONVERTER_REGISTRY.setdefault(key, _Alias(base, old_attrs, len(old_inputs)))
+    gelu = OperationDescription(defs.ONNX_DOMAIN, "Gelu", 20)
+    _CONVERTER_REGISTRY.setdefault(gelu, _convert_gelu)
+
+
+def _later_versions(op: str, version: int) -> list[Any]:
+    """The schemas of ``op`` after ``version``, oldest first."""
+    found: dict[int, Any] = {}
+    for v in range(version + 1, defs.onnx_opset_version() + 1):
+        schema = defs.get_schema(op, v)
+        if schema.since_version > version:
+            found.setdefault(schema.since_version, schema)
+    return [found[v] for v in sorted(found)]
+
+
+class _Reshape(torch.nn.Module):
+    """ONNX ``Reshape``: a 0 in ``shape`` copies the input's dimension, unless ``allowzero``
+    (then it is a dimension of size 0)."""
+
+    def __init__(self, allowzero: bool) -> None:
+        super().__init__()
+        self.allowzero = allowzero
+
+    def forward(self, x: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+        dims = [int(d) for d in shape.tolist()]
+        if not self.allowzero:
+            dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
+        return torch.reshape(x, dims)
+
+
+def _convert_reshape(node: Any, graph: Any) -> Any:
+    from onnx2torch.utils.common import OperationConverterResult, onnx_mapping_from_node
+
+    return OperationConverterResult(torch_module=_Reshape(bool(node.attributes.get("allowzero", 0))),
+                                    onnx_mapping=onnx_mapping_from_node(node))
+
+
+def _convert_gelu(node: Any, graph: Any) -> Any:
+    from onnx2torch.utils.common import OperationConverterResult, onnx_mapping_from_node
+
+    approximate = node.attributes.get("approximate", "none")
+    if isinstance(approximate, bytes):
+        approximate = approximate.decode()
+    return OperationConverterResult(torch_module=torch.nn.GELU(approximate=approximate),
+                                    onnx_mapping=onnx_mapping_from_node(node))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+__all__ = ["load_file", "load_proto", "unsupported"]
