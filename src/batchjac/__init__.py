@@ -35,6 +35,7 @@ from ._errors import (
     XLAFallbackWarning as XLAFallbackWarning,
     ZeroJacobianWarning as ZeroJacobianWarning,
 )
+from ._hessian import hessian as hessian, hvp as hvp, laplacian as laplacian
 from ._jacobian import jacobian as jacobian
 from ._propagate import Propagation as Propagation, propagate as propagate
 from ._report import write_report as write_report
@@ -51,6 +52,9 @@ from ._version import __version__ as __version__
 
 __all__ = [
     "jacobian",
+    "hessian",
+    "laplacian",
+    "hvp",
     "ClosedForm",
     "check",
     "CheckReport",
