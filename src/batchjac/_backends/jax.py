@@ -681,11 +681,13 @@ class JaxSecondKernel(Kernel):
             if kind == "hvp":
                 c_i, v_i = c_i[:-1], c_i[-1]
             f = functools.partial(lambda c, a: one(a, c), c_i)
-            if kind in ("diagonal", "laplacian") and order == "forward-over-forward":
+            if kind in ("diagonal", "laplacian", "hvp") and order == "forward-over-forward":
                 basis = jnp.eye(k, dtype=u_i.dtype).reshape((k, *ushape))
 
                 def along(t: Any) -> tuple[Any, Any, Any]:
-                    (y, dy), (_, d2y) = jax.jvp(lambda a: jax.jvp(f, (a,), (t,)), (u_i,), (t,))
+                    # along e_j twice (diagonal), or along e_j then v: (H v)_j
+                    second = v_i if kind == "hvp" else t
+                    (y, dy), (_, d2y) = jax.jvp(lambda a: jax.jvp(f, (a,), (t,)), (u_i,), (second,))
                     return y, dy, d2y
 
                 y, dys, d2s = jax.vmap(along, out_axes=(None, 0, 0))(basis)  # (k, *out)

@@ -749,7 +749,7 @@ class TFSecondKernel(Kernel):
         if self.order == "forward-over-reverse":
             y, jac, second = self._over_reverse(u, ctx, v, m, k, rows)
         else:
-            y, jac, second = self._over_forward(u, ctx, m, k, rows)
+            y, jac, second = self._over_forward(u, ctx, v, m, k, rows)
         # second: (rows, m, k) for diagonal/hvp, (rows, m, k, k) for the Hessian
         if self.kind == "laplacian":
             second = tf.reduce_sum(second if len(second.shape) == 3 else tf.linalg.diag_part(second), -1)
@@ -803,8 +803,8 @@ class TFSecondKernel(Kernel):
         second = tf.transpose(d[:, 0], (1, 0, 2)) if v is not None else tf.transpose(d, (2, 0, 3, 1))
         return y[:rows], jac, second
 
-    def _over_forward(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], m: int, k: int, rows: int
-                      ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    def _over_forward(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], v: tf.Tensor | None,
+                      m: int, k: int, rows: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         bound = self._bound
         ushape = tuple(bound.signature.unknown_shape)
         full = self.kind == "hessian"
@@ -812,7 +812,10 @@ class TFSecondKernel(Kernel):
         uu, cc = self._tiled(u, ctx, blocks)
         inner_i = np.repeat(np.arange(k), k) if full else np.arange(k)
         outer_j = np.tile(np.arange(k), k) if full else np.arange(k)
-        with tf.autodiff.ForwardAccumulator(uu, self._seeds(outer_j, k, rows, ushape)) as outer:
+        # hvp: block i pushed along e_i inside and v outside, (H v)_i
+        outer_t = self._seeds(outer_j, k, rows, ushape) if v is None else \
+            tf.tile(v, [k] + [1] * (len(v.shape) - 1))
+        with tf.autodiff.ForwardAccumulator(uu, outer_t) as outer:
             with tf.autodiff.ForwardAccumulator(uu, self._seeds(inner_i, k, rows, ushape)) as inner:
                 y = bound.apply(uu, cc, twice=True)
             dy = inner.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)

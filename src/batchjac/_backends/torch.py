@@ -719,7 +719,29 @@ class TorchSecondKernel(Kernel):
             return self._diagonal_ff(u, ctx)
         if self.kind == "hessian" and self.order == "forward-over-forward":
             return self._hessian_ff(u, ctx)
+        if v is not None and self.order == "forward-over-forward":
+            return self._hvp_ff(u, ctx, v)
         return self._over_reverse(u, ctx, v)
+
+    def _hvp_ff(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(H v)_i``: the derivative along ``v`` of the derivative along ``e_i``, for each
+        of the ``k`` unit tangents (``k`` passes; forward over reverse takes one)."""
+        bound = self._bound
+        k, m, out_shape, ushape = self._shapes(u)
+        rows = u.shape[0]
+
+        def along(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            def first(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                out = torch.func.jvp(lambda b: bound.apply(b, ctx), (a,), (t,))
+                return out[1], out[0]
+            out: Any = torch.func.jvp(first, (u,), (v,), has_aux=True)
+            return out[2], out[0], out[1]
+
+        tangents = _basis(k, rows, ushape, u.dtype, u.device)
+        y, dys, hvs = torch.func.vmap(along, out_dims=(None, 0, 0))(tangents)  # type: ignore[arg-type]
+        jac = dys.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
+        return y, jac, hvs.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
 
     def _shapes(self, u: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
         out_shape = self._bound.output_shape
