@@ -324,3 +324,61 @@ def test_no_rows() -> None:
     f = mlp("torch", mlp_weights(SIZES, seed=19))
     out = batchjac.hessian(f, np.empty((0, 8)), laplacian=True)
     assert out.shape == (0, 4)
+
+
+# -- stores ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", [".npy", ".zarr", ".h5"])
+def test_store_resumes_after_an_interruption(tmp_path: Any, suffix: str) -> None:
+    """A call killed by a failing chunk leaves its finished chunks; made again, it computes
+    only the others, and the store holds what the in-memory call returns (Hessians,
+    Jacobians and outputs), bit for bit."""
+    pytest.importorskip("torch")
+    if suffix == ".zarr":
+        pytest.importorskip("zarr")
+    if suffix == ".h5":
+        pytest.importorskip("h5py")
+    f = mlp("torch", mlp_weights(SIZES, seed=20))
+    x = rng(21).normal(size=(300, 8))  # 5 chunks of 64
+    state = {"calls": 0, "fail_at": 3}
+
+    def model(z: Any) -> Any:
+        if z.shape[0] == 64:
+            state["calls"] += 1
+            if state["calls"] == state["fail_at"]:
+                raise RuntimeError("interrupted")
+        return f(z)
+
+    store = batchjac.Store(tmp_path / f"hess{suffix}", model_id="mlp-20")
+    kw: dict[str, Any] = {"wrt": [0, 3, 5], "chunk_size": 64, "return_outputs": True,
+                          "return_jacobian": True}
+    with pytest.raises(batchjac.ModelError, match="interrupted"):
+        batchjac.hessian(model, x, out=store, **kw)
+    assert not (tmp_path / f"hess{suffix}").exists()
+    state["fail_at"] = -1
+    result = batchjac.hessian(model, x, out=store, **kw)
+    assert (result.resumed_chunks, result.computed_chunks) == (2, 3)
+    assert result.shape == (300, 4, 3, 3)
+    assert result.mode == "forward-over-forward"  # 3 unknowns < 4 outputs
+    y, jac, hess = batchjac.hessian(f, x, **kw)
+    assert np.array_equal(np.asarray(result.open()), hess)
+    assert np.array_equal(np.asarray(result.open("jacobians")), jac)
+    assert np.array_equal(np.asarray(result.open("outputs")), y)
+    again = batchjac.hessian(model, x, out=store, **kw)  # finished: nothing computed
+    assert again.computed_chunks == 0
+    with pytest.raises(batchjac.StoreExistsError):  # another kind of result, same path: refused
+        batchjac.laplacian(model, x, out=store, wrt=[0, 3, 5], chunk_size=64)
+
+
+def test_hvp_store_hashes_the_tangents(tmp_path: Any) -> None:
+    pytest.importorskip("torch")
+    f = mlp("torch", mlp_weights(SIZES, seed=22))
+    r = rng(23)
+    x, v = r.normal(size=(40, 8)), r.normal(size=(40, 8))
+    store = batchjac.Store(tmp_path / "hvp.zarr", model_id="mlp-22")
+    pytest.importorskip("zarr")
+    result = batchjac.hvp(f, x, v=v, out=store, chunk_size=16)
+    want = np.einsum("naij,nj->nai", native_hessian("torch", f, x), v)
+    assert_jac_close(np.asarray(result.open()), want, factor=0.1)
+    with pytest.raises(batchjac.StoreMismatchError, match="input rows differ"):
+        batchjac.hvp(f, x, v=v * 2, out=store, chunk_size=16)

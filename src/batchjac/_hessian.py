@@ -30,7 +30,8 @@ from ._plan import OrderArg, SecondKindArg, SecondPlan, check_options, choose_or
 from ._runner import Results, run_chunks, run_single
 from ._sinks import ArraySink, new_result
 from ._spec import BatchSpec, check_finite_rows
-from ._stores import progress_bar
+from ._stores import StoreError, as_store, is_store_target, progress_bar
+from ._stores.hessians import SecondStoreResult, second_to_store
 from ._validate import DTypeLike, NanPolicy, normalize
 
 log = logging.getLogger("batchjac")
@@ -88,8 +89,12 @@ def hessian(
     ``mode``: "auto" (forward over reverse for full Hessians of at most as many outputs as
     unknowns, forward over forward for more outputs and for the reductions), or
     "forward-over-reverse" / "forward-over-forward". ``chunk_size``/``max_memory``,
-    ``dtype``, ``nan_policy``, ``out`` (a writable array of the result's shape),
-    ``backend``, ``backend_options``, ``explain`` and ``progress`` as for ``jacobian``.
+    ``dtype``, ``nan_policy``, ``backend``, ``backend_options``, ``explain`` and ``progress``
+    as for ``jacobian``. ``out``: a writable array of the result's shape, or a path
+    (``"hess.zarr"``, ``"hess.h5"``, ``"hess.npy"``) or :class:`batchjac.Store`: the result
+    is written there chunk by chunk, resumably (a killed call made again continues where it
+    stopped, bitwise the same), and a :class:`batchjac.StoreResult` is returned
+    (``.open()`` reads the result, ``.open("jacobians")`` the Jacobians).
 
     >>> import numpy as np, batchjac
     >>> from batchjac.examples import seed_model
@@ -146,17 +151,52 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
     check_options("auto", chunk_size, max_memory)
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
     name = backend or _backends.detect(model)
+    options = backend_options or {}
     try:
         if kind == "hvp":
             spec = _with_tangents(spec, tangents, nan_policy)
-        bound = prepare(model, _plain(spec), name, backend_options or {})
+        if is_store_target(out):
+            return _to_store(model, spec, name, kind, as_store(out), mode=mode,
+                             chunk_size=chunk_size, max_memory=max_memory,
+                             return_outputs=return_outputs, return_jacobian=return_jacobian,
+                             nan_policy=nan_policy, options=options, explain=explain,
+                             progress=progress)
+        bound = prepare(model, _plain(spec), name, options)
         plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
                            max_memory=max_memory)
         return _compute(bound, spec, kind, plan, return_outputs=return_outputs,
                         return_jacobian=return_jacobian, out=out, explain=explain,
                         progress=progress)
+    except StoreError:  # about the output, not the model or inputs: no context to add
+        raise
     except BatchJacError as e:
         raise add_context(e, _context(spec, name)) from e
+
+
+def _to_store(model: Any, spec: BatchSpec, backend: str, kind: SecondKindArg, store: Any, *,
+              mode: OrderArg, chunk_size: int | None, max_memory: int | str | None,
+              return_outputs: bool, return_jacobian: bool, nan_policy: NanPolicy,
+              options: dict[str, Any], explain: bool,
+              progress: bool | Callable[[int], None]) -> SecondStoreResult:
+    """The result written chunk by chunk into a resumable store (the resume protocol of
+    :mod:`batchjac._stores`, as Jacobian stores are): the plan and the kernel from here."""
+    def plan(bound: _backends.BoundModel) -> dict[str, Any]:
+        planned = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
+                              max_memory=max_memory)
+        return {"order": planned.order, "chunk_size": planned.chunk_size,
+                "chunks": planned.n_chunks, "rows": spec.n, "reason": planned.reason}
+
+    def kernel(bound: _backends.BoundModel, planned: dict[str, Any]) -> Any:
+        return bound.second_kernel(kind, planned["order"], planned["chunk_size"], return_outputs,
+                                   return_jacobian)
+
+    return second_to_store(
+        model, spec, backend, store=store, name=SECOND_RESULT[kind],
+        describe_options={"mode": mode, "chunk_size": chunk_size, "max_memory": max_memory,
+                          "backend_options": options, "nan_policy": nan_policy},
+        bind=lambda: prepare(model, _plain(spec), backend, options), plan=plan, kernel=kernel,
+        with_outputs=return_outputs, with_jacobian=return_jacobian, explain=explain,
+        progress=progress)
 
 
 def _context(spec: BatchSpec, backend: str) -> str:
