@@ -382,3 +382,43 @@ def test_hvp_store_hashes_the_tangents(tmp_path: Any) -> None:
     assert_jac_close(np.asarray(result.open()), want, factor=0.1)
     with pytest.raises(batchjac.StoreMismatchError, match="input rows differ"):
         batchjac.hvp(f, x, v=v * 2, out=store, chunk_size=16)
+
+
+# -- check_hessian -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_check_hessian_passes_and_catches_a_wrong_hessian(name: str, monkeypatch: Any) -> None:
+    layers = mlp_weights(SIZES, seed=24)
+    r = rng(25)
+    unknown, known = r.normal(size=(30, 5)).astype("f4"), r.normal(size=(30, 3)).astype("f4")
+    with framework(name):
+        f = mlp(name, layers)
+        if name == "torch":
+
+            model: Any = lambda z: f(z.double()).float()  # noqa: E731
+        elif name == "jax":
+            model = lambda z: f(z.astype("float64")).astype("float32")  # noqa: E731
+        else:
+            import tensorflow as tf
+
+            model = lambda z: tf.cast(f(tf.cast(z, tf.float64)), tf.float32)  # noqa: E731
+        report = batchjac.check_hessian(model, unknown, known, sample=12, backend=name)
+        assert report.passed, str(report)
+        assert report.max_rel_error.shape == (12,)
+        assert report.compute_dtype == "float32"
+        assert 0 < report.max_error < report.rtol
+        # a Hessian off by 1% in one entry of one instance fails that instance only
+        import batchjac._check_hessian as ch
+
+        real = ch._compute
+
+        def wrong(*args: Any, **kwargs: Any) -> np.ndarray:
+            h = np.array(real(*args, **kwargs))
+            h[3, 0, 1, 2] += 0.01 * np.abs(h[3]).max()
+            return h
+
+        monkeypatch.setattr(ch, "_compute", wrong)
+        bad = batchjac.check_hessian(model, unknown, known, sample=12, backend=name)
+    assert not bad.passed
+    assert list(bad.failed) == [int(bad.instances[3])]
+    assert "FAILED" in str(bad)

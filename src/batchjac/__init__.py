@@ -7,6 +7,7 @@ that kind is first used.
 from ._api.solve import solve as solve
 from ._backends.numpy import ClosedForm as ClosedForm
 from ._check import CheckReport as CheckReport, check as check
+from ._check_hessian import HessianCheckReport as HessianCheckReport, check_hessian as check_hessian
 from ._errors import (
     BackendNotAvailableError as BackendNotAvailableError,
     BatchJacError as BatchJacError,
@@ -58,6 +59,8 @@ __all__ = [
     "ClosedForm",
     "check",
     "CheckReport",
+    "check_hessian",
+    "HessianCheckReport",
     "propagate",
     "Propagation",
     "CovarianceClippedWarning",
