@@ -145,7 +145,7 @@ LAYERS = [
     ["batchjac._autotune", "batchjac._tuning", "batchjac._bind"],
     ["batchjac._stores", "batchjac._dask"],
     ["batchjac._jacobian", "batchjac._hessian", "batchjac._evaluate", "batchjac._check",
-     "batchjac._check_hessian",
+     "batchjac._check_hessian", "batchjac._propagate_second",
      "batchjac._propagate",
      "batchjac._solve", "batchjac._solve_store", "batchjac._sensitivity", "batchjac._report",
      "batchjac._api"],

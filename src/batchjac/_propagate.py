@@ -231,6 +231,7 @@ def propagate(
     out: tuple[Any, Any] | None = None,
     backend: str | None = None,
     backend_options: dict[str, Any] | None = None,
+    order: int = 1,
 ) -> Propagation:
     """Per-instance output mean and covariance of ``model`` given uncertain unknowns.
 
@@ -273,7 +274,12 @@ def propagate(
       batches of many instances and samples; the covariance is the unbiased sample covariance.
 
     Returns a :class:`Propagation` with ``mean`` ``(N, *output_shape)`` and ``cov`` ``(N, m,
-    m)`` in float64 (``m`` = flattened output size). ``out=(mean_out, cov_out)``: writable
+    m)`` in float64 (``m`` = flattened output size). ``order=2`` (with ``method="linear"``)
+    adds the second-order terms of Gaussian inputs, ``E[y_a] = f_a + 1/2 tr(H_a Sigma)`` and
+    ``Cov += 1/2 tr(H_a Sigma H_b Sigma)``, from per-instance Hessians
+    (:mod:`batchjac._propagate_second`; their order of differentiation is chosen as
+    :func:`batchjac.hessian` with ``mode="auto"`` chooses it); its ``method`` reads
+    "second_order". ``out=(mean_out, cov_out)``: writable
     arrays of those shapes (e.g. ``np.lib.format.open_memmap``) filled chunk by chunk.
 
     >>> import numpy as np, batchjac
@@ -287,6 +293,11 @@ def propagate(
     """
     if method not in _METHODS:
         raise InputError(f"`method` must be one of {_METHODS}; got {method!r}.")
+    if order not in (1, 2) or isinstance(order, bool):
+        raise InputError(f"`order` must be 1 or 2; got {order!r}.")
+    if order == 2 and method != "linear":
+        raise InputError(f"`order=2` is the second-order refinement of method='linear'; got "
+                         f"method={method!r} (the unscented and Monte Carlo methods have no order).")
     inputs = (mean,) if known is None else (mean, known)
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy="raise")
     unc = _Uncertainty(cov, std, spec.n, spec.unknown_shape)
@@ -299,7 +310,13 @@ def propagate(
     sink = ArraySink({"cov": cov_out, "mean": mean_out})
     clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
-        if method == "linear":
+        if order == 2:
+            from ._propagate_second import propagate_second
+
+            second_mode: Any = "auto" if mode in ("forward", "reverse") else mode
+            propagate_second(bound, spec, unc, sink, m, mode=second_mode, chunk_size=chunk_size,
+                             max_memory=max_memory)
+        elif method == "linear":
             _linear(bound, spec, unc, sink, m, mode=mode, chunk_size=chunk_size,
                     max_memory=max_memory)
         else:
@@ -314,7 +331,8 @@ def propagate(
         raise add_context(e, context(spec, name)) from e
     if clipped[0]:
         _warn_clipped(clipped[0], spec, alpha=alpha, beta=beta, kappa=kappa)
-    return Propagation(mean=mean_out, cov=cov_out, method=method, output_shape=out_shape,
+    return Propagation(mean=mean_out, cov=cov_out,
+                       method="second_order" if order == 2 else method, output_shape=out_shape,
                        n_samples=int(n_samples) if method == "monte_carlo" else None,
                        clipped=clipped[0])
 
