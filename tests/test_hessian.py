@@ -422,3 +422,20 @@ def test_check_hessian_passes_and_catches_a_wrong_hessian(name: str, monkeypatch
     assert not bad.passed
     assert list(bad.failed) == [int(bad.instances[3])]
     assert "FAILED" in str(bad)
+
+
+def test_dask_arrays_give_a_lazy_result() -> None:
+    pytest.importorskip("torch")
+    da = pytest.importorskip("dask.array")
+    f = mlp("torch", mlp_weights(SIZES, seed=26))
+    x = rng(27).normal(size=(50, 8))
+    lazy = batchjac.hessian(f, da.from_array(x, chunks=20), wrt=[0, 1, 2], return_outputs=True)
+    y, hess = lazy
+    assert hess.chunks[0] == (20, 20, 10)
+    want_y, want = batchjac.hessian(f, x, wrt=[0, 1, 2], return_outputs=True)
+    np.testing.assert_allclose(hess.compute(), want, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(y.compute(), want_y, rtol=1e-12, atol=1e-14)
+    lap = batchjac.laplacian(f, da.from_array(x, chunks=25))
+    np.testing.assert_allclose(lap.compute(), batchjac.laplacian(f, x), rtol=1e-12, atol=1e-14)
+    with pytest.raises(batchjac.InputError, match="not supported there yet"):
+        batchjac.hessian(f, da.from_array(x, chunks=25), return_jacobian=True)

@@ -25,6 +25,7 @@ from . import _backends, _tuning as tuning
 from ._backends._base import SECOND_RESULT
 from ._bind import BackendName, prepare
 from ._config import default_max_memory, parse_bytes
+from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._plan import OrderArg, SecondKindArg, SecondPlan, check_options, choose_order, make_second_plan
 from ._runner import Results, run_chunks, run_single
@@ -72,6 +73,9 @@ def hessian(
     backend_options: dict[str, Any] | None = None,
     explain: bool = False,
     progress: bool | Callable[[int], None] = False,
+    client: Any = None,
+    scheduler: str | None = None,
+    rows_per_task: int | None = None,
 ) -> Any:
     """Per-instance Hessians ``H[i] = d^2 model(inputs_i) / d unknown_i^2``.
 
@@ -96,6 +100,10 @@ def hessian(
     stopped, bitwise the same), and a :class:`batchjac.StoreResult` is returned
     (``.open()`` reads the result, ``.open("jacobians")`` the Jacobians).
 
+    Dask: ``client=``/``scheduler=`` or Dask arrays as inputs, as for ``jacobian`` (the same
+    per-block hand-off, :mod:`batchjac._dask`): Dask arrays in give a lazy Dask array out.
+    Not yet on Dask: ``out=`` stores and ``return_jacobian``.
+
     >>> import numpy as np, batchjac
     >>> from batchjac.examples import seed_model
     >>> model = seed_model("torch")               # 5 unknown + 3 known inputs -> 4 outputs
@@ -108,6 +116,22 @@ def hessian(
         raise InputError("`diagonal=True` and `laplacian=True` ask for two results; pass one "
                          "(the Laplacian is the sum of the diagonal over the unknowns).")
     kind: SecondKindArg = "laplacian" if laplacian else "diagonal" if diagonal else "hessian"
+    if client is not None or scheduler is not None or (
+            any(type(a) is not np.ndarray for a in inputs) and uses_dask(inputs)):
+        if out is not None or return_jacobian:
+            raise InputError("On Dask, hessian() computes in memory (a Dask array for Dask "
+                             "inputs) without return_jacobian; `out=` stores and "
+                             "return_jacobian=True are not supported there yet. Compute "
+                             "locally, or write the lazy result with dask.array.to_zarr.")
+        from . import _dask
+
+        kw = {"wrt": wrt, "mode": mode, "diagonal": diagonal, "laplacian": laplacian,
+              "chunk_size": chunk_size, "max_memory": max_memory, "dtype": dtype,
+              "return_outputs": return_outputs, "nan_policy": nan_policy, "backend": backend,
+              "backend_options": backend_options, "explain": explain}
+        with _dask.client_for(client, scheduler) as own:
+            return _dask.run(hessian, model, inputs, client=own, rows_per_task=rows_per_task,
+                             out=None, kw=kw)
     return second_order(model, inputs, kind, wrt=wrt, mode=mode, chunk_size=chunk_size,
                         max_memory=max_memory, dtype=dtype, return_outputs=return_outputs,
                         return_jacobian=return_jacobian, nan_policy=nan_policy, out=out,
