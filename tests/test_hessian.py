@@ -439,3 +439,26 @@ def test_dask_arrays_give_a_lazy_result() -> None:
     np.testing.assert_allclose(lap.compute(), batchjac.laplacian(f, x), rtol=1e-12, atol=1e-14)
     with pytest.raises(batchjac.InputError, match="not supported there yet"):
         batchjac.hessian(f, da.from_array(x, chunks=25), return_jacobian=True)
+
+
+def test_tensorflow_builds_race_only_when_the_work_repays_it(monkeypatch: Any) -> None:
+    """A first small call runs the plain graph untimed (XLA's compilation can cost seconds);
+    once the tuning policy says a race pays, both builds are timed and the faster kept, with
+    the same values."""
+    pytest.importorskip("tensorflow")
+    from .helpers import race_now
+
+    f = mlp("tensorflow", mlp_weights(SIZES, seed=28))
+    x = rng(29).normal(size=(20, 8))
+    first = batchjac.hessian(f, x, backend="tensorflow")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        batchjac.hessian(f, x, backend="tensorflow", explain=True, chunk_size=24)
+    assert "graph (" in err.getvalue()
+    assert "not timed" in err.getvalue()
+    race_now(monkeypatch)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        raced = batchjac.hessian(f, x, backend="tensorflow", explain=True, chunk_size=28)
+    assert "timed one chunk: graph" in err.getvalue()
+    np.testing.assert_allclose(raced, first, rtol=1e-10, atol=1e-12)

@@ -28,7 +28,7 @@ from ._config import default_max_memory, parse_bytes
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._plan import OrderArg, SecondKindArg, SecondPlan, check_options, choose_order, make_second_plan
-from ._runner import Results, run_chunks, run_single
+from ._runner import Results, pad_args, run_chunks, run_single
 from ._sinks import ArraySink, new_result
 from ._spec import BatchSpec, check_finite_rows
 from ._stores import StoreError, as_store, is_store_target, progress_bar
@@ -211,8 +211,11 @@ def _to_store(model: Any, spec: BatchSpec, backend: str, kind: SecondKindArg, st
                 "chunks": planned.n_chunks, "rows": spec.n, "reason": planned.reason}
 
     def kernel(bound: _backends.BoundModel, planned: dict[str, Any]) -> Any:
-        return bound.second_kernel(kind, planned["order"], planned["chunk_size"], return_outputs,
-                                   return_jacobian)
+        built = bound.second_kernel(kind, planned["order"], planned["chunk_size"], return_outputs,
+                                    return_jacobian)
+        # same command, same bytes: the first build, never a timed choice (as Jacobian stores)
+        built.use(built.variants[0], "a store's kernel")
+        return built
 
     return second_to_store(
         model, spec, backend, store=store, name=SECOND_RESULT[kind],
@@ -322,11 +325,18 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
                 bar.close()
         return targets
 
-    # one build per kernel, nothing to race: the ledger records the work for later decisions
+    # the tuning policy: a kernel with several builds (TensorFlow: graph, XLA) races them
+    # only when the work seen repays it, in a ledger of second-order work
     result = tuning.timed(ledger_of, kernel, spec.n, run, new=new, built_seconds=build.seconds)
+    tuning.settle(ledger_of, kernel, lambda: _first_rows(spec, kernel.chunk_size))
     if explain and kernel.note:
         sys.stderr.write(f"batchjac: kernel: {kernel.note}\n")
     return _unpack(result, name, asked)
+
+
+def _first_rows(spec: BatchSpec, rows: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    u, ctx = spec.chunk(0, min(rows, spec.n))
+    return pad_args(u, ctx, rows)
 
 
 def _unpack(result: Results, name: str, asked: list[str]) -> Any:
