@@ -308,15 +308,19 @@ def propagate(
     m = output_size(bound)
     mean_out, cov_out = _outputs(out, (spec.n, *out_shape), (spec.n, m, m))
     sink = ArraySink({"cov": cov_out, "mean": mean_out})
+    if order == 2:  # (its own module: the Hessians' pass, chunk by chunk into the same sink)
+        from ._propagate_second import propagate_second
+
+        try:
+            propagate_second(bound, spec, unc, sink, m, mode="auto", chunk_size=chunk_size,
+                             max_memory=max_memory)
+        except BatchJacError as e:
+            raise add_context(e, context(spec, name)) from e
+        return Propagation(mean=mean_out, cov=cov_out, method="second_order",
+                           output_shape=out_shape)
     clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
-        if order == 2:
-            from ._propagate_second import propagate_second
-
-            second_mode: Any = "auto" if mode in ("forward", "reverse") else mode
-            propagate_second(bound, spec, unc, sink, m, mode=second_mode, chunk_size=chunk_size,
-                             max_memory=max_memory)
-        elif method == "linear":
+        if method == "linear":
             _linear(bound, spec, unc, sink, m, mode=mode, chunk_size=chunk_size,
                     max_memory=max_memory)
         else:
@@ -331,8 +335,7 @@ def propagate(
         raise add_context(e, context(spec, name)) from e
     if clipped[0]:
         _warn_clipped(clipped[0], spec, alpha=alpha, beta=beta, kappa=kappa)
-    return Propagation(mean=mean_out, cov=cov_out,
-                       method="second_order" if order == 2 else method, output_shape=out_shape,
+    return Propagation(mean=mean_out, cov=cov_out, method=method, output_shape=out_shape,
                        n_samples=int(n_samples) if method == "monte_carlo" else None,
                        clipped=clipped[0])
 
