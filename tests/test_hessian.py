@@ -289,6 +289,9 @@ def test_auto_order_follows_the_shapes() -> None:
     assert choose_order("auto", "hessian", 3, 50)[0] == "forward-over-forward"
     assert choose_order("auto", "laplacian", 3, 1)[0] == "forward-over-forward"
     assert choose_order("auto", "hvp", 30, 1)[0] == "forward-over-reverse"
+    # backends whose second forward pass is dear (PyTorch, TensorFlow): few outputs, reverse
+    assert choose_order("auto", "laplacian", 3, 1, False)[0] == "forward-over-reverse"
+    assert choose_order("auto", "laplacian", 3, 50, False)[0] == "forward-over-forward"
 
 
 def test_bad_options_are_named() -> None:

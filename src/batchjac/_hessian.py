@@ -267,7 +267,8 @@ def plan_second(spec: BatchSpec, bound: _backends.BoundModel, kind: SecondKindAr
     budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
     return make_second_plan(kind=kind, n=spec.n, k=spec.k, m=m, in_elems=in_elems,
                             dtype=spec.dtype, order=mode, chunk_size=chunk_size,
-                            max_memory=budget)
+                            max_memory=budget,
+                            reductions_over_forward=bound.reductions_over_forward)
 
 
 def result_shapes(spec: BatchSpec, output_shape: tuple[int, ...], kind: SecondKindArg

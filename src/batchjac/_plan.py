@@ -174,18 +174,25 @@ class SecondPlan:
     memory_note: str = ""
 
 
-def choose_order(order: OrderArg, kind: SecondKindArg, k: int, m: int
+def choose_order(order: OrderArg, kind: SecondKindArg, k: int, m: int,
+                 reductions_over_forward: bool = True
                  ) -> tuple[Literal["forward-over-reverse", "forward-over-forward"], str]:
     """Forward over reverse (``jacfwd(jacrev)``) by default; forward over forward where the
     shapes favour it: the diagonal and the Laplacian (``k`` passes of a second-order tangent
     along each unknown, no ``k x k`` block per output, where forward over reverse pushes
     ``k`` tangents through ``m`` gradients), and full Hessians of more outputs than unknowns
-    (``k^2`` tangent pairs against ``m k``)."""
+    (``k^2`` tangent pairs against ``m k``). A backend whose second forward pass is dear
+    (``reductions_over_forward=False``: PyTorch, TensorFlow) takes forward over reverse for
+    the reductions of at most as many outputs as unknowns."""
     if order in ORDERS:
         return order, f"mode={order!r} was asked for"  # type: ignore[return-value]
     if order != "auto":
         raise InputError(f"`mode` of a second-order call must be 'auto', "
                          f"'forward-over-reverse' or 'forward-over-forward'; got {order!r}.")
+    if kind in ("diagonal", "laplacian") and not reductions_over_forward and m <= k:
+        return "forward-over-reverse", (f"{m} outputs <= {k} unknowns: {m} gradients pushed "
+                                        f"along {k} tangents cost this backend less than "
+                                        f"{k} second-order tangents")
     if kind in ("diagonal", "laplacian"):
         return "forward-over-forward", (f"{k} second-order tangents, one per unknown, and no "
                                         f"{k}x{k} block per output")
@@ -217,10 +224,10 @@ def second_bytes_per_row(kind: SecondKindArg, order: str, k: int, m: int, in_ele
 
 def make_second_plan(*, kind: SecondKindArg, n: int, k: int, m: int, in_elems: int,
                      dtype: np.dtype, order: OrderArg, chunk_size: int | None,
-                     max_memory: int) -> SecondPlan:
+                     max_memory: int, reductions_over_forward: bool = True) -> SecondPlan:
     """The order and chunk size of a second-order call; a chunk_size over the memory budget
     is kept with a :class:`ChunkMemoryWarning`, as :func:`make_plan` does."""
-    chosen, why = choose_order(order, kind, k, m)
+    chosen, why = choose_order(order, kind, k, m, reductions_over_forward)
     per_row = second_bytes_per_row(kind, chosen, k, m, in_elems, dtype.itemsize)
     size, budget_rows, source, note = _chunking(n, per_row, chunk_size, max_memory)
     if note:
