@@ -7,6 +7,7 @@ that kind is first used.
 from ._api.solve import solve as solve
 from ._backends.numpy import ClosedForm as ClosedForm
 from ._check import CheckReport as CheckReport, check as check
+from ._check_hessian import HessianCheckReport as HessianCheckReport, check_hessian as check_hessian
 from ._errors import (
     BackendNotAvailableError as BackendNotAvailableError,
     BatchJacError as BatchJacError,
@@ -35,6 +36,7 @@ from ._errors import (
     XLAFallbackWarning as XLAFallbackWarning,
     ZeroJacobianWarning as ZeroJacobianWarning,
 )
+from ._hessian import hessian as hessian, hvp as hvp, laplacian as laplacian
 from ._jacobian import jacobian as jacobian
 from ._propagate import Propagation as Propagation, propagate as propagate
 from ._report import write_report as write_report
@@ -51,9 +53,14 @@ from ._version import __version__ as __version__
 
 __all__ = [
     "jacobian",
+    "hessian",
+    "laplacian",
+    "hvp",
     "ClosedForm",
     "check",
     "CheckReport",
+    "check_hessian",
+    "HessianCheckReport",
     "propagate",
     "Propagation",
     "CovarianceClippedWarning",

@@ -110,8 +110,20 @@ def _make_plan(
     chunk_size: int | None, max_memory: int,
 ) -> Plan:
     chosen, why = choose_mode(mode, k, m)
-    budget_rows: int | None = None
     per_row = bytes_per_row(k, m, in_elems, dtype.itemsize)
+    size, budget_rows, source, note = _chunking(n, per_row, chunk_size, max_memory)
+    n_chunks = -(-n // size) if n else 0
+    uncertain = mode == "auto" and max(k, m) <= UNSURE_RATIO * min(k, m)
+    return Plan(mode=chosen, chunk_size=size, n_chunks=n_chunks, uncertain=uncertain,
+                budget_rows=budget_rows, reason=f"{chosen} mode ({why}); chunks of {size} rows ({source})",
+                memory_note=note)
+
+
+def _chunking(n: int, per_row: int, chunk_size: int | None, max_memory: int
+              ) -> tuple[int, int | None, str, str]:
+    """The chunk size for ``n`` rows at ``per_row`` bytes each: ``(size, budget_rows, why,
+    memory note)``. Shared by the first- and second-order plans."""
+    budget_rows: int | None = None
     note = ""
     if chunk_size is not None:
         check_chunk_size(chunk_size)
@@ -140,8 +152,86 @@ def _make_plan(
             rows = _ceil_div(n, _ceil_div(n, budget_rows))
             size = min(budget_rows, _ceil_div(rows, granule(rows)) * granule(rows))
             source = f"memory budget {max_memory / 1e6:.0f} MB at ~{per_row} B per row"
-    n_chunks = -(-n // size) if n else 0
-    uncertain = mode == "auto" and max(k, m) <= UNSURE_RATIO * min(k, m)
-    return Plan(mode=chosen, chunk_size=size, n_chunks=n_chunks, uncertain=uncertain,
-                budget_rows=budget_rows, reason=f"{chosen} mode ({why}); chunks of {size} rows ({source})",
-                memory_note=note)
+    return size, budget_rows, source, note
+
+
+# -- second order ---------------------------------------------------------------------------
+
+SecondKindArg = Literal["hessian", "diagonal", "laplacian", "hvp"]
+OrderArg = Literal["auto", "forward-over-reverse", "forward-over-forward"]
+ORDERS = ("forward-over-reverse", "forward-over-forward")
+
+
+@dataclass(frozen=True)
+class SecondPlan:
+    """The order of the two differentiations and the chunk size of a second-order call."""
+
+    order: Literal["forward-over-reverse", "forward-over-forward"]
+    chunk_size: int
+    n_chunks: int
+    reason: str
+    budget_rows: int | None = None
+    memory_note: str = ""
+
+
+def choose_order(order: OrderArg, kind: SecondKindArg, k: int, m: int,
+                 reductions_over_forward: bool = True
+                 ) -> tuple[Literal["forward-over-reverse", "forward-over-forward"], str]:
+    """Forward over reverse (``jacfwd(jacrev)``) by default; forward over forward where the
+    shapes favour it: the diagonal and the Laplacian (``k`` passes of a second-order tangent
+    along each unknown, no ``k x k`` block per output, where forward over reverse pushes
+    ``k`` tangents through ``m`` gradients), and full Hessians of more outputs than unknowns
+    (``k^2`` tangent pairs against ``m k``). A backend whose second forward pass is dear
+    (``reductions_over_forward=False``: PyTorch, TensorFlow) takes forward over reverse for
+    the reductions of at most as many outputs as unknowns."""
+    if order in ORDERS:
+        return order, f"mode={order!r} was asked for"  # type: ignore[return-value]
+    if order != "auto":
+        raise InputError(f"`mode` of a second-order call must be 'auto', "
+                         f"'forward-over-reverse' or 'forward-over-forward'; got {order!r}.")
+    if kind in ("diagonal", "laplacian") and not reductions_over_forward and m <= k:
+        return "forward-over-reverse", (f"{m} outputs <= {k} unknowns: {m} gradients pushed "
+                                        f"along {k} tangents cost this backend less than "
+                                        f"{k} second-order tangents")
+    if kind in ("diagonal", "laplacian"):
+        return "forward-over-forward", (f"{k} second-order tangents, one per unknown, and no "
+                                        f"{k}x{k} block per output")
+    if kind == "hessian" and k < m:
+        return "forward-over-forward", f"{k} unknowns < {m} outputs: {k * k} tangent pairs < {m * k}"
+    if kind == "hvp":
+        return "forward-over-reverse", "one tangent per instance pushed through the reverse-mode Jacobian"
+    return "forward-over-reverse", (f"{m} outputs <= {k} unknowns: {m} gradients, each pushed "
+                                    f"along {k} tangents")
+
+
+def second_bytes_per_row(kind: SecondKindArg, order: str, k: int, m: int, in_elems: int,
+                         itemsize: int) -> int:
+    """The estimate of :func:`bytes_per_row` for a second-order kernel: its results (the
+    kind's, ``k*k`` per output for a full Hessian, plus the Jacobian and outputs of the same
+    pass), the temporaries of the inner derivative (each of the outer tangents carries one),
+    and activations once per pass, times 2."""
+    result = {"hessian": m * k * k, "diagonal": m * k, "laplacian": m, "hvp": m * k}[kind] + m * k + m
+    tangents = 1 if kind == "hvp" else k
+    if order == "forward-over-reverse":
+        temporaries, passes = tangents * m * k, (1 + m) * (1 + tangents)
+    elif kind == "hessian":
+        temporaries, passes = k * k * m, 2 * k * k + 1
+    else:
+        temporaries, passes = 2 * k * m, 2 * k + 1
+    activations = 2 * (in_elems + m) + 512
+    return 2 * itemsize * (2 * result + temporaries + passes * activations)
+
+
+def make_second_plan(*, kind: SecondKindArg, n: int, k: int, m: int, in_elems: int,
+                     dtype: np.dtype, order: OrderArg, chunk_size: int | None,
+                     max_memory: int, reductions_over_forward: bool = True) -> SecondPlan:
+    """The order and chunk size of a second-order call; a chunk_size over the memory budget
+    is kept with a :class:`ChunkMemoryWarning`, as :func:`make_plan` does."""
+    chosen, why = choose_order(order, kind, k, m, reductions_over_forward)
+    per_row = second_bytes_per_row(kind, chosen, k, m, in_elems, dtype.itemsize)
+    size, budget_rows, source, note = _chunking(n, per_row, chunk_size, max_memory)
+    if note:
+        warnings.warn(f"batchjac: {note}.", ChunkMemoryWarning, stacklevel=2)
+    return SecondPlan(order=chosen, chunk_size=size, n_chunks=-(-n // size) if n else 0,
+                      reason=f"{kind}: {chosen} ({why}); chunks of {size} rows ({source})",
+                      budget_rows=budget_rows, memory_note=note)

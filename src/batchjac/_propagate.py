@@ -233,6 +233,7 @@ def propagate(
     out: tuple[Any, Any] | None = None,
     backend: str | None = None,
     backend_options: dict[str, Any] | None = None,
+    order: int = 1,
 ) -> Propagation:
     """Per-instance output mean and covariance of ``model`` given uncertain unknowns.
 
@@ -275,7 +276,12 @@ def propagate(
       batches of many instances and samples; the covariance is the unbiased sample covariance.
 
     Returns a :class:`Propagation` with ``mean`` ``(N, *output_shape)`` and ``cov`` ``(N, m,
-    m)`` in float64 (``m`` = flattened output size). ``out=(mean_out, cov_out)``: writable
+    m)`` in float64 (``m`` = flattened output size). ``order=2`` (with ``method="linear"``)
+    adds the second-order terms of Gaussian inputs, ``E[y_a] = f_a + 1/2 tr(H_a Sigma)`` and
+    ``Cov += 1/2 tr(H_a Sigma H_b Sigma)``, from per-instance Hessians
+    (:mod:`batchjac._propagate_second`; their order of differentiation is chosen as
+    :func:`batchjac.hessian` with ``mode="auto"`` chooses it); its ``method`` reads
+    "second_order". ``out=(mean_out, cov_out)``: writable
     arrays of those shapes (e.g. ``np.lib.format.open_memmap``) filled chunk by chunk.
 
     >>> import numpy as np, batchjac
@@ -290,6 +296,11 @@ def propagate(
     model = as_model(model)
     if method not in _METHODS:
         raise InputError(f"`method` must be one of {_METHODS}; got {method!r}.")
+    if order not in (1, 2) or isinstance(order, bool):
+        raise InputError(f"`order` must be 1 or 2; got {order!r}.")
+    if order == 2 and method != "linear":
+        raise InputError(f"`order=2` is the second-order refinement of method='linear'; got "
+                         f"method={method!r} (the unscented and Monte Carlo methods have no order).")
     inputs = (mean,) if known is None else (mean, known)
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy="raise")
     unc = _Uncertainty(cov, std, spec.n, spec.unknown_shape)
@@ -300,6 +311,16 @@ def propagate(
     m = output_size(bound)
     mean_out, cov_out = _outputs(out, (spec.n, *out_shape), (spec.n, m, m))
     sink = ArraySink({"cov": cov_out, "mean": mean_out})
+    if order == 2:  # (its own module: the Hessians' pass, chunk by chunk into the same sink)
+        from ._propagate_second import propagate_second
+
+        try:
+            propagate_second(bound, spec, unc, sink, m, mode="auto", chunk_size=chunk_size,
+                             max_memory=max_memory)
+        except BatchJacError as e:
+            raise add_context(e, context(spec, name)) from e
+        return Propagation(mean=mean_out, cov=cov_out, method="second_order",
+                           output_shape=out_shape)
     clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
         if method == "linear":

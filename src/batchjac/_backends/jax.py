@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import (
+    BatchJacError,
     ForwardModeFallbackWarning,
     InputError,
     ModelError,
@@ -59,10 +60,13 @@ from .._errors import (
 )
 from .._spec import assemble
 from ._base import (
+    SECOND_RESULT,
     Backend,
     BoundModel,
     Kernel,
     Mode,
+    Order,
+    SecondKind,
     Signature,
     asked_mode_failed,
     fallback_allowed,
@@ -190,6 +194,7 @@ class JaxBound(BoundModel):
             self._model_split = _Split(self.model, self.device)
             self._params_split = _Split(self._params, self.device)
             self._kernels.clear()
+            self.__dict__.pop("_second_kernels", None)
             self.failed.clear()
             self._forward = None
             self.probed = False
@@ -386,6 +391,10 @@ class JaxBound(BoundModel):
     # -- kernels -----------------------------------------------------------------------------
     def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
         return JaxKernel(self, mode, chunk_size, with_outputs)
+
+    def build_second_kernel(self, kind: SecondKind, order: Order, chunk_size: int,
+                            with_outputs: bool, with_jacobian: bool) -> Kernel:
+        return JaxSecondKernel(self, kind, order, chunk_size, with_outputs, with_jacobian)
 
 
 class JaxKernel(Kernel):
@@ -666,6 +675,100 @@ class JaxKernel(Kernel):
 # -- values a traced function bakes in -------------------------------------------------------
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _MAX_VISITS = 2000
+
+
+class JaxSecondKernel(Kernel):
+    """A second-order kernel (:data:`~batchjac._backends._base.SecondKind`), compiled ahead of
+    time for its chunk shape as :class:`JaxKernel` is, per instance under ``vmap``:
+
+    - forward over reverse: ``jacfwd(jacrev(f))``, the native ``jax.hessian``; ``hvp`` is
+      ``jvp(jacrev(f), (x,), (v,))`` (one tangent, no Hessian formed);
+    - forward over forward: ``jacfwd(jacfwd(f))`` for full Hessians; for the diagonal and the
+      Laplacian, ``jvp`` of ``jvp`` along each unit tangent ``e_j`` twice (``d2 f/dx_j^2``
+      with no ``k x k`` block per output), ``vmap``-ed over the ``k`` tangents.
+
+    One build (XLA's defaults), no race: these kernels are new and their variants unmeasured.
+    """
+
+    def __init__(self, bound: JaxBound, kind: SecondKind, order: Order, chunk_size: int,
+                 with_outputs: bool, with_jacobian: bool) -> None:
+        self.mode = "forward"  # the outer differentiation, in both orders
+        self.kind, self.order = kind, order
+        self.chunk_size, self.with_outputs, self.with_jacobian = chunk_size, with_outputs, with_jacobian
+        self._bound = bound
+        u_spec, ctx_spec = bound._specs(chunk_size)
+        if kind == "hvp":
+            ctx_spec = (*ctx_spec, u_spec)  # the tangents follow the model's arrays
+
+        def traced(args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
+            bound.trace_count += 1
+            return self._body(args, u, ctx)
+
+        try:
+            self._fn = jax.jit(traced).lower(bound.args, u_spec, ctx_spec).compile()
+        except (BatchJacError, Warning):
+            raise
+        except Exception as e:
+            raise bound._explain(e) from e
+        self.note = f"{kind}: {order}"
+
+    def _body(self, args: Any, u: Any, ctx: tuple[Any, ...]) -> dict[str, Any]:
+        one = self._bound._instance_fn(args)
+        ushape = tuple(u.shape[1:])
+        k = int(np.prod(ushape, dtype=np.int64))
+        kind, order = self.kind, self.order
+
+        def per_instance(u_i: Any, c_i: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+            """``(y, J, result)`` of one instance."""
+            if kind == "hvp":
+                c_i, v_i = c_i[:-1], c_i[-1]
+            f = functools.partial(lambda c, a: one(a, c), c_i)
+            if kind in ("diagonal", "laplacian", "hvp") and order == "forward-over-forward":
+                basis = jnp.eye(k, dtype=u_i.dtype).reshape((k, *ushape))
+
+                def along(t: Any) -> tuple[Any, Any, Any]:
+                    # along e_j twice (diagonal), or along e_j then v: (H v)_j
+                    second = v_i if kind == "hvp" else t
+                    (y, dy), (_, d2y) = jax.jvp(lambda a: jax.jvp(f, (a,), (t,)), (u_i,), (second,))
+                    return y, dy, d2y
+
+                y, dys, d2s = jax.vmap(along, out_axes=(None, 0, 0))(basis)  # (k, *out)
+                jac = jnp.moveaxis(dys, 0, -1)
+                diag = jnp.moveaxis(d2s, 0, -1)
+                if kind == "laplacian":
+                    return y, jac.reshape((*y.shape, *ushape)), diag.sum(-1)
+                return y, jac.reshape((*y.shape, *ushape)), diag.reshape((*y.shape, *ushape))
+            inner = jax.jacrev if order == "forward-over-reverse" else jax.jacfwd
+
+            def jac_y(a: Any) -> tuple[Any, tuple[Any, Any]]:
+                j, y = inner(lambda b: (f(b),) * 2, has_aux=True)(a)
+                return j, (j, y)
+
+            if kind == "hvp":
+                jac, hv, (_, y) = jax.jvp(jac_y, (u_i,), (v_i,), has_aux=True)
+                return y, jac, hv
+            h, (jac, y) = jax.jacfwd(jac_y, has_aux=True)(u_i)
+            if kind == "hessian":
+                return y, jac, h
+            flat = h.reshape((*y.shape, k, k))
+            diag = jnp.diagonal(flat, axis1=-2, axis2=-1)
+            if kind == "laplacian":
+                return y, jac, diag.sum(-1)
+            return y, jac, diag.reshape((*y.shape, *ushape))
+
+        y, jac, second = jax.vmap(per_instance)(u, ctx)
+        out = {SECOND_RESULT[kind]: second}
+        if self.with_outputs:
+            out["outputs"] = y
+        if self.with_jacobian:
+            out["jacobians"] = jac
+        return out
+
+    # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
+    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
+                 ) -> dict[str, np.ndarray]:
+        out = self._fn(self._bound.args, u, tuple(ctx))
+        return {name: np.asarray(a) for name, a in out.items()}
 
 
 class _Sites:

@@ -33,10 +33,13 @@ from .._errors import (
 )
 from .._spec import assemble
 from ._base import (
+    SECOND_RESULT,
     Backend,
     BoundModel,
     Kernel,
     Mode,
+    Order,
+    SecondKind,
     Signature,
     asked_mode_failed,
     fallback_allowed,
@@ -115,6 +118,7 @@ def _float64_copy(model: Any, build: Callable[[Any], None]) -> Any:
 
 
 class TFBound(BoundModel):
+    reductions_over_forward = False  # (see BoundModel: measured 1.8-1.9x)
     def __init__(self, model: Any, signature: Signature) -> None:
         super().__init__(signature)
         self.original = model
@@ -166,10 +170,15 @@ class TFBound(BoundModel):
         return False  # the kernels read the variables: none is stale
 
     # -- model call --------------------------------------------------------------------------
-    def apply(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]) -> tf.Tensor:
+    def apply(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], twice: bool = False) -> tf.Tensor:
+        """``twice``: the inputs are assembled with ops that differentiate twice inside XLA
+        (the second-order kernels: see :func:`_matmul_concat`)."""
         lay = self.signature.layout
-        inputs = assemble(lay, u, ctx, concat=lambda xs: tf.concat(xs, axis=-1),
-                          take=lambda x, idx: tf.gather(x, list(idx), axis=-1))
+        if twice:
+            inputs = assemble(lay, u, ctx, concat=_matmul_concat, take=_matmul_take)
+        else:
+            inputs = assemble(lay, u, ctx, concat=lambda xs: tf.concat(xs, axis=-1),
+                              take=lambda x, idx: tf.gather(x, list(idx), axis=-1))
         try:
             if lay.kind in ("single", "concat"):
                 y = self.model(inputs[0], training=False) if self.is_keras else self.model(inputs[0])
@@ -314,6 +323,10 @@ class TFBound(BoundModel):
 
     def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
         return TFKernel(self, mode, chunk_size, with_outputs)
+
+    def build_second_kernel(self, kind: SecondKind, order: Order, chunk_size: int,
+                            with_outputs: bool, with_jacobian: bool) -> Kernel:
+        return TFSecondKernel(self, kind, order, chunk_size, with_outputs, with_jacobian)
 
 
 #: the ways a kernel can compute the Jacobians: a mode, vectorised by pfor (vectorized_map,
@@ -661,6 +674,279 @@ class TFKernel(Kernel):
         winner = "graph" if best["graph"] < self.GRAPH_MARGIN * best["xla"] else "xla"
         self._select(winner, f"{winner} (timed one chunk: XLA {best['xla'] * 1e3:.1f} ms, "
                              f"graph {best['graph'] * 1e3:.1f} ms)")
+
+
+def _selector(rows: int, cols: int, pairs: list[tuple[int, int]], dtype: Any) -> tf.Tensor:
+    eye = np.zeros((rows, cols), dtype=np.dtype(dtype.as_numpy_dtype))
+    for r, c in pairs:
+        eye[r, c] = 1
+    return tf.constant(eye)
+
+
+def _matmul_concat(xs: list[tf.Tensor]) -> tf.Tensor:
+    """``tf.concat(xs, -1)`` as products with 0/1 selector matrices. Inside an XLA function
+    the gradients of ``concat``, ``slice`` and ``pad`` are ``XlaDynamicUpdateSlice`` ops,
+    which have no gradient of their own, so a ``ForwardAccumulator`` over a tape fails to
+    trace through them; matrix products differentiate any number of times, and the
+    selectors are as wide as the model's input row."""
+    widths = [int(x.shape[-1]) for x in xs]
+    total, before, out = sum(widths), 0, None
+    for x, w in zip(xs, widths):
+        part = tf.linalg.matmul(x, _selector(w, total, [(i, before + i) for i in range(w)], x.dtype)) \
+            if len(x.shape) == 2 else tf.einsum("...i,ij->...j", x, _selector(
+                w, total, [(i, before + i) for i in range(w)], x.dtype))
+        out = part if out is None else out + part
+        before += w
+    assert out is not None
+    return out
+
+
+def _matmul_take(x: tf.Tensor, idx: tuple[int, ...]) -> tf.Tensor:
+    """``tf.gather(x, idx, axis=-1)`` as a product with a 0/1 selector (see
+    :func:`_matmul_concat`)."""
+    sel = _selector(int(x.shape[-1]), len(idx), [(src, pos) for pos, src in enumerate(idx)], x.dtype)
+    return tf.einsum("...i,ij->...j", x, sel)
+
+
+class TFSecondKernel(Kernel):
+    """A second-order kernel (:data:`~batchjac._backends._base.SecondKind`) in one compiled
+    function (XLA; a plain graph where XLA cannot compile the model, with the warning of
+    :class:`TFKernel`).
+
+    The chunk is repeated once per pair of basis vectors the result needs (rows are
+    independent, which the probes check), so that one pass of plain tapes computes them all,
+    without ``pfor`` (which nested tapes defeat) and without the ``None`` gradients of nested
+    ``batch_jacobian`` tapes:
+
+    - forward over reverse: block ``(a, j)`` is seeded with the cotangent ``e_a`` (a
+      ``GradientTape`` inside a ``ForwardAccumulator``) and the tangent ``e_j``: the
+      accumulator's ``jvp`` of the gradient is ``H[:, a, :, j]``; ``m k`` blocks, or ``m`` with
+      the caller's tangents ``v`` (``hvp``);
+    - forward over forward: two nested ``ForwardAccumulator`` s, block ``(i, j)`` pushed along
+      ``e_i`` inside and ``e_j`` outside (``k^2`` blocks), or along ``e_j`` twice for the
+      diagonal and the Laplacian (``k`` blocks, no ``k x k`` block per output).
+    """
+
+    def __init__(self, bound: TFBound, kind: SecondKind, order: Order, chunk_size: int,
+                 with_outputs: bool, with_jacobian: bool) -> None:
+        self.mode = "forward"  # the outer differentiation, in both orders
+        self.kind, self.order = kind, order
+        self.chunk_size, self.with_outputs, self.with_jacobian = chunk_size, with_outputs, with_jacobian
+        self._bound = bound
+        specs = bound._specs(chunk_size)
+        if kind == "hvp":
+            specs.append(specs[0])  # the tangents follow the model's arrays
+        self._specs = specs
+        self._fns: dict[str, Any] = {}
+        self._n_ctx = len(specs) - 1
+        self._seed_arrays = self._seed_values()
+        self._specs += [tf.TensorSpec(a.shape, bound.tf_dtype) for a in self._seed_arrays]
+        self._seed_inputs: dict[tuple[Any, ...], tf.Tensor] = {}
+        self.variants = ("graph", "xla")
+        self.variant = None
+        self.note = ""
+
+    def _fn(self, variant: str) -> Any:
+        if variant not in self._fns:
+            def traced(u: tf.Tensor, *rest: tf.Tensor) -> dict[str, tf.Tensor]:
+                self._bound.trace_count += 1
+                ctx, seeds = rest[:self._n_ctx], rest[self._n_ctx:]
+                self._seed_inputs = dict(zip(self._seed_keys(), seeds))
+                return self._body(u, ctx)
+
+            self._fns[variant] = tf.function(traced, jit_compile=variant == "xla",
+                                             autograph=False).get_concrete_function(*self._specs)
+        return self._fns[variant]
+
+    # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
+    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
+                 ) -> dict[str, np.ndarray]:
+        if self.variant is None:
+            self._first_call(u, ctx)
+        assert self.variant is not None
+        try:
+            out = self._fn(self.variant)(u, *ctx, *self._seed_arrays)
+        except _XLA_ERRORS as e:
+            if self.variant != "xla" or _out_of_memory(e):
+                raise
+            self._fallback(e)
+            out = self._fn("graph")(u, *ctx, *self._seed_arrays)
+        return {name: np.asarray(a) for name, a in out.items()}
+
+    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        out = self._fn(variant)(u, *ctx, *self._seed_arrays)
+        np.asarray(next(iter(out.values())))
+
+    def _select(self, variant: str, note: str) -> None:
+        self.variant, self.note = variant, f"{self.kind}: {self.order}, {note}"
+
+    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        """The plain graph, untimed, unless the work at hand repays compiling XLA too and
+        timing both (the tuning policy, :mod:`batchjac._tuning`); a fixed variant (stores)
+        as it is. Measured here (10,000 rows, under load): W6's graph is built in 1.5 s and
+        runs in 0.33 s, XLA takes 17 s (constant folding of the tangents' zero products) and
+        0.28 s; W7's graph 1.6 s and 0.20 s, XLA 1.0 s and 0.13 s."""
+        from ._base import race_allowed, untimed_note
+
+        if self._forced is not None:
+            self._select(self._forced, f"{self._forced} ({self._forced_why})")
+        elif race_allowed():
+            self._race(u, ctx)
+        else:
+            self._select("graph", f"graph ({untimed_note()})")
+            self.untimed = True
+
+    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if not self.untimed or self._forced is not None or "xla" not in self.variants:
+            return
+        self.untimed = False
+        self._race(u, ctx)
+
+    def _race(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        try:
+            self._run("xla", u, ctx)
+        except Exception as e:
+            if isinstance(e, Warning) or _out_of_memory(e):
+                raise
+            self._fallback(e)
+            return
+        times = race(lambda v: self._run(v, u, ctx), ("graph", "xla"))
+        best = min(times, key=lambda v: times[v])
+        self._select(best, f"{best} (timed one chunk: graph {times['graph'] * 1e3:.1f} ms, xla "
+                           f"{times['xla'] * 1e3:.1f} ms)")
+
+    def _fallback(self, xla_error: Exception) -> None:
+        bound = self._bound
+        if not bound._xla_warned:
+            bound._xla_warned = True
+            text = str(getattr(xla_error, "message", xla_error)).strip().splitlines()[0][:300]
+            warnings.warn(f"XLA could not compile this model ({text}); batchjac runs it as a "
+                          f"plain TensorFlow graph instead, which is correct but can be slower.",
+                          XLAFallbackWarning, stacklevel=user_stacklevel())
+        self.variant, self.variants = "graph", ("graph",)
+        self.note = f"{self.kind}: {self.order}, graph (XLA could not compile the model)"
+
+    # -- the computations (traced) -----------------------------------------------------------
+    def _body(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]) -> dict[str, tf.Tensor]:
+        bound = self._bound
+        assert bound.output_shape is not None
+        out_shape, ushape = bound.output_shape, bound.signature.unknown_shape
+        m, k, rows = int(np.prod(out_shape)), int(np.prod(ushape)), self.chunk_size
+        v = None
+        if self.kind == "hvp":
+            ctx, v = ctx[:-1], ctx[-1]
+        if self.order == "forward-over-reverse":
+            y, jac, second = self._over_reverse(u, ctx, v, m, k, rows)
+        else:
+            y, jac, second = self._over_forward(u, ctx, v, m, k, rows)
+        # second: (rows, m, k) for diagonal/hvp, (rows, m, k, k) for the Hessian
+        if self.kind == "laplacian":
+            second = tf.reduce_sum(second if len(second.shape) == 3 else tf.linalg.diag_part(second), -1)
+            second = tf.reshape(second, (rows, *out_shape))
+        elif self.kind == "hessian":
+            second = tf.reshape(second, (rows, *out_shape, *ushape, *ushape))
+        else:
+            if len(second.shape) == 4:
+                second = tf.linalg.diag_part(second)
+            second = tf.reshape(second, (rows, *out_shape, *ushape))
+        out = {SECOND_RESULT[self.kind]: second}
+        if self.with_outputs:
+            out["outputs"] = tf.reshape(y, (rows, *out_shape))
+        if self.with_jacobian:
+            out["jacobians"] = tf.reshape(jac, (rows, *out_shape, *ushape))
+        return out
+
+    def _tiled(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], blocks: int
+               ) -> tuple[tf.Tensor, tuple[tf.Tensor, ...]]:
+        def tile(a: tf.Tensor) -> tf.Tensor:
+            return tf.tile(a, [blocks] + [1] * (len(a.shape) - 1))
+        return tile(u), tuple(tile(c) for c in ctx)
+
+    def _seed_keys(self) -> list[tuple[Any, ...]]:
+        """The unit-vector seeds the body uses (see :meth:`_seeds`): ``(index, width, shape)``,
+        block ``b`` seeded with ``e_{index[b]}`` of ``shape``."""
+        bound = self._bound
+        assert bound.output_shape is not None
+        out_shape, ushape = tuple(bound.output_shape), tuple(bound.signature.unknown_shape)
+        m, k = int(np.prod(out_shape)), int(np.prod(ushape))
+        if self.order == "forward-over-reverse":
+            per = 1 if self.kind == "hvp" else k
+            keys = [(tuple(np.repeat(np.arange(m), per).tolist()), m, out_shape)]
+            if self.kind != "hvp":
+                keys.append((tuple(np.tile(np.arange(k), m).tolist()), k, ushape))
+            return keys
+        full = self.kind == "hessian"
+        inner = np.repeat(np.arange(k), k) if full else np.arange(k)
+        keys = [(tuple(inner.tolist()), k, ushape)]
+        if self.kind != "hvp":
+            outer = np.tile(np.arange(k), k) if full else np.arange(k)
+            keys.append((tuple(outer.tolist()), k, ushape))
+        return keys
+
+    def _seed_values(self) -> list[np.ndarray]:
+        rows, dtype = self.chunk_size, self._bound.signature.dtype
+        values = []
+        for index, width, shape in self._seed_keys():
+            eye = np.eye(width, dtype=dtype)[list(index)]  # (blocks, width)
+            values.append(np.repeat(eye, rows, axis=0).reshape((len(index) * rows, *shape)))
+        return values
+
+    def _seeds(self, index: np.ndarray, width: int, rows: int, shape: tuple[int, ...]) -> tf.Tensor:
+        """Block ``b`` (``rows`` rows) holds the unit vector ``e_{index[b]}`` of ``shape``.
+
+        The seeds are arguments of the compiled function, not constants: XLA constant-folds
+        the products of the weights with constant seeds (each ``(blocks * rows, width)``),
+        which took 22 s of W6's first call (10,000 rows, 20 blocks; the native nested tape
+        compiles in 13 s), and it folded them read from a variable too."""
+        return self._seed_inputs[(tuple(int(i) for i in index), width, tuple(shape))]
+
+    def _over_reverse(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], v: tf.Tensor | None,
+                      m: int, k: int, rows: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        bound = self._bound
+        out_shape, ushape = bound.output_shape or (), bound.signature.unknown_shape
+        tangents_per = 1 if v is not None else k
+        blocks = m * tangents_per
+        uu, cc = self._tiled(u, ctx, blocks)
+        cot = self._seeds(np.repeat(np.arange(m), tangents_per), m, rows, tuple(out_shape))
+        if v is None:
+            tan = self._seeds(np.tile(np.arange(k), m), k, rows, tuple(ushape))
+        else:
+            tan = tf.tile(v, [m] + [1] * (len(v.shape) - 1))
+        with tf.autodiff.ForwardAccumulator(uu, tan) as acc:
+            with tf.GradientTape() as tape:
+                tape.watch(uu)
+                y = bound.apply(uu, cc, twice=True)
+            grad = tape.gradient(y, uu, output_gradients=cot,
+                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        dgrad = acc.jvp(grad, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # grad, dgrad: (m, tangents, rows, k): block (a, j) holds J[:, a, :] and H[:, a, :, j]
+        jac = tf.transpose(tf.reshape(grad, (m, tangents_per, rows, k))[:, 0], (1, 0, 2))
+        d = tf.reshape(dgrad, (m, tangents_per, rows, k))
+        second = tf.transpose(d[:, 0], (1, 0, 2)) if v is not None else tf.transpose(d, (2, 0, 3, 1))
+        return y[:rows], jac, second
+
+    def _over_forward(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], v: tf.Tensor | None,
+                      m: int, k: int, rows: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        bound = self._bound
+        ushape = tuple(bound.signature.unknown_shape)
+        full = self.kind == "hessian"
+        blocks = k * k if full else k
+        uu, cc = self._tiled(u, ctx, blocks)
+        inner_i = np.repeat(np.arange(k), k) if full else np.arange(k)
+        outer_j = np.tile(np.arange(k), k) if full else np.arange(k)
+        # hvp: block i pushed along e_i inside and v outside, (H v)_i
+        outer_t = self._seeds(outer_j, k, rows, ushape) if v is None else \
+            tf.tile(v, [k] + [1] * (len(v.shape) - 1))
+        with tf.autodiff.ForwardAccumulator(uu, outer_t) as outer:
+            with tf.autodiff.ForwardAccumulator(uu, self._seeds(inner_i, k, rows, ushape)) as inner:
+                y = bound.apply(uu, cc, twice=True)
+            dy = inner.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        d2y = outer.jvp(dy, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        if full:  # block (i, j): dy = J[:, :, i], d2y = H[:, :, i, j]
+            jac = tf.transpose(tf.reshape(dy, (k, k, rows, m))[:, 0], (1, 2, 0))
+            return y[:rows], jac, tf.transpose(tf.reshape(d2y, (k, k, rows, m)), (2, 3, 0, 1))
+        jac = tf.transpose(tf.reshape(dy, (k, rows, m)), (1, 2, 0))
+        return y[:rows], jac, tf.transpose(tf.reshape(d2y, (k, rows, m)), (1, 2, 0))
 
 
 def _explain_model_failure(e: Exception, sig: Signature) -> ModelError:

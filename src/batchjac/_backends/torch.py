@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .._errors import (
+    BatchJacError,
     ForwardModeFallbackWarning as ForwardModeFallbackWarning,
     InputError,
     ModelError,
@@ -47,10 +48,13 @@ from .._errors import (
 )
 from .._spec import assemble
 from ._base import (
+    SECOND_RESULT,
     Backend,
     BoundModel,
     Kernel,
     Mode,
+    Order,
+    SecondKind,
     Signature,
     allowed,
     asked_mode_failed,
@@ -250,6 +254,7 @@ def _model_device(module: torch.nn.Module | None) -> torch.device:
 
 class TorchBound(BoundModel):
     compiles_kernels = False  # eager: a kernel of another chunk size costs nothing to make
+    reductions_over_forward = False  # (see BoundModel: measured 1.8-1.9x)
 
     def __init__(self, model: Any, signature: Signature, *, train_mode: bool = False,
                  device: Any = None) -> None:
@@ -512,6 +517,10 @@ class TorchBound(BoundModel):
     def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
         return TorchKernel(self, mode, chunk_size, with_outputs)
 
+    def build_second_kernel(self, kind: SecondKind, order: Order, chunk_size: int,
+                            with_outputs: bool, with_jacobian: bool) -> Kernel:
+        return TorchSecondKernel(self, kind, order, chunk_size, with_outputs, with_jacobian)
+
 
 def _basis(n: int, rows: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
            ) -> torch.Tensor:
@@ -762,6 +771,179 @@ def _explain_model_failure(e: Exception, sig: Signature) -> ModelError:
                       f"tensors of another float dtype. Pass the torch.nn.Module itself "
                       f"(batchjac then casts its weights), or choose `dtype` to match.")
     return ModelError(f"Calling the model failed: {text[:2000]}.{dtype_hint}")
+
+
+# -- second order ---------------------------------------------------------------------------
+# PyTorch second-order kernels: per-instance Hessians, their diagonal, the Laplacian, and
+# Hessian-vector products.
+#
+# As the first-order kernels (:mod:`batchjac._backends.torch`), they run the model on its
+# ordinary batch and broadcast each basis vector over the rows: rows are independent (the
+# probes check it), so the derivative of the batch along ``e_j`` broadcast is every instance's
+# derivative along ``e_j``. That is what ``vmap(jacfwd(jacrev(f)))`` computes per instance,
+# without batching the primal pass:
+#
+# - forward over reverse (the default for full Hessians and products): ``torch.func.vjp`` of
+#   the chunk with ``vmap`` over the outputs' basis gives the Jacobians (one forward pass); a
+#   ``torch.func.jvp`` of that function, ``vmap``-ed over the unknowns' basis, differentiates
+#   them once more. ``hvp`` pushes the caller's tangents ``v`` instead of the basis: one pass.
+# - forward over forward: ``jvp`` of ``jvp``. Along the same tangent ``e_j`` twice it gives
+#   ``d2 f / dx_j^2`` (the diagonal) and never holds a ``k x k`` block; summed, the Laplacian.
+#   Along ``e_i`` then ``e_j`` it gives the full Hessian in ``k^2`` passes (fewer than forward
+#   over reverse's ``m k`` when the outputs outnumber the unknowns).
+
+
+class TorchSecondKernel(Kernel):
+    """One of :data:`~batchjac._backends._base.SecondKind` over chunks of ``chunk_size`` rows."""
+
+    def __init__(self, bound: TorchBound, kind: SecondKind, order: Order, chunk_size: int,
+                 with_outputs: bool, with_jacobian: bool) -> None:
+        self.mode = "forward"  # the outer differentiation is forward mode in both orders
+        self.kind, self.order = kind, order
+        self.chunk_size, self.with_outputs, self.with_jacobian = chunk_size, with_outputs, with_jacobian
+        self._bound = bound
+        bound.trace_count += 1
+        _load_forward_ad()
+        self.note = f"{kind}: {order}"
+
+    # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
+    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
+                 ) -> dict[str, np.ndarray]:
+        bound = self._bound
+        v: torch.Tensor | None = None
+        if self.kind == "hvp":
+            ctx, v = ctx[:-1], bound.tensors(ctx[-1], ())[0]
+        ut, ct = bound.tensors(u, ctx)
+        with bound.calling(), _FORWARD_AD:
+            try:
+                y, jac, second = self._compute(ut, ct, v)
+            except (BatchJacError, Warning):
+                raise
+            except Exception as e:
+                raise _explain_model_failure(e, bound.signature) from e
+        out = {SECOND_RESULT[self.kind]: _to_numpy(second)}
+        if self.with_outputs:
+            out["outputs"] = _to_numpy(y)
+        if self.with_jacobian:
+            out["jacobians"] = _to_numpy(jac)
+        return out
+
+    # -- the computations --------------------------------------------------------------------
+    def _compute(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], v: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(y, J, result)``; ``J`` is ``(rows, *out, *unk)``."""
+        if self.kind in ("diagonal", "laplacian") and self.order == "forward-over-forward":
+            return self._diagonal_ff(u, ctx)
+        if self.kind == "hessian" and self.order == "forward-over-forward":
+            return self._hessian_ff(u, ctx)
+        if v is not None and self.order == "forward-over-forward":
+            return self._hvp_ff(u, ctx, v)
+        return self._over_reverse(u, ctx, v)
+
+    def _hvp_ff(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(H v)_i``: the derivative along ``v`` of the derivative along ``e_i``, for each
+        of the ``k`` unit tangents (``k`` passes; forward over reverse takes one)."""
+        bound = self._bound
+        k, m, out_shape, ushape = self._shapes(u)
+        rows = u.shape[0]
+
+        def along(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            def first(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                out = torch.func.jvp(lambda b: bound.apply(b, ctx), (a,), (t,))
+                return out[1], out[0]
+            out: Any = torch.func.jvp(first, (u,), (v,), has_aux=True)
+            return out[2], out[0], out[1]
+
+        tangents = _basis(k, rows, ushape, u.dtype, u.device)
+        y, dys, hvs = torch.func.vmap(along, out_dims=(None, 0, 0))(tangents)  # type: ignore[arg-type]
+        jac = dys.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
+        return y, jac, hvs.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
+
+    def _shapes(self, u: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+        out_shape = self._bound.output_shape
+        assert out_shape is not None
+        ushape = tuple(u.shape[1:])
+        return math.prod(ushape), math.prod(out_shape), tuple(out_shape), ushape
+
+    def _over_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], v: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bound = self._bound
+        k, m, out_shape, ushape = self._shapes(u)
+        rows = u.shape[0]
+        cot = _basis(m, rows, out_shape, u.dtype, u.device)
+
+        def jac_t(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y, pull = torch.func.vjp(lambda b: bound.apply(b, ctx), a)[:2]
+            (jt,) = torch.func.vmap(pull)(cot)  # (m, rows, *unk)
+            return jt, y
+
+        def push(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            out: Any = torch.func.jvp(jac_t, (u,), (t,), has_aux=True)  # (primal, jvp, aux)
+            return out[0], out[1], out[2]  # (J, its derivative along t, y)
+
+        if v is not None:  # one tangent per instance: H[i] v[i]
+            jt, hv, y = push(v)
+            jac = jt.movedim(0, 1).reshape(rows, *out_shape, *ushape)
+            return y, jac, hv.movedim(0, 1).reshape(rows, *out_shape, *ushape)
+        tangents = _basis(k, rows, ushape, u.dtype, u.device)
+        jt, ht, y = torch.func.vmap(push, out_dims=(None, 0, None))(tangents)  # type: ignore[arg-type]
+        # ht: (k_j, m, rows, *unk_i) -> (rows, m, k_i, k_j)
+        h = ht.reshape(k, m, rows, k).permute(2, 1, 3, 0)
+        jac = jt.movedim(0, 1).reshape(rows, *out_shape, *ushape)
+        if self.kind == "hessian":
+            return y, jac, h.reshape(rows, *out_shape, *ushape, *ushape)
+        diag = torch.diagonal(h, dim1=-2, dim2=-1)  # (rows, m, k)
+        if self.kind == "diagonal":
+            return y, jac, diag.reshape(rows, *out_shape, *ushape)
+        return y, jac, diag.sum(-1).reshape(rows, *out_shape)
+
+    def _diagonal_ff(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bound = self._bound
+        k, m, out_shape, ushape = self._shapes(u)
+        rows = u.shape[0]
+
+        def twice(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            def first(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                out = torch.func.jvp(lambda b: bound.apply(b, ctx), (a,), (t,))
+                return out[1], out[0]
+            out: Any = torch.func.jvp(first, (u,), (t,), has_aux=True)
+            return out[2], out[0], out[1]  # (y, dy along t, d2y along t twice)
+
+        tangents = _basis(k, rows, ushape, u.dtype, u.device)
+        y, dys, d2ys = torch.func.vmap(twice, out_dims=(None, 0, 0))(tangents)  # type: ignore[arg-type]
+        # (k, rows, *out) -> (rows, *out, k)
+        jac = dys.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
+        diag = d2ys.reshape(k, rows, m).permute(1, 2, 0)
+        if self.kind == "diagonal":
+            return y, jac, diag.reshape(rows, *out_shape, *ushape)
+        return y, jac, diag.sum(-1).reshape(rows, *out_shape)
+
+    def _hessian_ff(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bound = self._bound
+        k, m, out_shape, ushape = self._shapes(u)
+        rows = u.shape[0]
+        tangents = _basis(k, rows, ushape, u.dtype, u.device)
+
+        def column(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            def one(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                out = torch.func.jvp(lambda b: bound.apply(b, ctx), (a,), (t,))
+                return out[1], out[0]
+            dys, y = torch.func.vmap(one, out_dims=(0, None))(tangents)  # type: ignore[arg-type]
+            return dys, y  # dys: (k_i, rows, *out)
+
+        def outer(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            out: Any = torch.func.jvp(column, (u,), (t,), has_aux=True)
+            return out[2], out[0], out[1]
+
+        y, dys, d2 = torch.func.vmap(outer, out_dims=(None, None, 0))(tangents)  # type: ignore[arg-type]
+        # d2: (k_j, k_i, rows, *out) -> (rows, m, k_i, k_j)
+        h = d2.reshape(k, k, rows, m).permute(2, 3, 1, 0)
+        jac = dys.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
+        return y, jac, h.reshape(rows, *out_shape, *ushape, *ushape)
+
 
 
 class TorchBackend(Backend):

@@ -49,6 +49,8 @@ The modules, one concept each:
 - :mod:`.resume`: the resume protocol every kind of store runs;
 - :mod:`.units`: computing units and saving each one (the local loop, the one ``save_chunk``);
 - :mod:`.jacobians`: the Jacobian store (``compute_to_store``);
+- :mod:`.hessians`: the second-order store (``second_to_store``: Hessians, their diagonal,
+  the Laplacian, Hessian-vector products);
 - :mod:`.progress`: the progress bar.
 """
 

@@ -1,6 +1,6 @@
 """The ``batchjac`` command line: the click group :data:`cli` and :func:`main`.
 
-One module per subcommand (``compute``, ``solve``, ``check``, ``propagate``, ``report``,
+One module per subcommand (``compute``, ``hessian``, ``solve``, ``check``, ``propagate``, ``report``,
 ``demo``, ``bench``), sharing their options (:mod:`.options`), the opening of input files and
 models (:mod:`.common`) and the exit codes (:mod:`.errors`). Frameworks and batchjac's
 numerics are imported inside the command functions only, so ``batchjac --help`` is fast.
@@ -24,9 +24,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import bench, check, compute, demo, propagate, report, solve
+    from . import bench, check, compute, demo, hessian, propagate, report, solve
 
-    for module in (compute, solve, check, propagate, report, demo, bench):
+    for module in (compute, hessian, solve, check, propagate, report, demo, bench):
         cli.add_command(module.command)
 
 

@@ -1,0 +1,362 @@
+"""The public entry points of second order: per-instance Hessians, their diagonal, the
+Laplacian, and Hessian-vector products.
+
+The pipeline is the Jacobian's: validate and normalise the inputs (:mod:`batchjac._validate`),
+bind and probe the model (:mod:`batchjac._bind`), plan the order and the chunk size with the
+``k*k`` per output counted (:func:`batchjac._plan.make_second_plan`), then one compiled
+second-order kernel per chunk through the runner (:mod:`batchjac._runner`) into a sink. The
+kernel's result is a mapping of named arrays (``"hessians"``, ``"diagonals"``,
+``"laplacians"`` or ``"hvps"``, with ``"outputs"`` and ``"jacobians"`` when asked), which the
+runner and the sinks carry without knowing what they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _backends, _tuning as tuning
+from ._backends._base import SECOND_RESULT
+from ._bind import BackendName, prepare
+from ._config import default_max_memory, parse_bytes
+from ._dask import uses_dask
+from ._errors import BatchJacError, InputError, add_context
+from ._plan import OrderArg, SecondKindArg, SecondPlan, check_options, choose_order, make_second_plan
+from ._runner import Results, pad_args, run_chunks, run_single
+from ._sinks import ArraySink, new_result
+from ._spec import BatchSpec, check_finite_rows
+from ._stores import StoreError, as_store, is_store_target, progress_bar
+from ._stores.hessians import SecondStoreResult, second_to_store
+from ._validate import DTypeLike, NanPolicy, normalize
+
+log = logging.getLogger("batchjac")
+
+
+@dataclass
+class TangentSpec(BatchSpec):
+    """A batch whose chunks carry the tangents ``v`` of a Hessian-vector product after the
+    model's own arrays: ``(u, (*ctx, v))``, as an ``hvp`` kernel takes them."""
+
+    tangents: Any = None
+
+    def chunk(self, lo: int, hi: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        u, ctx = super().chunk(lo, hi)
+        return u, (*ctx, np.ascontiguousarray(self.tangents[lo:hi], dtype=self.dtype))
+
+
+class _SecondOrderBook:
+    """The tuning ledger of one bound model's second-order calls, apart from its Jacobian
+    calls' (a Hessian's seconds per row would price a Jacobian race wrongly)."""
+
+
+def hessian(
+    model: Any,
+    *inputs: Any,
+    wrt: Any = None,
+    mode: OrderArg = "auto",
+    diagonal: bool = False,
+    laplacian: bool = False,
+    chunk_size: int | None = None,
+    max_memory: int | str | None = None,
+    dtype: DTypeLike = None,
+    return_outputs: bool = False,
+    return_jacobian: bool = False,
+    nan_policy: NanPolicy = "raise",
+    out: Any = None,
+    backend: BackendName | None = None,
+    backend_options: dict[str, Any] | None = None,
+    explain: bool = False,
+    progress: bool | Callable[[int], None] = False,
+    client: Any = None,
+    scheduler: str | None = None,
+    rows_per_task: int | None = None,
+) -> Any:
+    """Per-instance Hessians ``H[i] = d^2 model(inputs_i) / d unknown_i^2``.
+
+    The call forms of :func:`batchjac.jacobian` (``hessian(model, x)``, ``hessian(model,
+    unknown, known)``, ``wrt=[0, 2]``, dicts and tuples of inputs). Returns a numpy array of
+    shape ``(N, *output_shape, *unknown_shape, *unknown_shape)``, the per-instance convention
+    of ``torch.func.hessian``/``jax.hessian``; with ``diagonal=True`` only its diagonal,
+    ``(N, *output_shape, *unknown_shape)``, and with ``laplacian=True`` its trace over the
+    unknowns, ``(N, *output_shape)``: both computed without a ``k x k`` block per output
+    where the order allows it (forward over forward, one second-order tangent per unknown).
+
+    ``return_outputs``/``return_jacobian`` add the outputs and the Jacobians of the same pass:
+    the result is then a tuple ``(outputs?, jacobians?, hessians)`` in that order.
+
+    ``mode``: "auto" (forward over reverse for full Hessians of at most as many outputs as
+    unknowns, forward over forward for more outputs and for the reductions), or
+    "forward-over-reverse" / "forward-over-forward". ``chunk_size``/``max_memory``,
+    ``dtype``, ``nan_policy``, ``backend``, ``backend_options``, ``explain`` and ``progress``
+    as for ``jacobian``. ``out``: a writable array of the result's shape, or a path
+    (``"hess.zarr"``, ``"hess.h5"``, ``"hess.npy"``) or :class:`batchjac.Store`: the result
+    is written there chunk by chunk, resumably (a killed call made again continues where it
+    stopped, bitwise the same), and a :class:`batchjac.StoreResult` is returned
+    (``.open()`` reads the result, ``.open("jacobians")`` the Jacobians).
+
+    Dask: ``client=``/``scheduler=`` or Dask arrays as inputs, as for ``jacobian`` (the same
+    per-block hand-off, :mod:`batchjac._dask`): Dask arrays in give a lazy Dask array out.
+    Not yet on Dask: ``out=`` stores and ``return_jacobian``.
+
+    >>> import numpy as np, batchjac
+    >>> from batchjac.examples import seed_model
+    >>> model = seed_model("torch")               # 5 unknown + 3 known inputs -> 4 outputs
+    >>> rng = np.random.default_rng(0)
+    >>> unknown, known = rng.normal(size=(100, 5)), rng.normal(size=(100, 3))
+    >>> batchjac.hessian(model, unknown.astype("f4"), known.astype("f4")).shape
+    (100, 4, 5, 5)
+    """
+    if diagonal and laplacian:
+        raise InputError("`diagonal=True` and `laplacian=True` ask for two results; pass one "
+                         "(the Laplacian is the sum of the diagonal over the unknowns).")
+    kind: SecondKindArg = "laplacian" if laplacian else "diagonal" if diagonal else "hessian"
+    if client is not None or scheduler is not None or (
+            any(type(a) is not np.ndarray for a in inputs) and uses_dask(inputs)):
+        if out is not None or return_jacobian:
+            raise InputError("On Dask, hessian() computes in memory (a Dask array for Dask "
+                             "inputs) without return_jacobian; `out=` stores and "
+                             "return_jacobian=True are not supported there yet. Compute "
+                             "locally, or write the lazy result with dask.array.to_zarr.")
+        from . import _dask
+
+        kw = {"wrt": wrt, "mode": mode, "diagonal": diagonal, "laplacian": laplacian,
+              "chunk_size": chunk_size, "max_memory": max_memory, "dtype": dtype,
+              "return_outputs": return_outputs, "nan_policy": nan_policy, "backend": backend,
+              "backend_options": backend_options, "explain": explain}
+        with _dask.client_for(client, scheduler) as own:
+            return _dask.run(hessian, model, inputs, client=own, rows_per_task=rows_per_task,
+                             out=None, kw=kw)
+    return second_order(model, inputs, kind, wrt=wrt, mode=mode, chunk_size=chunk_size,
+                        max_memory=max_memory, dtype=dtype, return_outputs=return_outputs,
+                        return_jacobian=return_jacobian, nan_policy=nan_policy, out=out,
+                        backend=backend, backend_options=backend_options, explain=explain,
+                        progress=progress)
+
+
+def laplacian(model: Any, *inputs: Any, **options: Any) -> Any:
+    """The per-instance Laplacian ``sum_j d^2 model / d unknown_j^2``, shape ``(N,
+    *output_shape)``: ``hessian(model, *inputs, laplacian=True, **options)``.
+
+    >>> import numpy as np, batchjac
+    >>> import torch
+    >>> x = np.random.default_rng(0).normal(size=(10, 3))
+    >>> lap = batchjac.laplacian(lambda z: torch.sin(z).sum(-1), x)
+    >>> bool(np.allclose(lap, -np.sin(x).sum(-1)))
+    True
+    """
+    return hessian(model, *inputs, laplacian=True, **options)
+
+
+def hvp(model: Any, *inputs: Any, v: Any, wrt: Any = None, mode: OrderArg = "auto",
+        **options: Any) -> Any:
+    """Per-instance Hessian-vector products ``H[i] @ v[i]``: ``v`` has one row per instance
+    shaped like the unknowns, ``(N, *unknown_shape)``; the result is ``(N, *output_shape,
+    *unknown_shape)``, computed in one forward pass over the reverse-mode Jacobian per chunk
+    (no Hessian is formed). Other options as for :func:`hessian`."""
+    return second_order(model, inputs, "hvp", wrt=wrt, mode=mode, tangents=v, **options)
+
+
+def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wrt: Any = None,
+                 mode: OrderArg = "auto", chunk_size: int | None = None,
+                 max_memory: int | str | None = None, dtype: DTypeLike = None,
+                 return_outputs: bool = False, return_jacobian: bool = False,
+                 nan_policy: NanPolicy = "raise", out: Any = None,
+                 backend: BackendName | None = None,
+                 backend_options: dict[str, Any] | None = None, explain: bool = False,
+                 progress: bool | Callable[[int], None] = False, tangents: Any = None) -> Any:
+    """The one path of every second-order verb (``kind`` says which result)."""
+    choose_order(mode, kind, 1, 1)  # bad options fail before anything is bound or created
+    check_options("auto", chunk_size, max_memory)
+    spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
+    name = backend or _backends.detect(model)
+    options = backend_options or {}
+    try:
+        if kind == "hvp":
+            spec = _with_tangents(spec, tangents, nan_policy)
+        if is_store_target(out):
+            return _to_store(model, spec, name, kind, as_store(out), mode=mode,
+                             chunk_size=chunk_size, max_memory=max_memory,
+                             return_outputs=return_outputs, return_jacobian=return_jacobian,
+                             nan_policy=nan_policy, options=options, explain=explain,
+                             progress=progress)
+        bound = prepare(model, _plain(spec), name, options)
+        plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
+                           max_memory=max_memory)
+        return _compute(bound, spec, kind, plan, return_outputs=return_outputs,
+                        return_jacobian=return_jacobian, out=out, explain=explain,
+                        progress=progress)
+    except StoreError:  # about the output, not the model or inputs: no context to add
+        raise
+    except BatchJacError as e:
+        raise add_context(e, _context(spec, name)) from e
+
+
+def _to_store(model: Any, spec: BatchSpec, backend: str, kind: SecondKindArg, store: Any, *,
+              mode: OrderArg, chunk_size: int | None, max_memory: int | str | None,
+              return_outputs: bool, return_jacobian: bool, nan_policy: NanPolicy,
+              options: dict[str, Any], explain: bool,
+              progress: bool | Callable[[int], None]) -> SecondStoreResult:
+    """The result written chunk by chunk into a resumable store (the resume protocol of
+    :mod:`batchjac._stores`, as Jacobian stores are): the plan and the kernel from here."""
+    def plan(bound: _backends.BoundModel) -> dict[str, Any]:
+        planned = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
+                              max_memory=max_memory)
+        return {"order": planned.order, "chunk_size": planned.chunk_size,
+                "chunks": planned.n_chunks, "rows": spec.n, "reason": planned.reason}
+
+    def kernel(bound: _backends.BoundModel, planned: dict[str, Any]) -> Any:
+        built = bound.second_kernel(kind, planned["order"], planned["chunk_size"], return_outputs,
+                                    return_jacobian)
+        # same command, same bytes: the first build, never a timed choice (as Jacobian stores)
+        built.use(built.variants[0], "a store's kernel")
+        return built
+
+    return second_to_store(
+        model, spec, backend, store=store, name=SECOND_RESULT[kind],
+        describe_options={"mode": mode, "chunk_size": chunk_size, "max_memory": max_memory,
+                          "backend_options": options, "nan_policy": nan_policy},
+        bind=lambda: prepare(model, _plain(spec), backend, options), plan=plan, kernel=kernel,
+        with_outputs=return_outputs, with_jacobian=return_jacobian, explain=explain,
+        progress=progress)
+
+
+def _context(spec: BatchSpec, backend: str) -> str:
+    shapes = ", ".join(f"{n} {a.shape} {a.dtype}" for n, a in zip(spec.names, spec.arrays))
+    return f"backend={backend}; inputs: {shapes}; compute dtype {spec.dtype}"
+
+
+def _plain(spec: BatchSpec) -> BatchSpec:
+    """The batch without the tangents: what the model is bound to."""
+    if not isinstance(spec, TangentSpec):
+        return spec
+    return BatchSpec(arrays=spec.arrays, layout=spec.layout, dtype=spec.dtype, n=spec.n,
+                     unknown_shape=spec.unknown_shape, names=spec.names,
+                     finite_check=spec.finite_check)
+
+
+def _with_tangents(spec: BatchSpec, v: Any, nan_policy: NanPolicy) -> TangentSpec:
+    if v is None:
+        raise InputError("hvp() needs the tangents `v`: one row per instance, shaped like the "
+                         f"unknowns, i.e. ({spec.n}, {', '.join(map(str, spec.unknown_shape))}).")
+    arr = np.asarray(v)
+    want = (spec.n, *spec.unknown_shape)
+    if arr.shape != want:
+        raise InputError(f"`v` has shape {arr.shape}, but the unknowns have shape {want}: it "
+                         f"needs one tangent per instance, shaped like that instance's unknowns.")
+    if arr.dtype.kind not in "fiu":
+        raise InputError(f"`v` must hold real numbers; got dtype {arr.dtype}.")
+    if nan_policy == "raise":
+        check_finite_rows(arr.astype(spec.dtype, copy=False), "v", 0, whole=True)
+    return TangentSpec(arrays=spec.arrays, layout=spec.layout, dtype=spec.dtype, n=spec.n,
+                       unknown_shape=spec.unknown_shape, names=spec.names,
+                       finite_check=spec.finite_check, tangents=arr)
+
+
+def plan_second(spec: BatchSpec, bound: _backends.BoundModel, kind: SecondKindArg, *,
+                mode: OrderArg, chunk_size: int | None, max_memory: int | str | None
+                ) -> SecondPlan:
+    assert bound.output_shape is not None
+    m = math.prod(bound.output_shape)
+    in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
+    budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
+    return make_second_plan(kind=kind, n=spec.n, k=spec.k, m=m, in_elems=in_elems,
+                            dtype=spec.dtype, order=mode, chunk_size=chunk_size,
+                            max_memory=budget,
+                            reductions_over_forward=bound.reductions_over_forward)
+
+
+def result_shapes(spec: BatchSpec, output_shape: tuple[int, ...], kind: SecondKindArg
+                  ) -> dict[str, tuple[int, ...]]:
+    """The shape of each named result of ``kind`` for the whole batch."""
+    y = (spec.n, *output_shape)
+    unk = spec.unknown_shape
+    main = {"hessian": (*y, *unk, *unk), "diagonal": (*y, *unk), "laplacian": y,
+            "hvp": (*y, *unk)}[kind]
+    return {SECOND_RESULT[kind]: main, "outputs": y, "jacobians": (*y, *unk)}
+
+
+def book(bound: _backends.BoundModel) -> _SecondOrderBook:
+    """The object whose ledger records this bound model's second-order work."""
+    found = bound.__dict__.get("_second_book")
+    if found is None:
+        found = bound.__dict__["_second_book"] = _SecondOrderBook()
+    return found  # type: ignore[no-any-return]
+
+
+def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
+             plan: SecondPlan, *, return_outputs: bool, return_jacobian: bool, out: Any,
+             explain: bool, progress: bool | Callable[[int], None]) -> Any:
+    assert bound.output_shape is not None
+    name = SECOND_RESULT[kind]
+    shapes = result_shapes(spec, bound.output_shape, kind)
+    if out is not None:
+        _check_out(out, shapes[name], spec.dtype, name)
+    if explain:
+        sys.stderr.write(f"batchjac: {plan.reason}\n")
+    log.debug("batchjac plan: %s", plan.reason)
+    asked = [n for n, flag in (("outputs", return_outputs), ("jacobians", return_jacobian)) if flag]
+    if spec.n == 0:
+        empty = {n: np.empty(s, spec.dtype) for n, s in shapes.items()}
+        if out is not None:
+            empty[name] = out
+        return _unpack(empty, name, asked)
+    ledger_of = book(bound)
+    new = not bound.has_second_kernel(kind, plan.order, plan.chunk_size, return_outputs,
+                                      return_jacobian)
+    with tuning.Stopwatch() as build:
+        kernel = bound.second_kernel(kind, plan.order, plan.chunk_size, return_outputs,
+                                     return_jacobian)
+
+    def run() -> Results:
+        if out is None and plan.n_chunks == 1:
+            return run_single(kernel, spec)
+        targets = {n: (out if n == name and out is not None else new_result(shapes[n], spec.dtype))
+                   for n in (name, *asked)}
+        bar = progress_bar(progress, spec.n)
+        try:
+            run_chunks(kernel, spec, ArraySink(targets), on_chunk=bar.update if bar else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        return targets
+
+    # the tuning policy: a kernel with several builds (TensorFlow: graph, XLA) races them
+    # only when the work seen repays it, in a ledger of second-order work
+    result = tuning.timed(ledger_of, kernel, spec.n, run, new=new, built_seconds=build.seconds)
+    tuning.settle(ledger_of, kernel, lambda: _first_rows(spec, kernel.chunk_size))
+    if explain and kernel.note:
+        sys.stderr.write(f"batchjac: kernel: {kernel.note}\n")
+    return _unpack(result, name, asked)
+
+
+def _first_rows(spec: BatchSpec, rows: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    u, ctx = spec.chunk(0, min(rows, spec.n))
+    return pad_args(u, ctx, rows)
+
+
+def _unpack(result: Results, name: str, asked: list[str]) -> Any:
+    if not asked:
+        return result[name]
+    return (*(result[n] for n in asked), result[name])
+
+
+def _check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype, name: str) -> None:
+    got = getattr(out, "shape", None)
+    want = np.dtype(dtype)
+    if got is None or not hasattr(out, "__setitem__"):
+        raise InputError(f"`out` must be a writable array of shape {shape} (e.g. np.empty or "
+                         f"np.memmap) for the {name}; got {type(out).__name__}.")
+    if tuple(got) != shape:
+        raise InputError(f"`out` has shape {tuple(got)} but the {name} have shape {shape}; "
+                         f"allocate it as np.empty({shape}, dtype=np.{want.name}).")
+    if np.dtype(getattr(out, "dtype", None) or "O") != want:
+        raise InputError(f"`out` has dtype {out.dtype}, but the {name} are computed in "
+                         f"{want.name}; allocate it with dtype=np.{want.name}.")
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise InputError("`out` is read-only; open the memmap with mode='r+' or 'w+'.")
