@@ -138,10 +138,10 @@ def test_frameworks_only_in_framework_modules() -> None:
 #: below (the longest matching prefix places a module)
 LAYERS = [
     ["batchjac._version", "batchjac._errors", "batchjac._config", "batchjac._finite_diff"],
-    ["batchjac._spec", "batchjac._fingerprint", "batchjac._tunecache"],
+    ["batchjac._spec", "batchjac._xp", "batchjac._fingerprint", "batchjac._tunecache"],
     ["batchjac._backends", "batchjac._loaders", "batchjac._examples"],  # the framework modules
     ["batchjac._plan", "batchjac._probes", "batchjac._sinks", "batchjac._runner",
-     "batchjac._validate", "batchjac._io", "batchjac._fastpath"],
+     "batchjac._validate", "batchjac._io", "batchjac._fastpath", "batchjac._arrays"],
     ["batchjac._autotune", "batchjac._tuning", "batchjac._bind"],
     ["batchjac._stores", "batchjac._dask"],
     ["batchjac._jacobian", "batchjac._hessian", "batchjac._evaluate", "batchjac._check",

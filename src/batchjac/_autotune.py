@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 
@@ -210,7 +211,8 @@ def _timer(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, s
     # the planned size's kernel chooses its implementation now (JAX: build and blocks,
     # timed); the smaller sizes run the build it chose, so that sizes are compared alike
     _, jac = kernel(u, ctx) if first else kernel.provisional(u, ctx)
-    dst = np.empty_like(jac) if copies else None
+    # (a framework's arrays, kept on their device, are joined once at the end: no copy here)
+    dst = np.empty_like(jac) if copies and isinstance(jac, np.ndarray) else None
 
     def timed() -> float:
         start = time.perf_counter()
@@ -219,4 +221,4 @@ def _timer(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, s
             dst[...] = jac
         return time.perf_counter() - start
 
-    return timed, jac.nbytes / size
+    return timed, math.prod(jac.shape) * spec.dtype.itemsize / size

@@ -28,6 +28,10 @@ from ._tuning import persist_probes, recall_probes
 
 BackendName = Literal["tensorflow", "torch", "jax"]
 
+#: rows of a framework's (device) arrays copied to the host for the one-off probes (which
+#: read the first 64 rows)
+PROBE_HOST_ROWS = 64
+
 
 def prepare(model: Any, spec: BatchSpec, backend: str, options: dict[str, Any], *,
             overlap: bool = False) -> _backends.BoundModel:
@@ -65,6 +69,7 @@ def _prepare(be: _backends.Backend, model: Any, spec: BatchSpec, backend: str,
     bound.refresh()
     if not bound.probed and not _same_code(model, bound, backend) \
             and not (probes_enabled() and recall_probes(bound, backend)):
+        spec = spec.on_host(PROBE_HOST_ROWS)  # (a framework's arrays: a few rows to the host)
         unknown_name = spec.names[0 if spec.layout.kind == "concat" else spec.layout.wrt_index]
         if probes_enabled() and overlap and _start_probes(bound, spec, unknown_name, backend):
             return bound
@@ -199,7 +204,9 @@ def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
     assert bound.output_shape is not None
     m = math.prod(bound.output_shape)
     in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
-    budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
+    # computing on a GPU, the budget is the device's memory, not the host's
+    budget = default_max_memory(bound.device_free_memory()) if max_memory is None \
+        else parse_bytes(max_memory)
     plan = make_plan(n=spec.n, k=spec.k, m=m, in_elems=in_elems, dtype=spec.dtype, mode=mode,
                      chunk_size=chunk_size, max_memory=budget)
     return plan

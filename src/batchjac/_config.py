@@ -1,7 +1,8 @@
 """Configuration read from the environment, in one place, validated on first use.
 
 ``BATCHJAC_MAX_MEMORY``  default memory budget for one chunk, e.g. ``"512MB"``, ``"2GB"``
-                         (default: 1/4 of physical memory, between 512 MB and 8 GB).
+                         (default: 1/4 of physical memory, between 512 MB and 8 GB; on a GPU,
+                         half of its free memory, see :func:`default_max_memory`).
 ``BATCHJAC_PROBES``      ``"on"`` (default) or ``"off"``: the one-off checks that a model's
                          output is connected to the unknowns and that rows do not interact.
 ``BATCHJAC_AUTOTUNE``    ``"on"`` (default) or ``"off"``: time chunk sizes (and forward against
@@ -70,11 +71,32 @@ def parse_bytes(value: int | float | str, *, name: str = "max_memory") -> int:
     return nbytes
 
 
-def default_max_memory() -> int:
+def default_max_memory(device_free: int | None = None) -> int:
+    """The memory budget of one chunk: ``BATCHJAC_MAX_MEMORY``; else, computing on an
+    accelerator with ``device_free`` bytes free, half of them rounded down to a power of two
+    (free memory moves from call to call; a budget that moved with it would change the chunk
+    size, and each new size is a compilation); else from the host's memory."""
     raw = os.environ.get("BATCHJAC_MAX_MEMORY")
     if raw is not None:
         return parse_bytes(raw, name="BATCHJAC_MAX_MEMORY")
+    if device_free is not None:
+        return device_budget(device_free)
     return _physical_default()
+
+
+#: the smallest budget taken from an accelerator's free memory (a nearly full device still
+#: computes, in small chunks, rather than planning chunks of one row)
+MIN_DEVICE_BUDGET = 64 << 20
+
+
+def device_budget(free: int) -> int:
+    """Half of ``free`` bytes, rounded down to a power of two, at least MIN_DEVICE_BUDGET.
+
+    >>> device_budget(80 * 2**30) == 32 * 2**30
+    True
+    """
+    half = max(1, free // 2)
+    return max(MIN_DEVICE_BUDGET, 1 << (half.bit_length() - 1))
 
 
 @functools.cache

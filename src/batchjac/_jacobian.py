@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 
 from . import _backends, _fastpath, _tuning as tuning
+from ._arrays import OutputArg, deliver, in_memory, native_options, resolve
 from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
 from ._bind import BackendName, plan_for, prepare, probed
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._plan import ModeArg, Plan, check_options
 from ._runner import Results, call, pad_chunk, run_chunks, run_single
-from ._sinks import ArraySink, new_result
 from ._spec import BatchSpec
 from ._stores import StoreError, as_store, compute_to_store, is_store_target, progress_bar
 from ._validate import DTypeLike, NanPolicy, normalize
@@ -42,6 +42,7 @@ def jacobian(
     client: Any = None,
     scheduler: str | None = None,
     rows_per_task: int | None = None,
+    output: OutputArg = "auto",
 ) -> Any:
     """Per-instance Jacobians ``J[i] = d model(inputs_i) / d unknown_i``.
 
@@ -53,9 +54,15 @@ def jacobian(
     - ``jacobian(model, {"x": X, "h": H}, wrt="x")`` or ``jacobian(model, (X, H), wrt=0)``
       for multi-input models; ``wrt=("x", [0, 2])`` for some columns of one input.
 
-    Returns a numpy array of shape ``(N, *output_shape, *unknown_shape)`` (the per-instance
+    Returns an array of shape ``(N, *output_shape, *unknown_shape)`` (the per-instance
     convention of ``torch.func.jacrev``/``jax.jacrev``), or ``(outputs, jacobians)`` with
-    ``return_outputs=True`` (the outputs come from the same pass). A result computed in one
+    ``return_outputs=True`` (the outputs come from the same pass). The result has the kind and
+    device of the inputs: numpy for numpy arrays (lists, tables, files), a torch tensor on the
+    input's device for torch tensors, a JAX array (committed where the input was) for JAX
+    arrays, a TensorFlow tensor for TensorFlow tensors; ``output="numpy"`` (or "torch", "jax",
+    "tensorflow") asks for a kind. When the inputs are the model's framework's arrays they
+    stay on their device throughout; other kinds are converted once (see
+    :mod:`batchjac._arrays`). A result computed in one
     chunk by TensorFlow or JAX is a read-only view of the framework's buffer (no copy of what
     may be gigabytes): ``.copy()`` it to write into it, or pass ``out=``.
 
@@ -103,7 +110,8 @@ def jacobian(
                                      "backend": backend, "backend_options": backend_options,
                                      "explain": explain, "progress": progress})
     fast = None
-    if out is None and not explain and not progress and backend_options is None:
+    if out is None and not explain and not progress and backend_options is None and \
+            output in ("auto", "numpy"):
         fast = _fastpath.key(model, inputs, (_wrt_key(wrt), mode, chunk_size, max_memory, str(dtype),
                                              return_outputs, nan_policy, backend))
         entry = _fastpath.lookup(fast, model) if fast is not None else None
@@ -118,7 +126,9 @@ def jacobian(
                 if tuning.repeated(entry.bound, entry.template.n, time.perf_counter() - start):
                     _fastpath.forget(fast)  # a race is due: the next call takes the full path
                 return done
-    spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
+    delivery = resolve(inputs, output, lambda: backend or _backends.detect(model), out=out)
+    spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy, xp=delivery.xp,
+                     device=delivery.device)
     name = backend or _backends.detect(model)
     check_options(mode, chunk_size, max_memory)  # before a store exists: nothing left behind
     try:
@@ -130,10 +140,11 @@ def jacobian(
                                         return_outputs=return_outputs, nan_policy=nan_policy,
                                         options=backend_options or {}, explain=explain,
                                         progress=progress)
-            return _compute(model, spec, name, mode=mode, chunk_size=chunk_size,
-                            max_memory=max_memory, return_outputs=return_outputs, out=out,
-                            options=backend_options or {}, explain=explain, progress=progress,
-                            fast_key=fast)
+            options = native_options(delivery, name, model, backend_options or {})
+            return deliver(_compute(model, spec, name, mode=mode, chunk_size=chunk_size,
+                                    max_memory=max_memory, return_outputs=return_outputs,
+                                    out=out, options=options, explain=explain,
+                                    progress=progress, fast_key=fast), delivery)
     except StoreError:  # about the output, not the model or inputs: no context to add
         raise
     except BatchJacError as e:
@@ -296,15 +307,14 @@ def _run_in_memory(kernel: Any, spec: BatchSpec, bound: _backends.BoundModel,
     """Several chunks into ``out`` (or a new array) and, if asked, a new outputs array."""
     assert bound.output_shape is not None
     y_shape = (spec.n, *bound.output_shape)
-    out_j = out if out is not None else new_result((*y_shape, *spec.unknown_shape), spec.dtype)
-    out_y = new_result(y_shape, spec.dtype) if return_outputs else None
+    sink, finish = in_memory(spec, y_shape, (*y_shape, *spec.unknown_shape), out, return_outputs)
     bar = progress_bar(progress, spec.n)
     try:
-        run_chunks(kernel, spec, ArraySink({"jacobians": out_j, "outputs": out_y}),
-                   on_chunk=bar.update if bar else None)
+        run_chunks(kernel, spec, sink, on_chunk=bar.update if bar else None)
     finally:
         if bar is not None:
             bar.close()
+    out_y, out_j = finish()
     return (out_y, out_j) if return_outputs else out_j
 
 

@@ -10,6 +10,7 @@ and the stores carry whatever a kernel computes without knowing what it is.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import numpy as np
 from ._errors import BatchJacError, ModelError, ZeroJacobianWarning, add_context
 from ._sinks import ArraySink
 from ._spec import BatchSpec
+from ._xp import NUMPY, ArrayOps
 
 #: a chunk's named per-instance results, each ``(rows, ...)``
 Results = dict[str, np.ndarray]
@@ -59,24 +61,24 @@ def chunks(n: int, chunk_size: int, indices: Iterable[int] | None = None) -> Ite
         yield chunk_bounds(index, chunk_size, n)
 
 
-def pad(a: np.ndarray, rows: int) -> np.ndarray:
+def pad(a: np.ndarray, rows: int, xp: ArrayOps = NUMPY) -> np.ndarray:
     """Pad to ``rows`` by repeating the last row: real values keep every op finite (zeros
     might not, e.g. log or division), and padded results are dropped anyway."""
     if a.shape[0] == rows:
         return a
-    return np.concatenate([a, np.repeat(a[-1:], rows - a.shape[0], axis=0)], axis=0)
+    return xp.pad_rows(a, rows)
 
 
-def pad_args(u: np.ndarray, ctx: tuple[np.ndarray, ...], rows: int
+def pad_args(u: np.ndarray, ctx: tuple[np.ndarray, ...], rows: int, xp: ArrayOps = NUMPY
              ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    """A kernel's arguments padded to exactly ``rows`` rows."""
-    return pad(u, rows), tuple(pad(c, rows) for c in ctx)
+    """A kernel's arguments padded to exactly ``rows`` rows (``xp``: their kind)."""
+    return pad(u, rows, xp), tuple(pad(c, rows, xp) for c in ctx)
 
 
 def pad_chunk(spec: BatchSpec, lo: int, hi: int, rows: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """Rows ``lo:hi`` of the batch as kernel arguments, padded to ``rows``."""
     u, ctx = spec.chunk(lo, hi)
-    return pad_args(u, ctx, rows)
+    return pad_args(u, ctx, rows, spec.xp)
 
 
 @contextlib.contextmanager
@@ -131,7 +133,7 @@ def warn_if_zero(kernel: Any, out: Results, where: object) -> None:
     with contextlib.suppress(AttributeError):  # an object without attributes: each time
         owner.zero_checked = True
     jac = out.get("jacobians")
-    if jac is None or jac.size == 0 or np.any(jac):
+    if jac is None or math.prod(jac.shape) == 0 or _any_nonzero(jac):
         return
     warnings.warn(
         f"Every Jacobian entry of {where} is zero: the model's output does not seem to depend "
@@ -139,6 +141,16 @@ def warn_if_zero(kernel: Any, out: Results, where: object) -> None:
         f"unknown columns), e.g. it slices them away; check which columns it takes. (A model "
         f"flat over these rows, e.g. saturated or behind dead ReLUs, gives zeros too.)",
         ZeroJacobianWarning, stacklevel=3)
+
+
+def _any_nonzero(a: Any) -> bool:
+    """Some entry is not zero, computed where ``a`` lives (a framework's array on its device:
+    one reduction there and a bool back, not a copy of the Jacobians to the host)."""
+    if isinstance(a, np.ndarray):
+        return bool(np.any(a))
+    from ._arrays import ops_of
+
+    return ops_of(a).any_nonzero(a)
 
 
 def iter_results(
@@ -158,7 +170,7 @@ def iter_results(
             u, ctx = spec.chunk(chunk.lo, chunk.hi)
         except BatchJacError as e:
             raise add_context(e, str(chunk)) from e
-        out = call(kernel, *pad_args(u, ctx, cs), chunk, rows=chunk.rows)
+        out = call(kernel, *pad_args(u, ctx, cs, spec.xp), chunk, rows=chunk.rows)
         yield chunk, out, ((u, ctx) if keep_rows else None)
         del out, u, ctx  # the next chunk's buffers then take this one's place, not join it
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ._xp import NUMPY, ArrayOps
+
 InputKind = Literal["single", "concat", "tuple", "dict"]
 
 
@@ -82,6 +84,9 @@ class BatchSpec:
     names: tuple[str, ...]  # one per array, for messages
     #: per array: check NaN/Inf in each chunk as it is read (lazy inputs, nan_policy="raise")
     finite_check: tuple[bool, ...] = ()
+    #: the kind of ``arrays`` (numpy, or a framework's own arrays kept on their device: see
+    #: :mod:`batchjac._arrays`); chunks are cut, cast and padded through it
+    xp: ArrayOps = NUMPY
 
     @property
     def k(self) -> int:
@@ -93,11 +98,11 @@ class BatchSpec:
         form, the known columns beside ``wrt``) are cast to it whatever their dtype: they join
         one floating array (integer known columns would otherwise fail in a framework's
         concat, e.g. TensorFlow's ConcatV2)."""
-        lay = self.layout
+        lay, xp = self.layout, self.xp
         rows = self.rows(lo, hi)
         if lay.kind == "concat":
-            u = np.ascontiguousarray(rows[0], dtype=self.dtype)
-            return u, (np.ascontiguousarray(rows[1], dtype=self.dtype),)
+            u = xp.cast(rows[0], self.dtype)
+            return u, (xp.cast(rows[1], self.dtype),)
         src = rows[lay.wrt_index]
         ctx: list[np.ndarray] = []
         if lay.columns is not None:
@@ -106,12 +111,12 @@ class BatchSpec:
             if lay.perm is None:
                 u, kn = src[..., : len(cols)], src[..., len(cols):]
             else:
-                u, kn = src[..., cols], src[..., known]
-            ctx.append(np.ascontiguousarray(kn, dtype=self.dtype))
+                u, kn = xp.take(src, lay.columns), xp.take(src, tuple(int(c) for c in known))
+            ctx.append(xp.cast(kn, self.dtype))
         else:
             u = src
-        ctx.extend(_cast(a, self.dtype) for i, a in enumerate(rows) if i != lay.wrt_index)
-        return np.ascontiguousarray(u, dtype=self.dtype), tuple(ctx)
+        ctx.extend(_cast(a, self.dtype, xp) for i, a in enumerate(rows) if i != lay.wrt_index)
+        return xp.cast(u, self.dtype), tuple(ctx)
 
     def rows(self, lo: int, hi: int) -> list[np.ndarray]:
         """Rows ``lo:hi`` of every input array as given (read from disk for lazy arrays)."""
@@ -132,25 +137,40 @@ class BatchSpec:
         lay = self.layout
 
         def cast(a: np.ndarray) -> np.dtype:
-            return self.dtype if a.dtype.kind == "f" else a.dtype
+            dt = self.xp.dtype_of(a)
+            return self.dtype if dt.kind == "f" else dt
 
-        specs = []
+        def per_row(a: Any) -> tuple[int, ...]:
+            return tuple(int(d) for d in a.shape[1:])
+
+        specs: list[tuple[tuple[int, ...], np.dtype]] = []
         if lay.kind == "concat":
-            specs.append((self.arrays[1].shape[1:], self.dtype))
+            specs.append((per_row(self.arrays[1]), self.dtype))
         else:
             if lay.columns is not None:
                 src = self.arrays[lay.wrt_index]
-                width = src.shape[-1] - len(lay.columns)
-                specs.append(((*src.shape[1:-1], width), self.dtype))
-            specs.extend((a.shape[1:], cast(a)) for i, a in enumerate(self.arrays) if i != lay.wrt_index)
+                width = int(src.shape[-1]) - len(lay.columns)
+                specs.append(((*per_row(src)[:-1], width), self.dtype))
+            specs.extend((per_row(a), cast(a)) for i, a in enumerate(self.arrays)
+                         if i != lay.wrt_index)
         return tuple(specs)
 
+    def on_host(self, rows: int) -> BatchSpec:
+        """The first ``rows`` rows as numpy (everything when the arrays are numpy already):
+        what the probes read, which run once per model on a few rows."""
+        if self.xp.kind == "numpy":
+            return self
+        n = min(self.n, rows)
+        return BatchSpec(arrays=[self.xp.to_numpy(a[:n]) for a in self.arrays],
+                         layout=self.layout, dtype=self.dtype, n=n,
+                         unknown_shape=self.unknown_shape, names=self.names)
 
-def _cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+
+def _cast(a: Any, dtype: np.dtype, xp: ArrayOps = NUMPY) -> Any:
     """Floating arrays go to the compute dtype; integer and bool inputs (ids, flags) stay."""
-    if a.dtype.kind == "f":
-        return np.ascontiguousarray(a, dtype=dtype)
-    return np.ascontiguousarray(a)
+    if xp.dtype_of(a).kind == "f":
+        return xp.cast(a, dtype)
+    return xp.contiguous(a)
 
 
 def check_finite_rows(a: np.ndarray, name: str, offset: int, *, whole: bool = False) -> None:

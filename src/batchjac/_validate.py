@@ -14,6 +14,7 @@ import numpy as np
 
 from ._errors import InputError, InputTypeError
 from ._spec import BatchSpec, InputKind, Layout, check_finite_rows
+from ._xp import NUMPY, ArrayOps
 
 NanPolicy = Literal["raise", "propagate"]
 DTypeLike = Any
@@ -74,18 +75,35 @@ def to_numpy(obj: Any, name: str) -> np.ndarray:
                 f"`{name}` could not be read as an array (ragged rows? {e}). Give a numpy array, a framework "
                 f"tensor or nested lists with one equal-length row per instance."
             ) from None
-    if arr.dtype.kind not in "fiub":
-        hint = " (ragged rows?)" if arr.dtype == object else ""
+    _check_array(arr.dtype, arr.ndim, name)
+    return arr
+
+
+def _check_array(dtype: np.dtype, ndim: int, name: str) -> None:
+    if dtype.kind not in "fiub":
+        hint = " (ragged rows?)" if dtype == np.dtype(object) else ""
         raise InputTypeError(
-            f"`{name}` must hold real numbers; got dtype {arr.dtype}{hint}. Convert it with "
+            f"`{name}` must hold real numbers; got dtype {dtype}{hint}. Convert it with "
             f"np.asarray({name}, dtype=np.float32) after removing non-numeric columns."
         )
-    if arr.ndim == 0:
+    if ndim == 0:
         raise InputError(
             f"`{name}` is a scalar; it needs a leading axis with one row per instance, "
             f"shape (N, ...). For one instance use x[None]."
         )
-    return arr
+
+
+def as_native(obj: Any, name: str, xp: ArrayOps, device: Any) -> Any:
+    """An input as an array of kind ``xp`` (see :mod:`batchjac._arrays`): one of that kind as
+    it is, on its device; anything else read as numpy (:func:`as_input`, a file whole) and
+    converted once, onto ``device``."""
+    if xp.is_native(obj):
+        _check_array(xp.dtype_of(obj), len(obj.shape), name)
+        return obj
+    arr = as_input(obj, name)
+    if is_lazy(arr):
+        arr = np.asarray(arr[0:arr.shape[0]])
+    return xp.from_numpy(arr, device)
 
 
 def is_lazy(obj: Any) -> bool:
@@ -122,9 +140,11 @@ def _label(obj: Any, name: str) -> str:
     return f"{name} ({source})" if source else name
 
 
-def resolve_dtype(dtype: DTypeLike, arrays: Sequence[np.ndarray]) -> np.dtype:
+def resolve_dtype(dtype: DTypeLike, arrays: Sequence[Any]) -> np.dtype:
+    """The compute dtype: ``dtype``, else float64 when an array (or a dtype in ``arrays``) is
+    float64, else float32."""
     if dtype is None:
-        wide = any(a.dtype == np.float64 for a in arrays)
+        wide = any(getattr(a, "dtype", a) == np.float64 for a in arrays)
         return np.dtype(np.float64 if wide else np.float32)
     try:
         dt = np.dtype(getattr(dtype, "name", dtype) if not isinstance(dtype, (type, np.dtype)) else dtype)
@@ -232,33 +252,42 @@ def normalize(
     wrt: Any,
     dtype: DTypeLike,
     nan_policy: NanPolicy,
+    xp: ArrayOps = NUMPY,
+    device: Any = None,
 ) -> BatchSpec:
-    """Validate the call and return the batch spec. Raises :class:`InputError` subclasses."""
+    """Validate the call and return the batch spec. Raises :class:`InputError` subclasses.
+
+    With ``xp`` a framework's array kind, the spec holds arrays of that kind (inputs of
+    another kind converted once, onto ``device``), checked where they live."""
     if nan_policy not in ("raise", "propagate"):
         raise InputError(f"`nan_policy` must be 'raise' or 'propagate'; got {nan_policy!r}.")
     kind, raw, keys = _split_inputs(inputs)
     names = _input_names(kind, raw, keys)
-    arrays = [as_input(a, n) for a, n in zip(raw, names)]
+    if xp.kind == "numpy":
+        arrays = [as_input(a, n) for a, n in zip(raw, names)]
+    else:
+        arrays = [as_native(a, n, xp, device) for a, n in zip(raw, names)]
     lazy = tuple(is_lazy(a) for a in arrays)
     n = _row_count(arrays, names)
     if kind == "concat":
         layout, unknown_shape = _concat_layout(wrt, arrays)
     else:
         layout, unknown_shape = _selected_layout(kind, wrt, arrays, names, keys)
-    if arrays[0 if kind == "concat" else layout.wrt_index].dtype.kind == "b":
+    if xp.dtype_of(arrays[0 if kind == "concat" else layout.wrt_index]).kind == "b":
         raise InputTypeError("The unknown input is boolean; unknowns must be real numbers.")
 
     # nested Python lists carry no dtype intent (their floats are doubles): only arrays and
     # tensors that are float64 make float64 the default
     # (nor does text: CSV numbers are read as float64 whatever precision they were written in)
-    dt = resolve_dtype(dtype, [a for a, r in zip(arrays, raw) if not isinstance(r, (list, tuple))
+    dt = resolve_dtype(dtype, [xp.dtype_of(a) for a, r in zip(arrays, raw)
+                               if not isinstance(r, (list, tuple))
                                and getattr(a, "carries_dtype", True)])
     if nan_policy == "raise":
         _check_finite([a for a, lz in zip(arrays, lazy) if not lz],
-                      tuple(nm for nm, lz in zip(names, lazy) if not lz))
+                      tuple(nm for nm, lz in zip(names, lazy) if not lz), xp)
     return BatchSpec(arrays=arrays, layout=layout, dtype=dt, n=n,
-                     unknown_shape=tuple(unknown_shape), names=names,
-                     finite_check=tuple(lz and nan_policy == "raise" for lz in lazy))
+                     unknown_shape=tuple(int(d) for d in unknown_shape), names=names,
+                     finite_check=tuple(lz and nan_policy == "raise" for lz in lazy), xp=xp)
 
 
 def _input_names(kind: InputKind, raw: list[Any], keys: tuple[str, ...] | None
@@ -278,7 +307,7 @@ def _input_names(kind: InputKind, raw: list[Any], keys: tuple[str, ...] | None
 
 def _row_count(arrays: list[Any], names: tuple[str, ...]) -> int:
     """The number of instances: the rows of every input, which must agree."""
-    n = arrays[0].shape[0]
+    n = int(arrays[0].shape[0])
     for a, name in zip(arrays[1:], names[1:]):
         if a.shape[0] != n:
             raise InputError(
@@ -374,6 +403,9 @@ def _resolve_wrt(kind: str, wrt: Any, arrays: list[np.ndarray], names: tuple[str
     return int(wrt) % len(arrays), sel
 
 
-def _check_finite(arrays: list[np.ndarray], names: tuple[str, ...]) -> None:
+def _check_finite(arrays: list[np.ndarray], names: tuple[str, ...], xp: ArrayOps = NUMPY) -> None:
     for a, name in zip(arrays, names):
-        check_finite_rows(a, name, 0, whole=True)
+        if xp.kind == "numpy":
+            check_finite_rows(a, name, 0, whole=True)
+        elif not xp.all_finite(a):  # checked on the device; the host copy only to say where
+            check_finite_rows(xp.to_numpy(a), name, 0, whole=True)

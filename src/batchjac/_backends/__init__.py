@@ -14,8 +14,8 @@ from typing import Any
 from .._errors import BackendNotAvailableError, InputError
 from ._base import Backend, BoundModel, Kernel, Mode, Signature, mode_asked, mode_race
 
-__all__ = ["Backend", "BoundModel", "Kernel", "Mode", "Signature", "detect", "get_backend", "bind",
-           "mode_asked", "mode_race"]
+__all__ = ["Backend", "BoundModel", "Kernel", "Mode", "Signature", "array_framework", "array_ops",
+           "bind", "detect", "get_backend", "mode_asked", "mode_race"]
 
 # name -> (module implementing it, framework module it needs, install hint)
 REGISTRY: dict[str, tuple[str, str, str]] = {
@@ -49,6 +49,22 @@ def get_backend(name: str) -> Backend:
             raise BackendNotAvailableError(f"{hint} (import {framework!r} failed: {e})") from None
         _instances[name] = importlib.import_module(module).BACKEND
     return _instances[name]
+
+
+def array_ops(name: str) -> Any:
+    """The array namespace (:class:`batchjac._xp.ArrayOps`) of backend ``name``'s arrays; its
+    module is imported (and the framework with it) on first use."""
+    if name == "numpy":
+        from .._xp import NUMPY
+
+        return NUMPY
+    get_backend(name)  # the install hint when the framework is missing
+    return importlib.import_module(REGISTRY[name][0]).OPS
+
+
+def array_framework(a: Any) -> str | None:
+    """The framework whose array ``a`` is (by its type's module; imports nothing), or None."""
+    return _framework_of_module(type(a).__module__ or "")
 
 
 def _framework_of_module(modname: str) -> str | None:

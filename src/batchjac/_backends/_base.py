@@ -254,7 +254,10 @@ class Kernel(ABC):
         self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
     ) -> tuple[np.ndarray | None, np.ndarray]:
         """``u`` is ``(chunk_size, *unknown_shape)``; returns ``(y or None, J)`` with ``J`` of
-        shape ``(chunk_size, *output_shape, *unknown_shape)``, as numpy arrays."""
+        shape ``(chunk_size, *output_shape, *unknown_shape)``, as numpy arrays; or, when
+        ``u`` and ``ctx`` are the framework's own arrays (``jacobian`` with tensors in and
+        out, see :mod:`batchjac._arrays`), as the framework's arrays, on the device, with no
+        copy to the host."""
 
 
 def race(run: Callable[[str], object], names: Iterable[str], *, prune: float | None = None,
@@ -404,6 +407,11 @@ class BoundModel(ABC):
         probes run beside the first kernel's compilation instead of before it."""
         return None
 
+    def device_free_memory(self) -> int | None:
+        """Free bytes of the accelerator the kernels run on, for the memory budget; None when
+        they run on the host (the budget then comes from the host's memory)."""
+        return None
+
     def in_thread(self) -> contextlib.AbstractContextManager[Any]:
         """The framework settings of the calling thread, entered in another thread that works
         for it (the probes beside the first kernel): JAX's x64 mode may be a thread's own."""
@@ -429,6 +437,12 @@ class Backend(ABC):
     @abstractmethod
     def bind(self, model: Any, signature: Signature, **options: Any) -> BoundModel:
         """Wrap ``model`` for ``signature``. Framework-specific checks of the model go here."""
+
+    def device_options(self, model: Any, device: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """The options of a call whose inputs are this framework's arrays on ``device``
+        (:mod:`batchjac._arrays`): where the model does not say where it computes, the
+        inputs' device. By default the options as given (the framework places the work)."""
+        return options
 
     def options_key(self, options: dict[str, Any]) -> Hashable:
         """What bound models are cached by, besides the model and the signature (hashable).

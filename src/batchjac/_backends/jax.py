@@ -78,7 +78,7 @@ from ._base import (
     user_stacklevel,
 )
 
-_OPTIONS = ("params", "per_instance")
+_OPTIONS = ("params", "per_instance", "device")
 #: why a mode fails in JAX, for the fallback's warning and error
 _CAUSES: dict[Mode, str] = {
     "forward": "Usual cause: a jax.custom_vjp function, which has no forward-mode rule.",
@@ -117,11 +117,11 @@ def _cast_floats(leaves: list[Any], dtype: np.dtype) -> list[Any]:
 class _Split:
     """A pytree cut into its array leaves (kernel arguments) and the rest (static)."""
 
-    def __init__(self, tree: Any) -> None:
+    def __init__(self, tree: Any, device: Any = None) -> None:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         self.treedef: Any = treedef
         self.where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-        self.arrays = [jax.device_put(leaves[i]) for i in self.where]
+        self.arrays = [jax.device_put(leaves[i], device) for i in self.where]
         self.static = [None if _is_array(leaf) else leaf for leaf in leaves]
 
     def merge(self, arrays: list[Any]) -> Any:
@@ -136,14 +136,17 @@ _NO_PARAMS = object()
 
 class JaxBound(BoundModel):
     def __init__(self, model: Any, signature: Signature, *, params: Any = _NO_PARAMS,
-                 per_instance: bool = False) -> None:
+                 per_instance: bool = False, device: Any = None) -> None:
         super().__init__(signature)
         self.model = model
+        #: where the kernels compute (None: JAX's default device); the model's arrays and the
+        #: kernels' arguments are placed there
+        self.device = device
         self.per_instance = per_instance
         self.has_params = params is not _NO_PARAMS
-        self._model_split = _Split(model)
+        self._model_split = _Split(model, device)
         self._params = params if self.has_params else None
-        self._params_split = _Split(self._params)
+        self._params_split = _Split(self._params, device)
         self._forward: Any = None
         #: what the last kernel that timed its variants chose (see JaxKernel): its build,
         #: and whether in blocks. Kernels timed against it (other chunk sizes) run the same
@@ -169,7 +172,7 @@ class JaxBound(BoundModel):
         params = options.get("params", self._params)
         if not self.has_params or params is self._params:
             return
-        new = _Split(params)
+        new = _Split(params, self.device)
         same = new.treedef == self._params_split.treedef and \
             [np.shape(a) for a in new.arrays] == [np.shape(a) for a in self.args[1]]
         if not same:
@@ -186,8 +189,8 @@ class JaxBound(BoundModel):
         if self._x64 != x64_enabled() or not _same_values(captured, self._captured):
             # the x64 mode changes the dtypes of traced arrays; rebound closure values would
             # be stale constants in the compiled kernels: trace everything again
-            self._model_split = _Split(self.model)
-            self._params_split = _Split(self._params)
+            self._model_split = _Split(self.model, self.device)
+            self._params_split = _Split(self._params, self.device)
             self._kernels.clear()
             self.__dict__.pop("_second_kernels", None)
             self.failed.clear()
@@ -307,8 +310,10 @@ class JaxBound(BoundModel):
 
     def _specs(self, rows: int) -> tuple[Any, tuple[Any, ...]]:
         sig = self.signature
-        u = jax.ShapeDtypeStruct((rows, *sig.unknown_shape), sig.dtype)
-        ctx = tuple(jax.ShapeDtypeStruct((rows, *shape), jax.dtypes.canonicalize_dtype(dt))
+        at = {} if self.device is None else \
+            {"sharding": jax.sharding.SingleDeviceSharding(self.device)}
+        u = jax.ShapeDtypeStruct((rows, *sig.unknown_shape), sig.dtype, **at)
+        ctx = tuple(jax.ShapeDtypeStruct((rows, *shape), jax.dtypes.canonicalize_dtype(dt), **at)
                     for shape, dt in sig.ctx)
         return u, ctx
 
@@ -320,6 +325,11 @@ class JaxBound(BoundModel):
         from jax.experimental import enable_x64  # type: ignore[attr-defined]  # pragma: no cover
 
         return enable_x64(x64)  # type: ignore[no-any-return]  # pragma: no cover
+
+    def device_free_memory(self) -> int | None:
+        """Free bytes of the device the kernels run on when it is an accelerator (None on the
+        CPU)."""
+        return _free_bytes(self.device if self.device is not None else _default_device())
 
     def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:
         try:
@@ -565,16 +575,23 @@ class JaxKernel(Kernel):
             build, blocked = self._bound.hint
             fn = self._compile(next((v for v in self.variants if blocked and
                                      v.startswith(build + "/")), build))
-        return self._result(fn(self._bound.args, u, tuple(ctx)))()
+        return self._result(fn(self._bound.args, u, tuple(ctx)), isinstance(u, jax.Array))()
 
     def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
         self._check_asked()
         if self.variant is None:
             self._first_call(u, ctx)
-        return self._result(self._fn(self._bound.args, u, tuple(ctx)))  # runs in the background
+        return self._result(self._fn(self._bound.args, u, tuple(ctx)),  # runs in the background
+                            isinstance(u, jax.Array))
 
-    def _result(self, out: Any) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+    def _result(self, out: Any, native: bool = False
+                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+        """The wait for ``out``: numpy views of its buffers, or (``native``: JAX arrays in)
+        the JAX arrays themselves, left on their device."""
+        if native:  # (waited for as numpy results are: the tuning times these calls)
+            return lambda: (tuple(jax.block_until_ready(out)) if self.with_outputs
+                            else (None, jax.block_until_ready(out)))
         if self.with_outputs:
             return lambda: (np.asarray(out[0]), np.asarray(out[1]))
         return lambda: (None, np.asarray(out))
@@ -851,6 +868,77 @@ def _leaf_key(leaf: Any) -> Hashable:
     return leaf
 
 
+def _default_device() -> Any:
+    """The device JAX computes on when nothing is committed elsewhere."""
+    return getattr(jax.config, "jax_default_device", None) or jax.devices()[0]
+
+
+def _free_bytes(device: Any) -> int | None:
+    if getattr(device, "platform", "cpu") == "cpu":
+        return None
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a platform without memory statistics
+        return None
+    limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+    return None if limit is None else max(0, int(limit) - int(used))
+
+
+class JaxOps:
+    """JAX arrays as the pipeline's arrays (:class:`batchjac._xp.ArrayOps`), on their device:
+    what ``jacobian`` works with when JAX arrays go into a JAX model."""
+
+    kind = "jax"
+
+    def is_native(self, a: Any) -> bool:
+        return isinstance(a, jax.Array)
+
+    def dtype_of(self, a: Any) -> np.dtype:
+        return np.dtype(a.dtype)
+
+    def device_of(self, a: Any) -> Any:
+        """The device of a committed array (the result is committed to it too); None for an
+        uncommitted one, which JAX moves wherever it is used."""
+        if not getattr(a, "committed", False):
+            return None
+        devices = a.devices()
+        return next(iter(devices)) if len(devices) == 1 else None
+
+    def cast(self, a: Any, dtype: np.dtype) -> Any:
+        return a if a.dtype == dtype else a.astype(dtype)
+
+    def contiguous(self, a: Any) -> Any:
+        return a
+
+    def take(self, a: Any, cols: tuple[int, ...]) -> Any:
+        return jnp.take(a, jnp.asarray(cols), axis=-1)
+
+    def pad_rows(self, a: Any, rows: int) -> Any:
+        return jnp.concatenate([a, jnp.repeat(a[-1:], rows - a.shape[0], axis=0)])
+
+    def concat(self, parts: list[Any]) -> Any:
+        return jnp.concatenate(parts)
+
+    def all_finite(self, a: Any) -> bool:
+        return not jnp.issubdtype(a.dtype, jnp.floating) or bool(jnp.isfinite(a).all())
+
+    def any_nonzero(self, a: Any) -> bool:
+        return bool(jnp.any(a))
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return np.asarray(a)
+
+    def from_numpy(self, a: np.ndarray, device: Any = None) -> Any:
+        return jax.device_put(a, device) if device is not None else jnp.asarray(a)
+
+    def to_device(self, a: Any, device: Any) -> Any:
+        # committed to it: on the same device that shares the buffer (no copy)
+        return a if a.committed and a.devices() == {device} else jax.device_put(a, device)
+
+
+OPS = JaxOps()
+
+
 class JaxBackend(Backend):
     name = "jax"
 
@@ -874,7 +962,19 @@ class JaxBackend(Backend):
             )
         _require_x64(signature.dtype)
         kwargs = {"params": options["params"]} if "params" in options else {}
-        return JaxBound(model, signature, per_instance=bool(per_instance), **kwargs)
+        device = options.get("device")
+        if device is not None and not isinstance(device, jax.Device):
+            raise InputError(f"backend_options['device'] must be a jax.Device (e.g. "
+                             f"jax.devices()[0]); got {device!r}.")
+        return JaxBound(model, signature, per_instance=bool(per_instance), device=device,
+                        **kwargs)
+
+    def device_options(self, model: Any, device: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """Arrays committed to a device other than the default one: the kernels are compiled
+        for that device (an executable compiled for the default device refuses them)."""
+        if "device" in options or device is None or device == _default_device():
+            return options
+        return {**options, "device": device}
 
     def options_key(self, options: dict[str, Any]) -> Hashable:
         """A hashable key for caching bound models: params by structure, shapes and dtypes

@@ -210,6 +210,11 @@ class TFBound(BoundModel):
             raise ModelError(f"The model output has dtype {y.dtype.name}; it must be floating.")
         return tf.cast(y, self.tf_dtype)
 
+    def device_free_memory(self) -> int | None:
+        """Free bytes of the first GPU TensorFlow sees, where it computes by default (None
+        without one)."""
+        return _gpu_free_bytes()
+
     def _specs(self, rows: int | None) -> list[tf.TensorSpec]:
         sig = self.signature
         specs = [tf.TensorSpec((rows, *sig.unknown_shape), self.tf_dtype)]
@@ -421,8 +426,9 @@ class TFKernel(Kernel):
         captured = fn.captured_inputs
         if flat is None:
             self._call = lambda *args: fn(*args)
-        else:
-            self._call = lambda *args: flat([tf.constant(a) for a in args], captured)
+        else:  # (tensors, the native path of batchjac._arrays, go in as they are)
+            self._call = lambda *args: flat([a if tf.is_tensor(a) else tf.constant(a)
+                                             for a in args], captured)
         if self.failures and self.path is not None:
             note = f"{note}; computed in {_PATH_NAMES[self.path]} ({self._why()})"
         self.variant, self.note = variant, note
@@ -435,6 +441,8 @@ class TFKernel(Kernel):
                     not fallback_allowed():  # an earlier call fell back; this one asks the mode
                 raise self._asked_failed()
             out = self._call_selected(u, ctx)
+        if tf.is_tensor(u):  # tensors in, tensors out, where TensorFlow computed them
+            return (out[0], out[1]) if self.with_outputs else (None, out)
         # The Jacobians as a read-only view of TensorFlow's buffer: ``.numpy()`` would copy
         # them (78 ms of W2's 370 ms). Read-only because TensorFlow may hand out one buffer
         # twice (a constant-folded Jacobian); the runner copies chunks into the result anyway.
@@ -551,7 +559,11 @@ class TFKernel(Kernel):
     def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float:
         start = time.perf_counter()
         out = self._fn(variant)(u, *ctx)
-        np.asarray(out[1] if self.with_outputs else out)
+        jac = out[1] if self.with_outputs else out
+        if tf.is_tensor(u):  # tensors in: wait for one number, not a copy of J to the host
+            tf.reduce_sum(jac[:1]).numpy()
+        else:
+            np.asarray(jac)
         return time.perf_counter() - start
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
@@ -838,6 +850,91 @@ def _explain_model_failure(e: Exception, sig: Signature) -> ModelError:
     if sig.dtype == np.float64 and ("float" in text and ("double" in text or "float64" in text)):
         dtype_hint = " It may hold float32 variables: use dtype='float32', or build it in float64."
     return ModelError(f"Calling the model failed: {text.strip()[:2000]}.{dtype_hint}")
+
+
+def _gpu_free_bytes() -> int | None:
+    if not tf.config.list_logical_devices("GPU"):
+        return None
+    limit = _gpu_limit()
+    if limit is None:
+        return None
+    try:
+        used = int(tf.config.experimental.get_memory_info("GPU:0")["current"])
+    except (ValueError, RuntimeError):
+        used = 0
+    return max(0, limit - used)
+
+
+_LIMIT: list[int | None] = []
+
+
+def _gpu_limit() -> int | None:
+    """The memory TensorFlow's allocator may use on GPU:0 (its device attributes; read once)."""
+    if not _LIMIT:
+        try:
+            from tensorflow.python.client import device_lib
+
+            found = [d.memory_limit for d in device_lib.list_local_devices()
+                     if d.device_type == "GPU"]
+            _LIMIT.append(int(found[0]) if found else None)
+        except Exception:  # a TensorFlow without that module: no device budget
+            _LIMIT.append(None)
+    return _LIMIT[0]
+
+
+class TensorFlowOps:
+    """TensorFlow tensors as the pipeline's arrays (:class:`batchjac._xp.ArrayOps`): what
+    ``jacobian`` works with when tensors go into a TensorFlow model."""
+
+    kind = "tensorflow"
+
+    def is_native(self, a: Any) -> bool:
+        return tf.is_tensor(a) or isinstance(a, tf.Variable)
+
+    def dtype_of(self, a: Any) -> np.dtype:
+        return np.dtype(a.dtype.as_numpy_dtype)
+
+    def device_of(self, a: Any) -> Any:
+        return getattr(a, "device", None) or None
+
+    def cast(self, a: Any, dtype: np.dtype) -> Any:
+        return tf.cast(a, tf.as_dtype(dtype))
+
+    def contiguous(self, a: Any) -> Any:
+        return tf.convert_to_tensor(a)
+
+    def take(self, a: Any, cols: tuple[int, ...]) -> Any:
+        return tf.gather(a, list(cols), axis=-1)
+
+    def pad_rows(self, a: Any, rows: int) -> Any:
+        return tf.concat([a, tf.repeat(a[-1:], rows - int(a.shape[0]), axis=0)], axis=0)
+
+    def concat(self, parts: list[Any]) -> Any:
+        return tf.concat(parts, axis=0)
+
+    def all_finite(self, a: Any) -> bool:
+        return not a.dtype.is_floating or bool(tf.reduce_all(tf.math.is_finite(a)))
+
+    def any_nonzero(self, a: Any) -> bool:
+        return bool(tf.reduce_any(tf.not_equal(a, 0)))
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return np.asarray(a.numpy())
+
+    def from_numpy(self, a: np.ndarray, device: Any = None) -> Any:
+        if device is None:
+            return tf.convert_to_tensor(a)
+        with tf.device(device):
+            return tf.identity(tf.convert_to_tensor(a))
+
+    def to_device(self, a: Any, device: Any) -> Any:
+        if getattr(a, "device", None) == device:
+            return a
+        with tf.device(device):
+            return tf.identity(a)
+
+
+OPS = TensorFlowOps()
 
 
 class TensorFlowBackend(Backend):

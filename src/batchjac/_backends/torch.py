@@ -144,6 +144,8 @@ def _unknowns_require_grad() -> Iterator[None]:
 
 
 def _to_torch(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):  # a native chunk (see batchjac._arrays): no host copy
+        return a.detach().to(device)
     if not a.dtype.isnative:
         a = a.astype(a.dtype.newbyteorder("="))
     # torch.from_numpy shares memory and warns on read-only arrays (memmaps opened 'r').
@@ -153,6 +155,59 @@ def _to_torch(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
+
+
+class TorchOps:
+    """torch tensors as the pipeline's arrays (:class:`batchjac._xp.ArrayOps`), on their
+    device: what ``jacobian`` works with when torch tensors go into a torch model."""
+
+    kind = "torch"
+
+    def is_native(self, a: Any) -> bool:
+        return isinstance(a, torch.Tensor)
+
+    def dtype_of(self, a: Any) -> np.dtype:
+        try:
+            return np.dtype(str(a.dtype).removeprefix("torch."))
+        except TypeError:  # bfloat16 and the like: no numpy dtype (refused as not numbers)
+            return np.dtype(object)
+
+    def device_of(self, a: Any) -> Any:
+        return a.device
+
+    def cast(self, a: Any, dtype: np.dtype) -> Any:
+        return a.detach().to(getattr(torch, np.dtype(dtype).name)).contiguous()
+
+    def contiguous(self, a: Any) -> Any:
+        return a.detach().contiguous()
+
+    def take(self, a: Any, cols: tuple[int, ...]) -> Any:
+        return a.index_select(-1, torch.tensor(cols, dtype=torch.long, device=a.device))
+
+    def pad_rows(self, a: Any, rows: int) -> Any:
+        return torch.cat([a, a[-1:].expand(rows - a.shape[0], *a.shape[1:])])
+
+    def concat(self, parts: list[Any]) -> Any:
+        return torch.cat(parts)
+
+    def all_finite(self, a: Any) -> bool:
+        return not a.is_floating_point() or bool(torch.isfinite(a).all())
+
+    def any_nonzero(self, a: Any) -> bool:
+        return bool(a.any())
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return _to_numpy(a)
+
+    def from_numpy(self, a: np.ndarray, device: Any = None) -> Any:
+        return _to_torch(np.asarray(a), torch.device(device) if device is not None
+                         else torch.device("cpu"))
+
+    def to_device(self, a: Any, device: Any) -> Any:
+        return a.to(device)
+
+
+OPS = TorchOps()
 
 
 def _owner_module(model: Any) -> torch.nn.Module | None:
@@ -305,6 +360,12 @@ class TorchBound(BoundModel):
         if self._perm is None or self._perm.device != x.device:
             self._perm = torch.tensor(idx, dtype=torch.long, device=x.device)
         return x.index_select(-1, self._perm)
+
+    def device_free_memory(self) -> int | None:
+        """Free bytes of the CUDA device the kernels run on (None on the CPU)."""
+        if self.device.type != "cuda":
+            return None
+        return int(torch.cuda.mem_get_info(self.device)[0])
 
     def tensors(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -522,6 +583,8 @@ class TorchKernel(Kernel):
                 y, jac = self._run(self._path, ut, ct)
             else:
                 y, jac = self._first_call(ut, ct)
+        if isinstance(u, torch.Tensor):  # tensors in, tensors out, on the device
+            return (y if self.with_outputs else None), jac
         return (_to_numpy(y) if self.with_outputs else None), _to_numpy(jac)
 
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
@@ -809,6 +872,16 @@ class TorchSecondKernel(Kernel):
 
 class TorchBackend(Backend):
     name = "torch"
+
+    def device_options(self, model: Any, device: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """Tensors on ``device`` into a model with no parameters or buffers of its own (a plain
+        function): compute on that device. A module computes where its parameters are."""
+        module = _owner_module(model)
+        owns = module is not None and (next(module.parameters(), None) is not None
+                                       or next(module.buffers(), None) is not None)
+        if "device" in options or owns or device is None:
+            return options
+        return {**options, "device": device}
 
     def bind(self, model: Any, signature: Signature, **options: Any) -> BoundModel:
         unknown = sorted(set(options) - set(_OPTIONS))

@@ -1,0 +1,166 @@
+"""Results in the caller's array kind, on the caller's device.
+
+The rule (the array-API convention, as ``torch.func`` and ``jax`` follow it): the result has
+the kind and the device of the inputs. ``output=`` overrides the kind.
+
+- **Native**: the inputs are the model's own framework's arrays (torch tensors into a torch
+  model, JAX arrays into a JAX function, TensorFlow tensors into a Keras model), or
+  ``output=`` names that framework. The arrays stay on their device from end to end: the
+  batch spec slices, casts and pads them there (:mod:`batchjac._xp`), the kernels take them and
+  return the framework's arrays, NaN/Inf and all-zero checks are reductions there, and chunk
+  results are joined there (one ``torch.cat``/``jnp.concatenate``/``tf.concat``; one chunk is
+  returned as the kernel made it). Nothing is copied to the host but the few rows the one-off
+  probes read.
+- **Mixed** (a torch tensor into a JAX model, or ``output=`` a kind other than the model's
+  framework's): the inputs are converted once to numpy, computed as numpy inputs are, and the
+  result converted once to the asked kind, onto the input's device when the input was of that
+  kind (else the framework's default device).
+- ``output="numpy"`` (and every numpy, list, table or file input) gives numpy, as before;
+  ``out=`` (an array or a store) takes host chunks and is what it is.
+
+Inputs of two different frameworks in one call are refused: there is no one device to give
+the result back on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ._backends import array_framework, array_ops, get_backend
+from ._errors import InputError
+from ._sinks import ArraySink, new_result
+from ._spec import BatchSpec
+from ._xp import ArrayOps
+
+OutputArg = Literal["auto", "numpy", "torch", "jax", "tensorflow"]
+OUTPUTS = ("auto", "numpy", "torch", "jax", "tensorflow")
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a call's result goes: its ``kind`` and ``device`` (None: the framework's default),
+    and whether it is computed ``native``ly (see the module's docstring)."""
+
+    kind: str
+    device: Any = None
+    native: bool = False
+
+    @property
+    def xp(self) -> ArrayOps:
+        return array_ops(self.kind if self.native else "numpy")
+
+
+HOST = Delivery("numpy")
+
+
+def ops_of(a: Any) -> ArrayOps:
+    """The namespace of ``a``'s kind (numpy for anything not a framework's array)."""
+    return array_ops(array_framework(a) or "numpy")
+
+
+def kind_of(a: Any) -> str:
+    """ "numpy", or the framework whose array ``a`` is (a torch tensor, a JAX array, a
+    TensorFlow tensor); tables, lists and files read as numpy."""
+    found = array_framework(a)
+    return found if found is not None and hasattr(a, "shape") else "numpy"
+
+
+def _leaves(inputs: tuple[Any, ...]) -> list[Any]:
+    out: list[Any] = []
+    for x in inputs:
+        if isinstance(x, Mapping):
+            out.extend(x.values())
+        elif isinstance(x, (tuple, list)) and x and all(hasattr(e, "shape") for e in x):
+            out.extend(x)
+        else:
+            out.append(x)
+    return out
+
+
+def resolve(inputs: tuple[Any, ...], output: Any, backend: Callable[[], str], *,
+            out: Any = None) -> Delivery:
+    """The :class:`Delivery` of a call with these inputs and ``output=``; ``backend()`` names
+    the model's backend (asked only when the result is not numpy)."""
+    if not isinstance(output, str) or output not in OUTPUTS:
+        raise InputError(f"`output` must be one of {list(OUTPUTS)} (\"auto\": the kind of the "
+                         f"inputs); got {output!r}.")
+    if out is not None:
+        if output not in ("auto", "numpy"):
+            raise InputError(f"`output={output!r}` cannot be combined with `out=`: results "
+                             f"written into `out` are host arrays. Drop one of them.")
+        return HOST
+    leaves = _leaves(inputs)
+    kinds = {kind: a for a in reversed(leaves) if (kind := kind_of(a)) != "numpy"}
+    if len(kinds) > 1:
+        raise InputError(
+            f"The inputs mix arrays of {sorted(kinds)}; give them as one kind (the result comes "
+            f"back as that kind, on that device), e.g. convert the others with "
+            f"torch.as_tensor / jnp.asarray / tf.convert_to_tensor, or numpy.")
+    given = next(iter(kinds), "numpy")
+    kind = given if output == "auto" else output
+    if kind == "numpy":
+        return HOST
+    xp = array_ops(kind)  # (the install hint when that framework is missing)
+    device = xp.device_of(kinds[kind]) if kind in kinds else None
+    return Delivery(kind, device, native=kind == backend())
+
+
+def native_options(delivery: Delivery, backend: str, model: Any, options: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """The backend options of a native call: the backend's say on the inputs' device (torch: a
+    plain function computes where its input tensors are)."""
+    if not delivery.native or delivery.device is None:
+        return options
+    return get_backend(backend).device_options(model, delivery.device, options)
+
+
+def deliver(result: Any, delivery: Delivery) -> Any:
+    """``result`` (an array, or a tuple ``(y, J)``) as ``delivery`` says: the kind's arrays on
+    its device. Arrays of that kind already there are returned as they are."""
+    if delivery.kind == "numpy":
+        return result
+    xp = array_ops(delivery.kind)
+
+    def one(a: Any) -> Any:
+        if xp.is_native(a):
+            return a if delivery.device is None else xp.to_device(a, delivery.device)
+        return xp.from_numpy(np.asarray(a), delivery.device)
+
+    return tuple(one(a) for a in result) if isinstance(result, tuple) else one(result)
+
+
+class ChunkSink:
+    """Named chunk results of a framework's arrays kept as they come, on their device, and
+    joined along the rows by :meth:`finish` (one chunk is returned as it is)."""
+
+    def __init__(self, xp: ArrayOps, names: tuple[str, ...]) -> None:
+        self.xp = xp
+        self.parts: dict[str, list[Any]] = {name: [] for name in names}
+
+    def write(self, lo: int, hi: int, results: Mapping[str, Any]) -> None:
+        for name, parts in self.parts.items():
+            parts.append(results[name])
+
+    def finish(self, name: str) -> Any:
+        parts = self.parts[name]
+        return parts[0] if len(parts) == 1 else self.xp.concat(parts)
+
+
+def in_memory(spec: BatchSpec, y_shape: tuple[int, ...], j_shape: tuple[int, ...], out: Any,
+              with_outputs: bool) -> tuple[Any, Any]:
+    """Where chunks of an in-memory result go, and how to read the result from there:
+    ``(sink, finish)`` with ``finish() -> (y or None, J)``. Numpy: written into ``out`` or a
+    new array (:func:`batchjac._sinks.new_result`); a framework's arrays: kept on the device
+    and joined there (:class:`ChunkSink`)."""
+    if spec.xp.kind != "numpy":
+        names = ("jacobians", "outputs") if with_outputs else ("jacobians",)
+        chunks = ChunkSink(spec.xp, names)
+        return chunks, lambda: (chunks.finish("outputs") if with_outputs else None,
+                                chunks.finish("jacobians"))
+    out_j = out if out is not None else new_result(j_shape, spec.dtype)
+    out_y = new_result(y_shape, spec.dtype) if with_outputs else None
+    return ArraySink({"jacobians": out_j, "outputs": out_y}), lambda: (out_y, out_j)

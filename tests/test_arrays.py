@@ -1,0 +1,426 @@
+"""Results in the caller's array kind and device (batchjac._arrays), and the device's memory
+budget. No GPU here: the device plumbing is tested on the CPU device, named explicitly
+(torch ``device="cpu"``, JAX arrays committed to ``jax.devices("cpu")[0]``, TensorFlow tensors
+placed with ``tf.device("/CPU:0")``), and the budget selection with the device query
+monkeypatched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchjac
+from batchjac import _backends
+from batchjac._arrays import kind_of
+from batchjac._config import MIN_DEVICE_BUDGET, default_max_memory, device_budget
+from batchjac.examples import WORKLOADS, mlp_forward, mlp_jacobian, mlp_weights, workload_model
+
+from .helpers import assert_jac_close
+
+FRAMEWORKS = ("torch", "jax", "tensorflow")
+W1 = WORKLOADS["W1"]
+
+
+def _data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    x = np.random.default_rng(seed).normal(size=(n, 8)).astype(np.float32)
+    return x[:, :5].copy(), x[:, 5:].copy()
+
+
+def _reference(u: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The W1 model's outputs and Jacobians in closed form (float64), from its own weights."""
+    layers = mlp_weights(W1.sizes)
+    x = np.concatenate([u, h], -1)
+    return mlp_forward(layers, x), mlp_jacobian(layers, x)[..., :5]
+
+
+def _on_cpu(fw: str) -> tuple[Callable[[np.ndarray], Any], Any, Callable[[Any], Any]]:
+    """(numpy -> that framework's array on the explicit CPU device, the device, device of)"""
+    if fw == "torch":
+        torch = pytest.importorskip("torch")
+        dev = torch.device("cpu")
+        return (lambda a: torch.from_numpy(a).to(dev)), dev, (lambda t: t.device)
+    if fw == "jax":
+        jax = pytest.importorskip("jax")
+        dev = jax.devices("cpu")[0]
+        return (lambda a: jax.device_put(a, dev)), dev, \
+            (lambda t: next(iter(t.devices())) if t.committed else None)
+    tf = pytest.importorskip("tensorflow")
+    dev = "/job:localhost/replica:0/task:0/device:CPU:0"
+
+    def put(a: np.ndarray) -> Any:
+        with tf.device("/CPU:0"):
+            return tf.identity(tf.constant(a))
+
+    return put, dev, (lambda t: t.device)
+
+
+def _array_type(fw: str) -> type:
+    if fw == "torch":
+        import torch
+
+        return torch.Tensor
+    if fw == "jax":
+        import jax
+
+        return jax.Array
+    import tensorflow as tf
+
+    return tf.Tensor
+
+
+def _host(a: Any) -> np.ndarray:
+    return a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("chunk_size", [None, 300])  # one chunk, and 4 chunks with padding
+def test_native_in_native_out_on_the_input_device(fw: str, chunk_size: int | None) -> None:
+    put, dev, device_of = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(1000, seed=11)
+    y_ref, j_ref = _reference(u, h)
+    y_np, j_np = batchjac.jacobian(model, u, h, return_outputs=True, chunk_size=chunk_size)
+    y, jac = batchjac.jacobian(model, put(u), put(h), return_outputs=True, chunk_size=chunk_size)
+    for a in (y, jac):
+        assert isinstance(a, _array_type(fw)), type(a)
+        assert device_of(a) == dev
+        assert kind_of(a) == fw
+    assert tuple(jac.shape) == (1000, 4, 5)
+    assert tuple(y.shape) == (1000, 4)
+    np.testing.assert_array_equal(_host(jac), j_np)  # the numpy path's numbers, exactly
+    np.testing.assert_array_equal(_host(y), y_np)
+    assert_jac_close(_host(jac), j_ref)
+    assert_jac_close(_host(y), y_ref)
+    jac_only = batchjac.jacobian(model, put(u), put(h), chunk_size=chunk_size)
+    assert isinstance(jac_only, _array_type(fw))
+    assert device_of(jac_only) == dev
+    np.testing.assert_array_equal(_host(jac_only), j_np)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_native_columns_and_output_numpy(fw: str) -> None:
+    put, _, _ = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(200, seed=12)
+    x = np.concatenate([u, h], -1)
+    cols = [6, 0, 3, 1, 7]  # unknowns anywhere in the row, out of order: a gather on the device
+    full = mlp_jacobian(mlp_weights(W1.sizes), x)
+    jac = batchjac.jacobian(model, put(x), wrt=cols, chunk_size=64)
+    assert isinstance(jac, _array_type(fw))
+    assert_jac_close(_host(jac), full[..., cols])
+    forced = batchjac.jacobian(model, put(u), put(h), output="numpy")
+    assert type(forced) is np.ndarray
+    assert_jac_close(forced, _reference(u, h)[1])
+
+
+@pytest.mark.parametrize(("given", "model_fw"), [("torch", "jax"), ("jax", "torch"),
+                                                 ("tensorflow", "torch"), ("torch", "tensorflow")])
+def test_mixed_kinds_come_back_in_the_input_kind(given: str, model_fw: str) -> None:
+    put, dev, device_of = _on_cpu(given)
+    model = workload_model("W1", model_fw)
+    u, h = _data(300, seed=13)
+    y, jac = batchjac.jacobian(model, put(u), put(h), return_outputs=True)
+    for a in (y, jac):
+        assert isinstance(a, _array_type(given)), type(a)
+        assert device_of(a) == dev
+    y_ref, j_ref = _reference(u, h)
+    assert_jac_close(_host(jac), j_ref)
+    assert_jac_close(_host(y), y_ref)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_output_names_a_kind(fw: str) -> None:
+    model = workload_model("W1", "jax" if fw != "jax" else "torch")
+    u, h = _data(50, seed=14)
+    jac = batchjac.jacobian(model, u, h, output=fw)  # numpy in, that kind out
+    assert isinstance(jac, _array_type(fw))
+    assert_jac_close(_host(jac), _reference(u, h)[1])
+    # numpy in, the model's own kind out: computed natively (kept on the framework's side)
+    own = batchjac.jacobian(workload_model("W1", fw), u, h, output=fw)
+    assert isinstance(own, _array_type(fw))
+    assert_jac_close(_host(own), _reference(u, h)[1])
+
+
+def test_bad_output_and_mixed_frameworks_are_refused() -> None:
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    model = workload_model("W1", "torch")
+    u, h = _data(10, seed=15)
+    with pytest.raises(batchjac.InputError, match=r"`output` must be one of .*got 'cupy'"):
+        batchjac.jacobian(model, u, h, output="cupy")
+    with pytest.raises(batchjac.InputError, match=r"output='torch'.* cannot be combined with `out=`"):
+        batchjac.jacobian(model, u, h, output="torch", out=np.empty((10, 4, 5), np.float32))
+    with pytest.raises(batchjac.InputError, match=r"mix arrays of \['jax', 'torch'\]"):
+        batchjac.jacobian(model, torch.from_numpy(u), jnp.asarray(h))
+
+
+def test_out_takes_host_chunks_from_tensors() -> None:
+    torch = pytest.importorskip("torch")
+    model = workload_model("W1", "torch")
+    u, h = _data(100, seed=16)
+    out = np.empty((100, 4, 5), np.float32)
+    got = batchjac.jacobian(model, torch.from_numpy(u), torch.from_numpy(h), out=out, chunk_size=32)
+    assert got is out
+    assert_jac_close(out, _reference(u, h)[1])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_nan_is_found_on_the_device(fw: str) -> None:
+    put, _, _ = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(30, seed=17)
+    h[21, 1] = np.nan
+    with pytest.raises(batchjac.InputError, match=r"`known` has a non-finite value \(nan\) in row 21"):
+        batchjac.jacobian(model, put(u), put(h))
+    jac = _host(batchjac.jacobian(model, put(u), put(h), nan_policy="propagate"))
+    assert np.isnan(jac[21]).all()
+    assert np.isfinite(np.delete(jac, 21, axis=0)).all()
+
+
+def test_zero_jacobians_are_found_on_the_device() -> None:
+    tf = pytest.importorskip("tensorflow")
+    u, h = _data(40, seed=18)
+
+    @tf.function
+    def reads_known_only(x: Any) -> Any:  # gradients flow, but only zeros reach the unknowns
+        return tf.tanh(x[:, 5:] * 2.0) + 0.0 * x[:, :1]
+
+    with pytest.warns(batchjac.ZeroJacobianWarning, match="Every Jacobian entry"):
+        jac = batchjac.jacobian(reads_known_only, tf.constant(u), tf.constant(h), chunk_size=16)
+    assert isinstance(jac, tf.Tensor)
+    assert not np.any(jac.numpy())
+
+
+class _HostCopies:
+    """Counts conversions of framework arrays (more than one element) to numpy."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fw: str) -> None:
+        self.calls: list[str] = []
+        native = _array_type(fw)
+        for name in ("asarray", "array", "ascontiguousarray"):
+            real = getattr(np, name)
+
+            def spy(a: Any, *args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+                if isinstance(a, native) and int(np.prod(a.shape)) > 1:
+                    self.calls.append(f"np.{_name}")
+                return _real(a, *args, **kw)
+
+            monkeypatch.setattr(np, name, spy)
+        ops = _backends.array_ops(fw)
+        real_to_numpy = ops.to_numpy
+
+        def to_numpy(a: Any) -> np.ndarray:
+            self.calls.append(f"{fw} ops.to_numpy")
+            return real_to_numpy(a)
+
+        monkeypatch.setattr(ops, "to_numpy", to_numpy)
+        if fw == "torch":
+            import torch
+
+            for method in ("numpy", "cpu"):
+                real_method = getattr(torch.Tensor, method)
+
+                def spy_method(t: Any, *args: Any, _real: Any = real_method, _m: str = method,
+                               **kw: Any) -> Any:
+                    self.calls.append(f"Tensor.{_m}")
+                    return _real(t, *args, **kw)
+
+                monkeypatch.setattr(torch.Tensor, method, spy_method)
+        if fw == "tensorflow":
+            from tensorflow.python.framework import ops as tf_ops
+
+            real_numpy = tf_ops._EagerTensorBase.numpy
+
+            def spy_numpy(t: Any) -> Any:
+                self.calls.append("EagerTensor.numpy")
+                return real_numpy(t)
+
+            monkeypatch.setattr(tf_ops._EagerTensorBase, "numpy", spy_numpy)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("chunk_size", [None, 128])
+def test_native_path_makes_no_host_copy(fw: str, chunk_size: int | None,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    put, _, _ = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(500, seed=19)
+    tu, th = put(u), put(h)
+    # first calls: the probes read rows on the host; a new kernel's first call may time it
+    batchjac.jacobian(model, tu, th, chunk_size=chunk_size, return_outputs=True)
+    copies = _HostCopies(monkeypatch, fw)
+    # the spy sees what it should: the numpy path converts the kernel's results
+    batchjac.jacobian(model, tu, th, chunk_size=chunk_size, return_outputs=True, output="numpy")
+    assert copies.calls, "the spy saw no conversion on the numpy path: it cannot fail"
+    copies.calls.clear()
+    _y, jac = batchjac.jacobian(model, tu, th, chunk_size=chunk_size, return_outputs=True)
+    assert copies.calls == []
+    monkeypatch.undo()
+    assert_jac_close(_host(jac), _reference(u, h)[1])
+
+
+# -- the device --------------------------------------------------------------------------------
+
+def test_torch_explicit_cpu_device_and_parameterless_functions() -> None:
+    torch = pytest.importorskip("torch")
+    model = workload_model("W1", "torch")
+    u, h = _data(64, seed=20)
+    jac = batchjac.jacobian(model, torch.from_numpy(u), torch.from_numpy(h),
+                            backend_options={"device": "cpu"})
+    assert jac.device == torch.device("cpu")
+    assert_jac_close(jac.numpy(), _reference(u, h)[1])
+    be = _backends.get_backend("torch")
+    cuda = torch.device("cuda:0")  # (only named: nothing runs on it)
+    assert be.device_options(lambda x: x, cuda, {}) == {"device": cuda}
+    assert be.device_options(model, cuda, {}) == {}  # a module computes where its weights are
+    assert be.device_options(lambda x: x, cuda, {"device": "cpu"}) == {"device": "cpu"}
+
+
+def test_device_budget_rounds_half_the_free_memory_down() -> None:
+    assert device_budget(80 * 2**30) == 32 * 2**30
+    assert device_budget(80 * 2**30 + 12345) == 32 * 2**30  # stable as free memory drifts
+    assert device_budget(64 * 2**30) == 32 * 2**30
+    assert device_budget(1000) == MIN_DEVICE_BUDGET
+
+
+def test_device_budget_yields_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHJAC_MAX_MEMORY", "300MB")
+    assert default_max_memory(80 * 2**30) == 300 * 10**6
+    monkeypatch.delenv("BATCHJAC_MAX_MEMORY")
+    assert default_max_memory(80 * 2**30) == 32 * 2**30
+    assert default_max_memory(None) == default_max_memory()  # the host's
+
+
+def _plan_budget(bound: Any, spec: Any, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The memory budget plan_for gives the planner for this bound model."""
+    from batchjac import _bind
+
+    seen: list[int] = []
+    real = _bind.make_plan
+
+    def spy(**kw: Any) -> Any:
+        seen.append(kw["max_memory"])
+        return real(**kw)
+
+    monkeypatch.setattr(_bind, "make_plan", spy)
+    bound.output_shape = (4,)
+    _bind.plan_for(spec, bound, mode="auto", chunk_size=None, max_memory=None)
+    monkeypatch.setattr(_bind, "make_plan", real)
+    return seen[-1]
+
+
+def _spec() -> Any:
+    from batchjac._validate import normalize
+
+    u, h = _data(10, seed=21)
+    return normalize((u, h), wrt=None, dtype=None, nan_policy="raise")
+
+
+def _signature(spec: Any) -> Any:
+    return _backends.Signature(layout=spec.layout, dtype=spec.dtype,
+                               unknown_shape=spec.unknown_shape, ctx=spec.ctx_specs())
+
+
+def test_torch_budget_from_cuda_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from batchjac._backends.torch import TorchBound
+
+    monkeypatch.delenv("BATCHJAC_MAX_MEMORY", raising=False)
+    spec = _spec()
+    asked: list[Any] = []
+
+    def mem_get_info(device: Any) -> tuple[int, int]:
+        asked.append(device)
+        return 6 * 2**30 + 777, 16 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    on_gpu = TorchBound(lambda x: x, _signature(spec), device="cuda:0")
+    assert _plan_budget(on_gpu, spec, monkeypatch) == 2 * 2**30  # half of 6 GiB, rounded down
+    assert asked == [torch.device("cuda:0")]
+    on_cpu = TorchBound(lambda x: x, _signature(spec), device="cpu")
+    assert _plan_budget(on_cpu, spec, monkeypatch) == default_max_memory()  # the host's
+    assert len(asked) == 1  # the CPU is never asked
+
+
+class _FakeGpu:
+    platform = "gpu"
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"bytes_limit": 40 * 2**30, "bytes_in_use": 7 * 2**30}
+
+
+def test_jax_budget_from_the_default_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("jax")
+    from batchjac._backends import jax as jax_backend
+
+    monkeypatch.delenv("BATCHJAC_MAX_MEMORY", raising=False)
+    spec = _spec()
+    bound = jax_backend.JaxBound(lambda x: x, _signature(spec))
+    assert bound.device_free_memory() is None  # the CPU: the host's budget
+    assert _plan_budget(bound, spec, monkeypatch) == default_max_memory()
+    monkeypatch.setattr(jax_backend, "_default_device", lambda: _FakeGpu())
+    assert bound.device_free_memory() == 33 * 2**30
+    assert _plan_budget(bound, spec, monkeypatch) == 16 * 2**30
+
+
+def test_tensorflow_budget_from_the_visible_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    tf = pytest.importorskip("tensorflow")
+    from batchjac._backends import tensorflow as tf_backend
+
+    monkeypatch.delenv("BATCHJAC_MAX_MEMORY", raising=False)
+    assert tf_backend._gpu_free_bytes() is None  # no GPU visible here
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: ["GPU:0"])
+    monkeypatch.setattr(tf_backend, "_LIMIT", [12 * 2**30])
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info",
+                        lambda name: {"current": 2 * 2**30, "peak": 3 * 2**30})
+    assert tf_backend._gpu_free_bytes() == 10 * 2**30
+    spec = _spec()
+    bound = tf_backend.TFBound(lambda x: x, _signature(spec))
+    assert _plan_budget(bound, spec, monkeypatch) == 4 * 2**30
+
+
+_TWO_DEVICES = """
+import numpy as np, jax, batchjac
+from batchjac.examples import workload_model
+d1 = jax.devices()[1]
+x = np.random.default_rng(22).normal(size=(100, 8)).astype(np.float32)
+u, h = x[:, :5], x[:, 5:]
+model = workload_model("W1", "jax")
+ref = batchjac.jacobian(model, u, h)
+for chunk_size in (None, 30):
+    y, jac = batchjac.jacobian(model, jax.device_put(u, d1), jax.device_put(h, d1),
+                               return_outputs=True, chunk_size=chunk_size)
+    assert jac.devices() == {d1} and jac.committed and y.devices() == {d1}, jac.devices()
+    assert np.array_equal(np.asarray(jac), ref), chunk_size
+print("ok")
+"""
+
+
+def test_jax_arrays_on_another_device_are_computed_there() -> None:
+    """Two CPU devices (XLA's host platform split in a fresh process): arrays committed to the
+    second one are computed with kernels compiled for it and come back committed to it."""
+    pytest.importorskip("jax")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _TWO_DEVICES], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_numpy_known_beside_native_unknown(fw: str) -> None:
+    """A numpy `known` beside the framework's `unknown`: converted once, the result native."""
+    put, dev, device_of = _on_cpu(fw)
+    u, h = _data(90, seed=23)
+    jac = batchjac.jacobian(workload_model("W1", fw), put(u), h, chunk_size=40)
+    assert isinstance(jac, _array_type(fw))
+    assert device_of(jac) == dev
+    assert_jac_close(_host(jac), _reference(u, h)[1])
