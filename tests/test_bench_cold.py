@@ -145,11 +145,14 @@ def test_chart_with_cold_panel(synthetic: Any, tmp_path: Path) -> None:
 
 def test_cold_jobs_and_variants() -> None:
     assert run.cold_jobs(True, None) == {"W1": 1000}
-    assert run.cold_jobs(False, None) == {"W1": 1000, "W2": 10_000, "W3": 1000, "W4": 2000}
+    assert run.cold_jobs(False, None) == {"W1": 1000, "W2": 10_000, "W3": 1000, "W4": 2000,
+                                          "W6": 10_000, "W7": 100_000, "W7H": 100_000}
     assert run.cold_jobs(True, ["W3"]) == {"W3": 250}
     assert cold.native_variants("W1", "tensorflow") == [None]
     assert cold.native_variants("W2", "torch") == ["jacrev"]  # forward mode hopeless: 784 vs 10
     assert cold.native_variants("W3", "jax") == ["jacrev", "jacfwd"]
+    assert cold.native_variants("W6", "jax") == [None]  # second order: one native answer
+    assert cold.native_name("torch", None, "W7") == "trace of vmap(jacfwd(jacrev))"
     assert cold.cost_model_variant("W3") == "jacfwd"
     assert cold.cost_model_variant("W1") == "jacrev"
 

@@ -73,9 +73,59 @@ def measure(framework: str, n: int = 10_000, repeats: int = 5, warmup: int = 3) 
             "ratio": med["batchjac"] / med["baseline"], "runs": times}
 
 
+FRAMEWORKS = ("torch", "jax")
+REPEATS = 11
+
+
+def section() -> dict[str, Any]:
+    """The bench's "native arrays" section: one fresh process per framework (its own empty
+    tuning cache), :func:`measure` on W2 with N=10,000."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    rows = []
+    for fw in FRAMEWORKS:
+        with tempfile.TemporaryDirectory(prefix="batchjac-bench-cache-") as cache:
+            proc = subprocess.run([sys.executable, "-m", "batchjac._bench.arrays", fw, "10000", "--json"],
+                                  capture_output=True, text=True, timeout=1800,
+                                  env={**os.environ, "BATCHJAC_CACHE_DIR": cache, "PYTHONWARNINGS": "ignore"})
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ARRAYS-JSON ")), None)
+        rows.append(json.loads(line[len("ARRAYS-JSON "):]) if line else
+                    {"framework": fw, "error": (proc.stderr or proc.stdout)[-300:]})
+    return {"rows": rows, "markdown": markdown(rows)}
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    md = ["## Native arrays in and out: W2, N=10,000", "",
+          "The framework's own arrays into batchjac (a torch tensor, a JAX array on its default "
+          "device) against the native baseline that keeps its arrays native too (torch "
+          "`vmap(jacrev)` on the tensor; JAX `jit(vmap(jacrev))` waited for with "
+          "`block_until_ready`). batchjac's result is the framework's array (the kind column), "
+          "with no copy to the host. Medians of "
+          f"{REPEATS} interleaved calls after warm-up, one fresh process per framework.", "",
+          "| framework | batchjac result kind | batchjac | native baseline | batchjac / native |",
+          "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            md.append(f"| {r['framework']} | failed: {r['error']!r} ||||")
+            continue
+        md.append(f"| {r['framework']} | {r['result_kind']} | {r['batchjac_s'] * 1e3:.1f} ms | "
+                  f"{r['baseline_s'] * 1e3:.1f} ms | **{r['ratio']:.2f}** |")
+    md.append("")
+    return md
+
+
 if __name__ == "__main__":  # pragma: no cover - a manual look
     fw = sys.argv[1] if len(sys.argv) > 1 else "torch"
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 10_000
+    if "--json" in sys.argv:
+        import json
+
+        res = measure(fw, rows, repeats=REPEATS)
+        sys.stdout.write("ARRAYS-JSON " + json.dumps({k: v for k, v in res.items() if k != "runs"}) + "\n")
+        raise SystemExit(0)
     r = measure(fw, rows)
     print(f"{fw} W2 N={rows}: batchjac {r['batchjac_s'] * 1e3:.0f} ms, native baseline "
           f"{r['baseline_s'] * 1e3:.0f} ms, ratio {r['ratio']:.2f}x (result: {r['result_kind']})")

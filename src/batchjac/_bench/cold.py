@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from . import second as _second
+
 #: fresh processes per case (full run, quick run): the report gives medians over rounds
 FULL_ROUNDS, QUICK_ROUNDS = 3, 1
 #: calls per process in the JAX fresh-closure loop
@@ -47,10 +49,11 @@ NATIVE_NAME = {"tensorflow": "B2 batch_jacobian+XLA", "torch": "B3 vmap({})",
 
 
 def shapes(workload: str) -> tuple[int, int]:
-    """``(k, m)``: unknowns and outputs per instance."""
+    """``(k, m)``: unknowns and outputs per instance (of the model, for W6 and W7)."""
     from ..examples import WORKLOADS
+    from .second import SECOND
 
-    w = WORKLOADS[workload]
+    w = WORKLOADS[SECOND[workload].base if workload in SECOND else workload]
     k = 784 if w.kind == "cnn" else w.n_unknown
     m = w.sizes[-1] if w.kind == "mlp" else 10
     return k, m
@@ -64,14 +67,17 @@ def cost_model_variant(workload: str) -> str:
 
 def native_variants(workload: str, backend: str) -> list[str | None]:
     """The native variants timed cold: TensorFlow has one (B2); torch and JAX both jacrev and
-    jacfwd, except where forward mode is hopeless (k >= 8 m, as in the steady table)."""
-    if backend == "tensorflow":
+    jacfwd, except where forward mode is hopeless (k >= 8 m, as in the steady table); the
+    second-order workloads one each (:mod:`batchjac._bench.second`)."""
+    if backend == "tensorflow" or _second.is_second(workload):
         return [None]
     k, m = shapes(workload)
     return ["jacrev"] if k >= 8 * m else ["jacrev", "jacfwd"]
 
 
-def native_name(backend: str, variant: str | None) -> str:
+def native_name(backend: str, variant: str | None, workload: str = "W1") -> str:
+    if _second.is_second(workload):
+        return _second.native_name(workload, backend)
     return NATIVE_NAME[backend].format(variant)
 
 
@@ -79,8 +85,10 @@ def native_name(backend: str, variant: str | None) -> str:
 # in the fresh process
 
 
-def _native(backend: str, model: Any, variant: str | None) -> Callable[[np.ndarray, np.ndarray | None],
-                                                                      np.ndarray]:
+def _native(backend: str, model: Any, variant: str | None, workload: str = "W1"
+            ) -> Callable[[np.ndarray, np.ndarray | None], np.ndarray]:
+    if _second.is_second(workload):
+        return _second.native(workload, backend, model)
     if backend == "tensorflow":
         from . import tf_baselines as tfb
 
@@ -119,8 +127,11 @@ def first_call(side: str, workload: str, backend: str, n: int, *, variant: str |
     from batchjac.examples import workload_inputs, workload_model
 
     _import_baselines(backend)
-    model = workload_model(workload, backend)
-    unknown, known = workload_inputs(workload, n)
+    if _second.is_second(workload):
+        model, unknown, known = _second.model_and_inputs(workload, backend, n)
+    else:
+        model = workload_model(workload, backend)
+        unknown, known = workload_inputs(workload, n)
     data = (unknown,) if known is None else (unknown, known)
     setup_s = time.perf_counter() - t0
     out: dict[str, Any] = {"side": side, "workload": workload, "backend": backend, "n": n,
@@ -131,14 +142,19 @@ def first_call(side: str, workload: str, backend: str, n: int, *, variant: str |
         import cProfile
 
         prof = cProfile.Profile()
+    def verb(model: Any, data: tuple[np.ndarray, ...]) -> np.ndarray:
+        if _second.is_second(workload):
+            return _second.batchjac_call(workload, model, data)
+        return np.asarray(batchjac.jacobian(model, *data))
+
     if side in ("batchjac", "native"):
         built: list[Callable[[np.ndarray, np.ndarray | None], np.ndarray]] = []
 
         def call() -> np.ndarray:
             if side == "batchjac":
-                return np.asarray(batchjac.jacobian(model, *data))
+                return verb(model, data)
             if not built:  # building the native function is part of its first call
-                built.append(_native(backend, model, variant))
+                built.append(_native(backend, model, variant, workload))
             return built[0](unknown, known)
 
         start = time.perf_counter()
@@ -157,10 +173,9 @@ def first_call(side: str, workload: str, backend: str, n: int, *, variant: str |
         from .worker import Case, settle
 
         start = time.perf_counter()
-        jac = np.asarray(batchjac.jacobian(model, *data))
+        jac = verb(model, data)
         out["first_s"] = time.perf_counter() - start
-        out["settle"] = settle(Case("batchjac", lambda: batchjac.jacobian(model, *data), "batchjac"),
-                               model)
+        out["settle"] = settle(Case("batchjac", lambda: verb(model, data), "batchjac"), model)
     elif side in ("batchjac-loop", "native-loop"):
         if backend != "jax":
             raise SystemExit("the fresh-closure loop is a JAX case")
@@ -198,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("side", choices=["batchjac", "native", "batchjac-settle", "batchjac-loop",
                                     "native-loop"])
-    p.add_argument("workload", choices=["W1", "W2", "W3", "W4"])
+    p.add_argument("workload", choices=["W1", "W2", "W3", "W4", *_second.SECOND])
     p.add_argument("backend", choices=["tensorflow", "torch", "jax"])
     p.add_argument("n", type=int)
     p.add_argument("--variant", choices=["jacrev", "jacfwd"], default=None,
@@ -292,7 +307,7 @@ def measure_round(workload: str, backend: str, n: int, *, timeout: float = 900,
                              command("batchjac", workload, backend, n, check=bj_check), cache)
         errs = {}
         for variant in native_variants(workload, backend):
-            name = native_name(backend, variant)
+            name = native_name(backend, variant, workload)
             path = os.path.join(check, f"native-{variant}.npy" if variant else "native.npy")
             rnd["native"][name] = res = go(name, command("native", workload, backend, n,
                                                          variant=variant, check=path), cache)
@@ -304,7 +319,7 @@ def measure_round(workload: str, backend: str, n: int, *, timeout: float = 900,
                                     "calls until no race is due: fills the cache")
         rnd["batchjac_warm"] = go("batchjac (warm cache)", command("batchjac", workload, backend, n),
                                   cache, "the same directory again: warm cache")
-        if backend == "jax":
+        if backend == "jax" and not _second.is_second(workload):
             ok = {k: v for k, v in rnd["native"].items() if "error" not in v}
             best = min(ok, key=lambda k: ok[k]["first_s"]) if ok else native_name(
                 backend, cost_model_variant(workload))

@@ -69,7 +69,44 @@ def _plan_log(lines: list[str]) -> Iterator[None]:
         log.setLevel(level)
 
 
+def build_second_cases(workload: str, backend: str, n: int) -> tuple[list[Case], dict[str, Any]]:
+    """W6, W7, W7H: batchjac's Hessian or Laplacian beside the framework's native answer
+    (:mod:`batchjac._bench.second`), and the forward pass."""
+    from . import second
+
+    sw = second.SECOND[workload]
+    model, unknown, known = second.model_and_inputs(workload, backend, n)
+    data = (unknown,) if known is None else (unknown, known)
+    nat = second.native(workload, backend, model)
+    fwd: Callable[[np.ndarray, np.ndarray | None], np.ndarray]
+    if backend == "tensorflow":
+        from . import tf_baselines
+
+        fwd = tf_baselines.xla_forward(model)
+    elif backend == "torch":
+        from . import torch_baselines
+
+        fwd = torch_baselines.forward(model)
+    else:
+        from . import jax_baselines
+
+        fwd = jax_baselines.forward(model)
+    cases = [Case("batchjac", lambda: second.batchjac_call(workload, model, data), "batchjac"),
+             Case(second.native_name(workload, backend), lambda: nat(unknown, known), "expert"),
+             Case("F forward", lambda: fwd(unknown, known), "forward")]
+    from batchjac.examples import WORKLOADS
+
+    meta = {"workload": workload, "backend": backend, "n": n, "k": int(unknown[0].size),
+            "m": WORKLOADS[sw.base].sizes[-1], "order": 2, "kind": sw.kind,
+            "description": sw.description, "model": model}
+    return cases, meta
+
+
 def build_cases(workload: str, backend: str, n: int, loop_rows: int) -> tuple[list[Case], dict[str, Any]]:
+    from . import second
+
+    if second.is_second(workload):
+        return build_second_cases(workload, backend, n)
     import batchjac
     from batchjac.examples import WORKLOADS, workload_inputs, workload_model
 
@@ -189,7 +226,7 @@ def measure(workload: str, backend: str, n: int, repeats: int, loop_rows: int,
             continue
         res = results[c.name].astype(np.float64)
         errors[c.name] = float(np.abs(res - ref[: res.shape[0]]).max() / scale)
-    m = int(np.prod(results[best.name].shape[1:], dtype=np.int64)) // meta["k"]
+    m = meta.pop("m", None) or int(np.prod(results[best.name].shape[1:], dtype=np.int64)) // meta["k"]
     return {
         **meta,
         "m": m,

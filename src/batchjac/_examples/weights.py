@@ -23,6 +23,8 @@ WORKLOADS: dict[str, Workload] = {
     "W2": Workload("W2", "mlp", (784, 256, 256, 10), 784, "wide-in: MLP 784-256-256-10"),
     "W3": Workload("W3", "mlp", (8, 256, 256, 512), 4, "wide-out: MLP 8-256-256-512, 4 + 4"),
     "W4": Workload("W4", "cnn", (28, 28, 1), 784, "conv: 28x28x1, conv16, conv32, dense 10"),
+    # the second-order workloads' own model (W6 uses W1's): a PINN-style MLP, every input unknown
+    "W7": Workload("W7", "mlp", (3, 128, 128, 128, 1), 3, "PINN: MLP 3-128-128-128-1"),
 }
 
 #: CNN layout shared by every framework: 3x3 'valid' convolutions with stride 2, tanh.

@@ -10,7 +10,8 @@ from .errors import guard
 from .options import CONTEXT
 
 #: the extra sections of a full run, and the modules of batchjac._bench that hold them
-SECTIONS = {"memory": "memory", "w5": "w5", "solve": "solve_bench", "dask": "dask_bench"}
+SECTIONS = {"memory": "memory", "w5": "w5", "w8": "w8", "arrays": "arrays", "solve": "solve_bench",
+            "dask": "dask_bench"}
 
 
 @click.command("bench", context_settings=CONTEXT)
@@ -19,7 +20,8 @@ SECTIONS = {"memory": "memory", "w5": "w5", "solve": "solve_bench", "dask": "das
               help="Markdown report to write; the PNG chart goes beside it.")
 @click.option("--backend", "backends", multiple=True, type=click.Choice(["tensorflow", "torch", "jax"]),
               help="Only these backends (repeatable); default: every installed one.")
-@click.option("--workload", "workloads", multiple=True, type=click.Choice(["W1", "W2", "W3", "W4"]),
+@click.option("--workload", "workloads", multiple=True,
+              type=click.Choice(["W1", "W2", "W3", "W4", "W6", "W7", "W7H"]),
               help="Only these workloads (repeatable).")
 @click.option("--skip", "skipped", multiple=True, type=click.Choice(list(SECTIONS)),
               help="Leave out an extra section of the full run (repeatable).")
@@ -31,9 +33,11 @@ def bench(quick: bool, output: str, backends: tuple[str, ...], workloads: tuple[
           skipped: tuple[str, ...], cold: bool, only_cold: bool) -> None:
     """Time batchjac beside the hand-written baselines and write BENCHMARKS.md.
 
-    The full run adds, after W1-W4: out-of-core memory (W2, N=100,000), W5 (10M rows streamed
-    to Zarr), the solver against scipy, and Dask against the local path. --quick runs W1-W4
-    only, on smaller batches."""
+    W6, W7 and W7H are second order (Hessians, a Laplacian). The full run adds, after
+    W1-W7H: out-of-core memory (W2, N=100,000), W5 (10M rows streamed to Zarr), W8 (10M
+    Hessians streamed to Zarr), native arrays in and out (W2), the solver against scipy,
+    and Dask against the local path.
+    --quick runs W1-W7H only, on smaller batches."""
     import importlib
     from pathlib import Path
 

@@ -1,0 +1,74 @@
+"""The second-order bench (W6, W7, W7H, W8): its native baselines compute the right thing in
+every framework (against float64 central differences of the closed-form Jacobian, no framework
+involved), and its reports render from synthetic results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from batchjac._bench import second, w8
+from batchjac._bench.run import summarise
+from batchjac.examples import WORKLOADS, mlp_jacobian, mlp_weights
+
+BACKENDS = ["tensorflow", "torch", "jax"]
+
+
+def _reference_hessian(base: str, unknown: np.ndarray, known: np.ndarray | None) -> np.ndarray:
+    """``(N, m, k, k)``: central differences (float64) of the analytic Jacobian."""
+    w = WORKLOADS[base]
+    layers = mlp_weights(w.sizes)
+    x = unknown.astype(np.float64) if known is None else \
+        np.concatenate([unknown, known], axis=1).astype(np.float64)
+    k, eps = unknown.shape[1], 1e-5
+    cols = []
+    for j in range(k):
+        step = np.zeros_like(x)
+        step[:, j] = eps
+        d = (mlp_jacobian(layers, x + step) - mlp_jacobian(layers, x - step)) / (2 * eps)
+        cols.append(d[:, :, :k])  # d J[:, :, :k] / d x_j
+    return np.stack(cols, axis=-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("workload", ["W6", "W7", "W7H"])
+def test_native_baselines_compute_the_hessian_or_laplacian(workload: str, backend: str) -> None:
+    pytest.importorskip(backend)
+    model, unknown, known = second.model_and_inputs(workload, backend, 6)
+    got = second.native(workload, backend, model)(unknown, known)
+    ref = _reference_hessian(second.SECOND[workload].base, unknown, known)
+    if second.SECOND[workload].kind == "laplacian":
+        ref = np.trace(ref, axis1=-2, axis2=-1)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4 * np.abs(ref).max())
+
+
+def test_second_order_rows_have_no_first_order_bound() -> None:
+    res = {"workload": "W6", "backend": "jax", "n": 10, "k": 5, "m": 4, "order": 2,
+           "best_expert": "jit(vmap(hessian))",
+           "cases": [{"name": "batchjac", "role": "batchjac", "median_s": 0.002, "compile_s": 0.1,
+                      "max_rel_err_vs_best": 1e-7},
+                     {"name": "jit(vmap(hessian))", "role": "expert", "median_s": 0.004,
+                      "compile_s": 0.1, "max_rel_err_vs_best": 0.0},
+                     {"name": "F forward", "role": "forward", "median_s": 0.0001, "compile_s": 0.0,
+                      "max_rel_err_vs_best": None}],
+           "peak_rss_mb_after_batchjac": 100.0}
+    s = summarise(res)
+    assert s["bound"] is None
+    assert s["ratio_best"] == pytest.approx(0.5)
+
+
+def test_w8_report_states_memory_growth_and_the_crash_test() -> None:
+    rows = [{"n": 1_000_000, "seconds": 10.0, "rows_per_second": 1e5, "peak_rss_mb": 900.0,
+             "store_mb": 400.0, "check": {"max_rel_err": 1e-7, "rows_checked": 500}},
+            {"n": 10_000_000, "seconds": 100.0, "rows_per_second": 1e5, "peak_rss_mb": 990.0,
+             "store_mb": 4000.0, "check": {"max_rel_err": 2e-7, "rows_checked": 500}}]
+    md = "\n".join(w8.markdown(rows, {"killed_after_chunks": 3, "landed": True,
+                                      "resume_seconds": 6.0, "identical": True}))
+    assert "(1.10x for 10x the rows)" in md
+    assert "SIGKILL after 3 recorded chunks" in md
+    assert "**byte-identical**" in md
+    bad = "\n".join(w8.markdown(rows, {"killed_after_chunks": 0, "landed": False,
+                                       "resume_seconds": 6.0, "identical": False}))
+    assert "mid-run: NO" in bad
+    assert "**DIFFERENT**" in bad
