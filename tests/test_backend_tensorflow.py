@@ -206,7 +206,10 @@ def test_output_computed_outside_tensorflow_is_explained() -> None:
     def predict_inside(x: Any) -> Any:
         return tf.constant(model.predict(x, verbose=0))
 
-    with pytest.raises(batchjac.ModelError, match="model"):
+    # model.predict inside the traced function: the same pitfall, named as such (it once came
+    # back as a bare "Calling the model failed: AttributeError: ... no attribute 'numpy'")
+    with pytest.raises(batchjac.ModelError, match=r"It leaves TensorFlow \(\.numpy\(\), numpy functions or "
+                                                  r"model\.predict\), so gradients cannot flow"):
         batchjac.jacobian(predict_inside, x, backend="tensorflow")
 
 
