@@ -60,7 +60,6 @@ def _no_siblings() -> None:
 #: framework that failed to install, a module skipped whole) fails the run, so that a green
 #: ``make test`` means every promise was tested
 EXPECTED_SKIPS = {
-    "root reads every file": "tests/test_io.py: a file the OS refuses to open; root opens any",
     "root writes into read-only directories": "tests/test_tunecache.py: the chmod variant; "
                                               "its regular-file variant runs for root too",
 }
