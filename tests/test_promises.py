@@ -282,3 +282,69 @@ def test_exit_7_when_the_output_directory_cannot_be_written(files: dict[str, Any
     assert "batchjac compute: error:" in child.stderr
     assert "Traceback" not in child.stderr
     assert not list(locked.iterdir())
+
+
+# -- --backend ---------------------------------------------------------------------------------------
+# numpy's ufunc on a torch tensor (the numpy model run as torch) warns through torch
+@pytest.mark.filterwarnings("ignore:__array_wrap__ must accept context:DeprecationWarning")
+def test_cli_backend_overrides_detection(files: dict[str, Any]) -> None:
+    """--backend torch on a numpy model: the model is run as a torch model (and refused, exit 5,
+    naming torch), not detected as the numpy model it is."""
+    pytest.importorskip("torch")
+    result = compute(files, "--backend", "torch", "-q")
+    assert result.exit_code == 5, result.output
+    assert "not a torch tensor" in result.stderr
+    assert compute(files, "-q", out="detected.zarr").exit_code == 0
+
+
+# -- solve and propagate: chunked against whole, both against closed forms ----------------------------
+def test_solve_in_chunks_equals_whole_and_fits_the_targets() -> None:
+    rng = np.random.default_rng(17)
+    x = rng.uniform(-0.5, 0.5, (40, 3))
+    h = rng.normal(size=(40, 3))
+    targets = F(np.concatenate([x, h], 1))
+    x0 = x + 0.05 * rng.normal(size=x.shape)
+    whole = batchjac.solve(MODEL, targets, h, x0=x0)
+    chunked = batchjac.solve(MODEL, targets, h, x0=x0, chunk_size=7)
+    for res in (whole, chunked):
+        assert res.success.all(), res.status_names
+        # the reference: the model's own outputs at the solution are the targets
+        np.testing.assert_allclose(F(np.concatenate([res.x, h], 1)), targets, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(chunked.x, whole.x, rtol=1e-10, atol=1e-12)
+
+
+def test_propagate_linear_into_out_arrays_in_chunks(tmp_path: Path) -> None:
+    mu = data(50, 18)
+    sigma = np.diag([0.1, 0.2, 0.05, 0.3, 0.1, 0.2]) ** 2
+    mean_out = np.lib.format.open_memmap(tmp_path / "mean.npy", mode="w+", dtype=np.float64, shape=(50, M))
+    cov_out = np.lib.format.open_memmap(tmp_path / "cov.npy", mode="w+", dtype=np.float64, shape=(50, M, M))
+    batchjac.propagate(MODEL, mu, cov=sigma, chunk_size=8, out=(mean_out, cov_out))
+    mean_out.flush()
+    cov_out.flush()
+    j = JAC(mu)
+    np.testing.assert_allclose(np.load(tmp_path / "mean.npy"), F(mu), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.load(tmp_path / "cov.npy"), j @ sigma @ j.transpose(0, 2, 1),
+                               rtol=1e-10, atol=1e-14)
+    with pytest.raises(batchjac.InputError,
+                       match=r"`out` .* has shape \(50, 3, 2\); it must be \(50, 3, 3\)"):
+        batchjac.propagate(MODEL, mu, cov=sigma, out=(np.empty((50, M)), np.empty((50, M, 2))))
+
+
+def test_propagate_monte_carlo_does_not_depend_on_chunking() -> None:
+    """Monte Carlo samples are seeded by ``seed`` and the instance index: chunked runs give the
+    same numbers, and for small input noise they approach the linearisation J S J^T."""
+    mu = data(12, 19)
+    std = 0.01
+    kw = {"std": std, "method": "monte_carlo", "n_samples": 4000, "seed": 3}
+    whole = batchjac.propagate(MODEL, mu, **kw)
+    chunked = batchjac.propagate(MODEL, mu, chunk_size=5, **kw)
+    np.testing.assert_allclose(chunked.mean, whole.mean, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(chunked.cov, whole.cov, rtol=1e-10, atol=1e-16)
+    j = JAC(mu)
+    linear = std**2 * j @ j.transpose(0, 2, 1)
+    var = np.diagonal(whole.cov, axis1=1, axis2=2)
+    # sampling error of a variance from 4,000 samples: sqrt(2 / 4000) ~ 2.2%; 4 sigma
+    np.testing.assert_allclose(var, np.diagonal(linear, axis1=1, axis2=2), rtol=0.09)
+    np.testing.assert_allclose(whole.mean, F(mu), atol=4 * std * np.abs(j).sum(-1).max() / np.sqrt(4000))
+    different = batchjac.propagate(MODEL, mu, **{**kw, "seed": 4})
+    assert not np.allclose(different.cov, whole.cov, rtol=1e-6)
