@@ -59,3 +59,16 @@ def race_now(monkeypatch: Any) -> None:
     import batchjac._tuning
 
     monkeypatch.setattr(batchjac._tuning, "worth", lambda *args, **kwargs: True)
+
+
+def without_dac_capabilities() -> None:  # pragma: no cover (runs in a child, before exec)
+    """A ``preexec_fn`` for tests of permission errors that must run as root too (CI runs as
+    root, which reads and writes any file through CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH):
+    drops both from the bounding set, so the program exec'd next runs as root without them
+    and the kernel refuses it what it refuses any user."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")

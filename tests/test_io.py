@@ -15,6 +15,8 @@ from batchjac._io import InputFileError, Reader, open_input, split_key
 from batchjac._spec import BatchSpec
 from batchjac._validate import normalize
 
+from .helpers import without_dac_capabilities
+
 h5py = pytest.importorskip("h5py")
 zarr = pytest.importorskip("zarr")
 pa = pytest.importorskip("pyarrow")
@@ -161,17 +163,6 @@ def _truncated_npy() -> bytes:
     return buf.getvalue()[:-64]
 
 
-def _without_dac_capabilities() -> None:  # pragma: no cover (runs in the child, before exec)
-    """Drop CAP_DAC_OVERRIDE (1) and CAP_DAC_READ_SEARCH (2) from the bounding set: the program
-    exec'd next runs as root without the capabilities that let root read any file."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
-
-
 def test_unreadable_file(tmp_path: Path) -> None:
     """A file the OS refuses to open is named as not readable. Root reads any file through its
     DAC capabilities, so as root (CI) the same check runs in a child process that has dropped
@@ -189,7 +180,7 @@ def test_unreadable_file(tmp_path: Path) -> None:
     code = ("import sys\nfrom batchjac._errors import InputFileError\nfrom batchjac._io import open_input\n"
             "try:\n    open_input(sys.argv[1])\nexcept InputFileError as e:\n    print('refused:', e)\n")
     child = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
-                           preexec_fn=_without_dac_capabilities, timeout=120, check=False)
+                           preexec_fn=without_dac_capabilities, timeout=120, check=False)
     assert child.returncode == 0, child.stderr
     assert "x.npy' is not readable (permission denied)" in child.stdout, child.stdout + child.stderr
 

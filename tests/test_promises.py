@@ -23,6 +23,8 @@ import batchjac
 from batchjac._plan import bytes_per_row, make_plan
 from batchjac.cli import cli
 
+from .helpers import without_dac_capabilities
+
 D, M = 6, 3
 MODEL_SOURCE = '''
 import numpy as np
@@ -254,15 +256,6 @@ def test_exit_6_for_a_store_of_another_job(files: dict[str, Any]) -> None:
     assert (files["dir"] / "foreign.zarr").read_text() == "somebody's file\n"
 
 
-def _without_dac_capabilities() -> None:  # pragma: no cover (runs in the child, before exec)
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH: root writes anywhere through them
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
-
-
 def test_exit_7_when_the_output_directory_cannot_be_written(files: dict[str, Any]) -> None:
     """Permission denied, for real: a read-only directory, and (as root, which writes anywhere)
     a child process without the capabilities that let it."""
@@ -274,7 +267,7 @@ def test_exit_7_when_the_output_directory_cannot_be_written(files: dict[str, Any
             [sys.executable, "-m", "batchjac", "compute", files["model"], "-i", files["inputs"], "-o",
              str(locked / "j.zarr"), "-q"],
             capture_output=True, text=True, timeout=300, check=False,
-            preexec_fn=_without_dac_capabilities if os.geteuid() == 0 else None,
+            preexec_fn=without_dac_capabilities if os.geteuid() == 0 else None,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     finally:
         locked.chmod(0o755)
