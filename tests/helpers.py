@@ -61,14 +61,26 @@ def race_now(monkeypatch: Any) -> None:
     monkeypatch.setattr(batchjac._tuning, "worth", lambda *args, **kwargs: True)
 
 
-def without_dac_capabilities() -> None:  # pragma: no cover (runs in a child, before exec)
-    """A ``preexec_fn`` for tests of permission errors that must run as root too (CI runs as
-    root, which reads and writes any file through CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH):
-    drops both from the bounding set, so the program exec'd next runs as root without them
-    and the kernel refuses it what it refuses any user."""
-    import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+_DROP_AND_EXEC = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def without_dac_capabilities(argv: list[str]) -> list[str]:
+    """``argv`` for tests of permission errors that must run as root too (CI runs as root,
+    which reads and writes any file through CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH): as
+    root, a small Python drops both from its bounding set and execs ``argv``, which then runs
+    as root without them, refused what any user is refused. (A ``preexec_fn`` would fork this
+    process, which JAX, once imported, warns against.) Unchanged for other users."""
+    import os
+    import sys
+
+    if os.geteuid() != 0:
+        return argv
+    return [sys.executable, "-c", _DROP_AND_EXEC, *argv]

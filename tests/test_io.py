@@ -179,8 +179,8 @@ def test_unreadable_file(tmp_path: Path) -> None:
         return
     code = ("import sys\nfrom batchjac._errors import InputFileError\nfrom batchjac._io import open_input\n"
             "try:\n    open_input(sys.argv[1])\nexcept InputFileError as e:\n    print('refused:', e)\n")
-    child = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
-                           preexec_fn=without_dac_capabilities, timeout=120, check=False)
+    child = subprocess.run(without_dac_capabilities([sys.executable, "-c", code, str(path)]),
+                           capture_output=True, text=True, timeout=120, check=False)
     assert child.returncode == 0, child.stderr
     assert "x.npy' is not readable (permission denied)" in child.stdout, child.stdout + child.stderr
 

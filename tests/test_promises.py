@@ -264,10 +264,9 @@ def test_exit_7_when_the_output_directory_cannot_be_written(files: dict[str, Any
     locked.chmod(0o555)
     try:
         child = subprocess.run(
-            [sys.executable, "-m", "batchjac", "compute", files["model"], "-i", files["inputs"], "-o",
-             str(locked / "j.zarr"), "-q"],
+            without_dac_capabilities([sys.executable, "-m", "batchjac", "compute", files["model"], "-i",
+                                      files["inputs"], "-o", str(locked / "j.zarr"), "-q"]),
             capture_output=True, text=True, timeout=300, check=False,
-            preexec_fn=without_dac_capabilities if os.geteuid() == 0 else None,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     finally:
         locked.chmod(0o755)

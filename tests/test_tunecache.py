@@ -335,9 +335,8 @@ def test_a_read_only_directory_warns_once(cache_env: Path) -> None:
             print(len(caught), [str(w.message) for w in caught])
         """
         environ = {**os.environ, "PYTHONPATH": SRC, "BATCHJAC_CACHE_DIR": str(cache_env)}
-        child = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ,
-                               capture_output=True, text=True, timeout=120, check=False,
-                               preexec_fn=without_dac_capabilities)
+        child = subprocess.run(without_dac_capabilities([sys.executable, "-c", textwrap.dedent(code)]),
+                               env=environ, capture_output=True, text=True, timeout=120, check=False)
         assert child.returncode == 0, child.stderr
         assert child.stdout.startswith("1 "), child.stdout  # one warning for both writes
         assert "cannot write" in child.stdout, child.stdout
