@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # torch to the CPU build (a bare `torch` would pull a multi-GB CUDA build).
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench bench-quick clean
+.PHONY: install demo test lint bench bench-quick mutate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,15 @@ lint: install
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
 
+# branch coverage of the package (settings and the threshold in pyproject.toml [tool.coverage])
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest --cov=batchjac --cov-branch --cov-report=term:skip-covered
+
+# mutation testing of the core modules with their own tests ([tool.mutmut]); CPU heavy, not in
+# CI: `mutmut results` lists the survivors, `mutmut show NAME` one of them
+mutate: install
+	$(VENV)/bin/mutmut run
+	$(VENV)/bin/mutmut results
 
 bench: install
 	$(VENV)/bin/batchjac bench --output BENCHMARKS.md
@@ -33,4 +40,4 @@ bench-quick: install
 	$(VENV)/bin/batchjac bench --quick --output bench-out/BENCHMARKS-quick.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) mutants .coverage build *.egg-info src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

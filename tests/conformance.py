@@ -172,7 +172,12 @@ class BackendConformance:
         whole = self.jac(model, x[:, :5], x[:, 5:], mode=mode)
         y, parts = self.jac(model, x[:, :5], x[:, 5:], mode=mode, chunk_size=10, return_outputs=True)
         np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-6)
+        # both against the closed form, and the outputs too (the last chunk of 3 rows is padded)
+        layers = mlp_weights(SEED_SIZES)
+        assert_jac_close(parts, mlp_jacobian(layers, x)[:, :, :5])
+        assert_jac_close(whole, mlp_jacobian(layers, x)[:, :, :5])
         assert y.shape == (103, 4)
+        np.testing.assert_allclose(y, mlp_forward(layers, x), rtol=1e-4, atol=1e-5)
 
     def test_out_memmap(self, tmp_path: Any) -> None:
         model = self.mlp(SEED_SIZES, "float32")

@@ -175,7 +175,8 @@ class ResumableStoreConformance:
     def test_unknown_directory_never_deleted(self, kind: StoreKind, out: Path) -> None:
         out.mkdir()
         (out / "notes.txt").write_text("keep me\n")
-        with pytest.raises(StoreExistsError):
+        with pytest.raises(StoreExistsError, match=r"is a directory batchjac did not make; it will not "
+                                                   r"delete it, even with overwrite"):
             kind.run(out, overwrite=True)
         assert (out / "notes.txt").read_text() == "keep me\n"
 

@@ -17,7 +17,17 @@ pytest.importorskip("tensorflow")
 
 import batchjac  # noqa: E402
 from batchjac._dask import make_client  # noqa: E402
-from batchjac.examples import seed_model, workload_inputs, workload_model  # noqa: E402
+from batchjac.examples import (  # noqa: E402
+    WORKLOADS,
+    mlp_forward,
+    mlp_jacobian,
+    mlp_weights,
+    seed_model,
+    workload_inputs,
+    workload_model,
+)
+
+from .helpers import assert_jac_close  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     # distributed's own shutdown chatter (ports, nanny kills) is not under test
@@ -25,6 +35,30 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore::DeprecationWarning",
     "ignore:.*Port .* is already in use.*:UserWarning",
 )
+
+
+def closed_form(name: str, unknown: np.ndarray, known: np.ndarray | None = None) -> tuple[Any, Any]:
+    """(outputs, Jacobians) of workload ``name`` from its weights in float64: the reference the
+    cluster's results are held to, independent of batchjac's local path."""
+    x = np.asarray(unknown if known is None else np.concatenate([unknown, known], 1), np.float64)
+    layers = mlp_weights(WORKLOADS[name].sizes)
+    if x.shape[1] <= 16:
+        return mlp_forward(layers, x), mlp_jacobian(layers, x)[:, :, : unknown.shape[1]]
+    # wide inputs (W2, 784 columns): the chain rule from the output side, W3^T D2 W2^T D1 W1^T
+    # with (N, 10, width) products; mlp_jacobian's input-side product would hold (N, 256, 784)
+    hidden, h = [], x
+    for w, b in layers[:-1]:
+        h = np.tanh(h @ w + b)
+        hidden.append(h)
+    jac = np.broadcast_to(layers[-1][0].T, (x.shape[0], *layers[-1][0].T.shape))
+    for (w, _), a in zip(reversed(layers[:-1]), reversed(hidden)):
+        scaled = jac * (1 - a**2)[:, None, :]
+        jac = (scaled.reshape(-1, w.shape[1]) @ w.T).reshape(*scaled.shape[:2], w.shape[0])  # one GEMM
+    return mlp_forward(layers, x), jac[:, :, : unknown.shape[1]]
+
+
+def assert_outputs_close(y: Any, ref: Any) -> None:
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-4, atol=1e-6 * np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +72,8 @@ def client() -> Any:
 def test_numpy_inputs_with_client_equal_local(client: Any) -> None:
     model = seed_model("tensorflow")
     unknown, known = workload_inputs("W1", 3000, seed=3)
-    local = batchjac.jacobian(model, unknown, known)
     remote = batchjac.jacobian(model, unknown, known, client=client, rows_per_task=700)
-    np.testing.assert_allclose(remote, local, rtol=1e-5, atol=1e-6)
+    assert_jac_close(remote, closed_form("W1", unknown, known)[1], dtype=np.float32)
 
 
 def test_dask_arrays_give_lazy_result(client: Any) -> None:
@@ -51,10 +84,10 @@ def test_dask_arrays_give_lazy_result(client: Any) -> None:
     assert isinstance(jac, da.Array)
     assert jac.chunks[0] == du.chunks[0]
     assert jac.shape == (2500, 4, 5)
-    ly, lj = batchjac.jacobian(model, unknown, known, return_outputs=True)
+    ly, lj = closed_form("W1", unknown, known)
     cy, cj = client.compute([y, jac], sync=True)
-    np.testing.assert_allclose(cj, lj, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(cy, ly, rtol=1e-5, atol=1e-6)
+    assert_jac_close(cj, lj, dtype=np.float32)
+    assert_outputs_close(cy, ly)
 
 
 def test_model_is_compiled_once_per_worker(client: Any) -> None:
@@ -85,23 +118,30 @@ def test_model_is_compiled_once_per_worker(client: Any) -> None:
 def test_worker_killed_mid_run_loses_nothing(client: Any) -> None:
     model = workload_model("W2", "tensorflow")
     x, _ = workload_inputs("W2", 6000, seed=6)
-    local = batchjac.jacobian(model, x)
     victim = next(iter(client.run(os.getpid).values()))
 
     def finished_blocks(dask_scheduler: Any) -> int:
         return sum(ts.state == "memory" and "_block" in str(ts.key) for ts in dask_scheduler.tasks.values())
 
+    returned = threading.Event()
+    at_kill: dict[str, Any] = {}
+
     def kill_mid_run() -> None:  # once a few blocks are done, SIGKILL one worker process
         deadline = time.time() + 60
-        while client.run_on_scheduler(finished_blocks) < 3 and time.time() < deadline:
+        while (done := client.run_on_scheduler(finished_blocks)) < 3 and time.time() < deadline:
             time.sleep(0.05)
+        at_kill.update(done=done, returned=returned.is_set())
         os.kill(victim, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_mid_run)
     killer.start()
     remote = batchjac.jacobian(model, x, client=client, rows_per_task=200)
+    returned.set()
     killer.join()
-    np.testing.assert_allclose(remote, local, rtol=1e-5, atol=1e-6)
+    # the kill landed mid-run: some of the 30 blocks were done, the call had not returned
+    assert not at_kill["returned"], at_kill
+    assert 3 <= at_kill["done"] < 30, at_kill
+    assert_jac_close(remote, closed_form("W2", x)[1], dtype=np.float32)
     client.wait_for_workers(2, timeout=60)  # the nanny restarted it
     assert victim not in client.run(os.getpid).values()  # it really died
 
@@ -115,9 +155,9 @@ def test_workers_write_the_store(client: Any, tmp_path: Any) -> None:
                             client=client, return_outputs=True)
     assert (res.computed_chunks, res.resumed_chunks) == (5, 0)
     stored = zarr.open_group(str(tmp_path / "d.zarr"), mode="r")
-    y, jac = batchjac.jacobian(model, unknown, known, return_outputs=True)
-    np.testing.assert_allclose(stored["jacobians"][:], jac, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(stored["outputs"][:], y, rtol=1e-5, atol=1e-6)
+    y, jac = closed_form("W1", unknown, known)
+    assert_jac_close(stored["jacobians"][:], jac, dtype=np.float32)
+    assert_outputs_close(stored["outputs"][:], y)
     # the same job again: nothing to do
     again = batchjac.jacobian(model, unknown, known, out=str(tmp_path / "d.zarr"), chunk_size=1000,
                               client=client, return_outputs=True)
@@ -129,10 +169,6 @@ def test_a_cancelled_chunk_task_is_submitted_again(client: Any, tmp_path: Any,
     """The scheduler may drop a task ("cancelled ... already forgotten", seen once on a
     starved machine): the store run submits that chunk once more instead of failing."""
     import zarr
-
-    from batchjac.examples import mlp_jacobian, mlp_weights
-
-    from .conformance import SEED_SIZES
 
     submit, cancelled = client.submit, []
 
@@ -149,9 +185,8 @@ def test_a_cancelled_chunk_task_is_submitted_again(client: Any, tmp_path: Any,
                             chunk_size=250, client=client)
     assert len(cancelled) == 1
     assert (res.computed_chunks, res.resumed_chunks) == (4, 0)
-    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
     stored = zarr.open_group(str(tmp_path / "c.zarr"), mode="r")["jacobians"][:]
-    np.testing.assert_allclose(stored, ref, rtol=1e-4, atol=1e-6)
+    assert_jac_close(stored, closed_form("W1", unknown, known)[1], dtype=np.float32)
 
 
 def test_interrupted_cluster_run_resumes(client: Any, tmp_path: Any) -> None:
@@ -179,17 +214,20 @@ def test_interrupted_cluster_run_resumes(client: Any, tmp_path: Any) -> None:
         if done_dir.exists() and len(list(done_dir.glob("*.json"))) >= 3:
             break
         time.sleep(0.05)
+    assert proc.poll() is None, f"the driving process ended by itself (exit {proc.returncode})"
     proc.kill()  # SIGKILL the process that drove the run, mid-run
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL
     assert not out.exists(), "the run finished before it could be interrupted"
     model = workload_model("W2", "tensorflow")
     res = batchjac.jacobian(model, x, out=str(out), chunk_size=100, client=client)
+    # the kill landed mid-run: some chunks were kept, some were left to compute
     assert res.resumed_chunks >= 3
+    assert res.computed_chunks > 0
     assert res.resumed_chunks + res.computed_chunks == 40
     import zarr
 
     stored = zarr.open_group(str(out), mode="r")["jacobians"][:]
-    np.testing.assert_allclose(stored, batchjac.jacobian(model, x), rtol=1e-5, atol=1e-6)
+    assert_jac_close(stored, closed_form("W2", x)[1], dtype=np.float32)
 
 
 def test_cli_compute_on_a_scheduler(client: Any, tmp_path: Any) -> None:
@@ -209,7 +247,7 @@ def test_cli_compute_on_a_scheduler(client: Any, tmp_path: Any) -> None:
         "--scheduler", client.scheduler.address])
     assert result.exit_code == 0, result.output
     stored = zarr.open_group(str(tmp_path / "j.zarr"), mode="r")["jacobians"][:]
-    np.testing.assert_allclose(stored, batchjac.jacobian(model, unknown, known), rtol=1e-5, atol=1e-6)
+    assert_jac_close(stored, closed_form("W1", unknown, known)[1], dtype=np.float32)
 
 
 def test_asked_mode_is_refused_on_the_workers_too(client: Any, tmp_path: Any) -> None:
@@ -229,3 +267,50 @@ def test_asked_mode_is_refused_on_the_workers_too(client: Any, tmp_path: Any) ->
     res = batchjac.jacobian(model, x, mode="reverse", out=str(tmp_path / "j.zarr"), chunk_size=10,
                             client=client)
     np.testing.assert_allclose(np.asarray(res.open()), cube_sin_reference(x), rtol=1e-5, atol=1e-6)
+
+
+
+def test_scheduler_local_n_starts_and_closes_its_own_cluster(tmp_path: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``scheduler="local:N"`` and ``--scheduler local:N``: a cluster of N single-threaded worker
+    processes for the call, closed after it."""
+    import zarr
+    from click.testing import CliRunner
+
+    import batchjac._dask
+    from batchjac.cli import cli
+
+    made: list[Any] = []
+    make = batchjac._dask.make_client
+
+    def recording(scheduler: str) -> Any:
+        c = make(scheduler)
+        made.append((c, c.cluster, c.nthreads()))
+        return c
+
+    monkeypatch.setattr(batchjac._dask, "make_client", recording)
+    unknown, known = workload_inputs("W1", 600, seed=12)
+    jac = batchjac.jacobian(seed_model("tensorflow"), unknown, known, scheduler="local:1", rows_per_task=200)
+    assert_jac_close(jac, closed_form("W1", unknown, known)[1], dtype=np.float32)
+    (own, cluster, nthreads), = made
+    assert list(nthreads.values()) == [1]  # local:1 = one worker process of one thread
+    assert own.status == "closed"
+    assert cluster.status.name == "closed"
+    seed_model("tensorflow").save(tmp_path / "m.keras")
+    np.save(tmp_path / "u.npy", unknown)
+    np.save(tmp_path / "h.npy", known)
+    result = CliRunner().invoke(cli, [
+        "compute", str(tmp_path / "m.keras"), "-i", str(tmp_path / "u.npy"), "-k", str(tmp_path / "h.npy"),
+        "-o", str(tmp_path / "j.zarr"), "--chunk-size", "200", "--quiet", "--scheduler", "local:1"])
+    assert result.exit_code == 0, result.output
+    stored = zarr.open_group(str(tmp_path / "j.zarr"), mode="r")["jacobians"][:]
+    assert_jac_close(stored, closed_form("W1", unknown, known)[1], dtype=np.float32)
+    assert len(made) == 2
+    assert made[1][1].status.name == "closed"
+
+
+@pytest.mark.parametrize("bad", ["local:0", "local:x", "local:-2"])
+def test_scheduler_local_needs_a_worker_count(bad: str) -> None:
+    unknown, known = workload_inputs("W1", 10, seed=13)
+    with pytest.raises(batchjac.InputError, match=rf"'local:N' needs a worker count N >= 1; got '{bad}'"):
+        batchjac.jacobian(seed_model("tensorflow"), unknown, known, scheduler=bad)

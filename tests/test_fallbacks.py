@@ -500,7 +500,8 @@ def test_cli_asked_forward_mode_exits_5_with_the_fix(backend: str, source: str, 
         args += ["-o", str(tmp_path / "j.zarr")]
     result = CliRunner().invoke(cli, [*args, "--mode", "forward"])
     assert result.exit_code == 5, result.output
-    assert "Pass mode='reverse' (or mode='auto'" in result.stderr  # the refusal, not the warning
+    # the refusal (not the fallback warning), its advice in the CLI's terms
+    assert "Pass --mode reverse (or --mode auto" in result.stderr
     assert "Traceback" not in result.output
     assert not (tmp_path / "j.zarr").exists()
     assert not (tmp_path / "j.zarr.partial").exists()  # so auto, next, is not "another job"

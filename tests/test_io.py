@@ -15,6 +15,8 @@ from batchjac._io import InputFileError, Reader, open_input, split_key
 from batchjac._spec import BatchSpec
 from batchjac._validate import normalize
 
+from .helpers import without_dac_capabilities
+
 h5py = pytest.importorskip("h5py")
 zarr = pytest.importorskip("zarr")
 pa = pytest.importorskip("pyarrow")
@@ -161,13 +163,26 @@ def _truncated_npy() -> bytes:
     return buf.getvalue()[:-64]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file")
 def test_unreadable_file(tmp_path: Path) -> None:
+    """A file the OS refuses to open is named as not readable. Root reads any file through its
+    DAC capabilities, so as root (CI) the same check runs in a child process that has dropped
+    them: the kernel then refuses it as it refuses any user."""
+    import subprocess
+    import sys
+
     path = tmp_path / "x.npy"
     np.save(path, np.ones((3, 2)))
     path.chmod(0)
-    with pytest.raises(InputFileError, match="not readable"):
-        open_input(str(path))
+    if os.geteuid() != 0:
+        with pytest.raises(InputFileError, match=r"x\.npy' is not readable \(permission denied\)"):
+            open_input(str(path))
+        return
+    code = ("import sys\nfrom batchjac._errors import InputFileError\nfrom batchjac._io import open_input\n"
+            "try:\n    open_input(sys.argv[1])\nexcept InputFileError as e:\n    print('refused:', e)\n")
+    child = subprocess.run(without_dac_capabilities([sys.executable, "-c", code, str(path)]),
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert child.returncode == 0, child.stderr
+    assert "x.npy' is not readable (permission denied)" in child.stdout, child.stdout + child.stderr
 
 
 def test_readers_are_lazy_batch_inputs(tmp_path: Path, data: np.ndarray) -> None:

@@ -55,34 +55,57 @@ def test_bad_plan_options() -> None:
     assert parse_bytes("512MiB") == 512 * 2**20
 
 
-# -- chunk sizes by timing (_autotune.tune_rows) --------------------------------------------------
-class _SlowKernel:
-    """Sleeps ``rows * cost(rows)``: a kernel whose time per row we choose."""
+# -- decisions taken by timing (_autotune), on injected timings ---------------------------------
+class _Clock:
+    """The clock :mod:`batchjac._autotune` reads; only the fake kernels advance it, so every
+    decision below is taken on exactly the timings the test chose (no sleeps a busy machine
+    stretches: a 4% slowdown flipped the old sleeping version's "2% faster" case)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    import batchjac._autotune
+
+    fake = _Clock()
+    monkeypatch.setattr(batchjac._autotune, "clock", fake)
+    return fake
+
+
+class _FakeKernel:
+    """Takes ``rows * cost`` seconds of the fake clock per call: a kernel whose time per row we
+    choose."""
 
     variants = ("default",)
     variant = "default"
     note = ""
 
-    def __init__(self, size: int, cost: float) -> None:
-        self.chunk_size, self.cost = size, cost
+    def __init__(self, clock: _Clock, size: int, cost: float, computes: str = "reverse") -> None:
+        self.clock, self.chunk_size, self.cost, self.computes = clock, size, cost, computes
+        self.calls = 0
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[None, np.ndarray]:
-        import time
-
-        time.sleep(self.chunk_size * self.cost)
-        return None, np.zeros((self.chunk_size, 1, 1), np.float32)
+        self.calls += 1
+        self.clock.now += self.chunk_size * self.cost
+        return None, np.ones((self.chunk_size, 1, 1), np.float32)
 
     provisional = __call__
 
 
 class _FakeBound:
-    def __init__(self, cost_of: dict[int, float]) -> None:
-        self.cost_of, self.built = cost_of, []
+    def __init__(self, clock: _Clock, cost_of: dict[int, float]) -> None:
+        self.clock, self.cost_of, self.built = clock, cost_of, []
         self.tuned_rows: dict = {}
+        self.tuned: dict = {}
 
-    def kernel(self, mode: str, size: int, with_outputs: bool) -> _SlowKernel:
+    def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
         self.built.append(size)
-        return _SlowKernel(size, self.cost_of[size])
+        return _FakeKernel(self.clock, size, self.cost_of[size])
 
 
 def _spec(n: int) -> object:
@@ -92,29 +115,117 @@ def _spec(n: int) -> object:
                      dtype=None, nan_policy="raise")
 
 
-def test_tune_rows_takes_a_smaller_chunk_only_when_clearly_faster() -> None:
+US = 1e-6
+
+
+def test_tune_rows_takes_a_smaller_chunk_when_clearly_faster(clock: _Clock) -> None:
     from batchjac._autotune import tune_rows
 
     base = plan(n=4096, chunk_size=4096)
-    us = 1e-6
     # 1,024 rows 30% faster per row than 4,096: taken; 256 rows slower: the descent stops there
-    fake = _FakeBound({4096: 10 * us, 1024: 7 * us, 256: 30 * us, 64: 1 * us})
+    fake = _FakeBound(clock, {4096: 10 * US, 1024: 7 * US, 256: 30 * US, 64: 1 * US})
     tuned = tune_rows(fake, _spec(4096), base, False)
     assert (tuned.chunk_size, tuned.n_chunks) == (1024, 4)
-    assert "timed per row" in tuned.reason
-    assert 64 not in fake.built  # stopped after the clearly slower 256
-    # 256 rows a little faster per row than 1,024 (within NEAR): the larger, fewer chunks
-    fake = _FakeBound({4096: 20 * us, 1024: 14.2 * us, 256: 13.8 * us, 64: 60 * us})
+    assert "timed per row: 4096 rows 10.00 us, 1024 rows 7.00 us, 256 rows 30.00 us" in tuned.reason
+    assert 64 not in fake.built  # stopped after the clearly slower 256 (STOP_RATIO)
+    # the same model, plan and shapes again: remembered, nothing built or timed again
+    built = list(fake.built)
     assert tune_rows(fake, _spec(4096), base, False).chunk_size == 1024
-    # 2% faster is within the noise: the planned chunk stays
-    fake = _FakeBound({4096: 10 * us, 1024: 9.8 * us, 256: 9.85 * us, 64: 9.9 * us})
-    kept = tune_rows(fake, _spec(4096), base, False)
-    assert kept.chunk_size == 4096
-    assert "kept after timing" in kept.reason
+    assert fake.built == built
+
+
+def test_tune_rows_prefers_the_larger_of_near_sizes(clock: _Clock) -> None:
+    from batchjac._autotune import tune_rows
+
+    # 256 rows a little faster per row than 1,024 (within NEAR = 5%): the larger, fewer chunks
+    fake = _FakeBound(clock, {4096: 20 * US, 1024: 14.2 * US, 256: 13.8 * US, 64: 60 * US})
+    assert tune_rows(fake, _spec(4096), plan(n=4096, chunk_size=4096), False).chunk_size == 1024
+    # 256 rows clearly faster (more than NEAR) than 1,024: 256
+    fake = _FakeBound(clock, {4096: 20 * US, 1024: 14.2 * US, 256: 13.0 * US, 64: 60 * US})
+    assert tune_rows(fake, _spec(4096), plan(n=4096, chunk_size=4096), False).chunk_size == 256
+
+
+@pytest.mark.parametrize(("faster", "chosen"), [(0.98, 4096), (0.96, 4096), (0.94, 1024)])
+def test_tune_rows_margin(clock: _Clock, faster: float, chosen: int) -> None:
+    """A smaller size must be more than ROWS_MARGIN (5%) faster per row than the planned one:
+    2% and 4% are within the noise and keep the plan, 6% changes it."""
+    from batchjac._autotune import ROWS_MARGIN, tune_rows
+
+    assert ROWS_MARGIN == 0.05
+    fake = _FakeBound(clock, {4096: 10 * US, 1024: faster * 10 * US, 256: 30 * US, 64: 30 * US})
+    got = tune_rows(fake, _spec(4096), plan(n=4096, chunk_size=4096), False)
+    assert got.chunk_size == chosen
+    if chosen == 4096:
+        assert "kept after timing" in got.reason
+
+
+def test_tune_rows_asks_more_of_one_large_chunk(clock: _Clock) -> None:
+    """One planned chunk of >= COPY_BYTES of Jacobians: a smaller size must be COPY_MARGIN (25%)
+    faster, since its copies go to fresh pages of a large result."""
+    from batchjac import _autotune
+
+    n = 4096
+    # rows of 16 kB of Jacobians: 64 MiB in all, the threshold
+    class Wide(_FakeKernel):
+        def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[None, np.ndarray]:
+            self.clock.now += self.chunk_size * self.cost
+            return None, np.ones((self.chunk_size, 64, 64), np.float32)
+
+        provisional = __call__
+
+    class WideBound(_FakeBound):
+        def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
+            self.built.append(size)
+            return Wide(self.clock, size, self.cost_of[size])
+
+    assert _autotune.COPY_BYTES <= 4096 * 64 * 64 * 4
+    base = plan(n=n, chunk_size=n)
+    assert base.n_chunks == 1
+    costs = {4096: 10 * US, 1024: 8 * US, 256: 30 * US, 64: 30 * US}  # 20% faster: not enough
+    assert _autotune.tune_rows(WideBound(clock, costs), _spec(n), base, False).chunk_size == 4096
+    costs = {4096: 10 * US, 1024: 7 * US, 256: 30 * US, 64: 30 * US}  # 30% faster: taken
+    assert _autotune.tune_rows(WideBound(clock, costs), _spec(n), base, False).chunk_size == 1024
+
+
+def test_tune_rows_skips_small_chunks(clock: _Clock) -> None:
+    from batchjac._autotune import tune_rows
+
     # below TUNE_MIN_ROWS nothing is timed
-    small = _FakeBound({})
+    small = _FakeBound(clock, {})
     assert tune_rows(small, _spec(500), plan(n=500), False).chunk_size == 500
     assert small.built == []
+
+
+@pytest.mark.parametrize(("forward_cost", "prior", "winner"), [
+    (0.85, "reverse", "forward"),  # 15% faster than the cost model's choice: taken
+    (0.95, "reverse", "reverse"),  # 5% (within MARGIN = 10%): the prior stays
+    (1.15, "forward", "reverse"),
+    (1.05, "forward", "forward"),
+])
+def test_time_modes_switches_only_past_the_margin(clock: _Clock, forward_cost: float, prior: str,
+                                                  winner: str) -> None:
+    from batchjac._autotune import MARGIN, time_modes
+
+    assert MARGIN == 0.1
+
+    class Bound:
+        def __init__(self) -> None:
+            self.tuned = {}
+            self.kernels: dict[str, _FakeKernel] = {}
+
+        def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
+            cost = forward_cost * US if mode == "forward" else US
+            self.kernels[mode] = _FakeKernel(clock, size, cost, computes=mode)
+            return self.kernels[mode]
+
+    bound = Bound()
+    u = np.random.default_rng(1).normal(size=(512, 3)).astype(np.float32)
+    mode, measured = time_modes(bound, u, (), False, prior)  # type: ignore[arg-type]
+    assert mode == winner, measured
+    assert f"forward {512 * forward_cost * US * 1e3:.2f} ms" in measured
+    calls = bound.kernels["forward"].calls
+    assert time_modes(bound, u, (), False, prior)[0] == winner  # remembered: not timed again
+    assert bound.kernels["forward"].calls == calls
 
 
 def test_tuned_chunks_give_the_same_jacobians(monkeypatch: pytest.MonkeyPatch,

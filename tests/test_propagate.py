@@ -109,10 +109,19 @@ def test_multi_axis_outputs_are_flattened() -> None:
     def model(x: Any) -> Any:
         return tf.reshape(linear(x)[:, :4], (-1, 2, 2))
 
-    res = batchjac.propagate(model, RNG.normal(size=(3, 3)), cov=np.eye(3))
+    mu = np.random.default_rng(41).normal(size=(3, 3))
+    sigma = spd(3, seed=42)
+    res = batchjac.propagate(model, mu, cov=sigma)
     assert res.mean.shape == (3, 2, 2)
     assert res.cov.shape == (3, 4, 4)
     assert res.std.shape == (3, 2, 2)
+    # closed form: outputs (x W + B)[:4] in row-major order, covariance W[:, :4]^T S W[:, :4]
+    np.testing.assert_allclose(res.mean, (mu @ W + B)[:, :4].reshape(3, 2, 2), rtol=1e-10, atol=1e-12)
+    exact = W[:, :4].T @ sigma @ W[:, :4]
+    for i in range(3):
+        np.testing.assert_allclose(res.cov[i], exact, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(res.std, np.broadcast_to(np.sqrt(np.diag(exact)).reshape(2, 2), (3, 2, 2)),
+                               rtol=1e-10)
 
 
 # -- accuracy of the methods -------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from batchjac._config import cache_dir, cache_enabled
 from batchjac._errors import BatchJacWarning, InputError, InputTypeError, TuneCacheWarning
 from batchjac._tunecache import TuneKey, default_cache, machine_id, versions
 
+from .helpers import without_dac_capabilities
+
 SRC = str(Path(batchjac.__file__).resolve().parents[1])
 DECISION = {"mode": "forward", "chunk_size": 1000, "variant": "xla", "timings": "fwd 1.2 ms, rev 3.4 ms"}
 
@@ -352,14 +354,36 @@ def test_an_unwritable_directory_warns_once_and_carries_on(cache_env: Path,
     assert cache_env.read_text() == "not a directory"
 
 
-@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only directories")
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
 def test_a_read_only_directory_warns_once(cache_env: Path) -> None:
+    """As root (which writes anywhere) in a child without the DAC capabilities: the kernel
+    refuses the write there as it does for any user."""
     (cache_env / "v1").mkdir(parents=True)
     (cache_env / "v1").chmod(0o500)
     try:
-        with pytest.warns(TuneCacheWarning, match="cannot write") as caught:
-            _put_all(default_cache(), key(), key("rows"))
-        assert len(caught) == 1
+        if os.geteuid() != 0:
+            with pytest.warns(TuneCacheWarning, match="cannot write") as caught:
+                _put_all(default_cache(), key(), key("rows"))
+            assert len(caught) == 1
+            return
+        code = f"""
+            import warnings
+            from batchjac._tunecache import TuneKey, default_cache
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for what in ("mode", "rows"):
+                    key = TuneKey.make("sha256:model", "rows:float32:(5,)|(3,)", what, 1000,
+                                       framework="numpy")
+                    default_cache().put(key, {DECISION!r})
+            print(len(caught), [str(w.message) for w in caught])
+        """
+        environ = {**os.environ, "PYTHONPATH": SRC, "BATCHJAC_CACHE_DIR": str(cache_env)}
+        child = subprocess.run(without_dac_capabilities([sys.executable, "-c", textwrap.dedent(code)]),
+                               env=environ, capture_output=True, text=True, timeout=120, check=False)
+        assert child.returncode == 0, child.stderr
+        assert child.stdout.startswith("1 "), child.stdout  # one warning for both writes
+        assert "cannot write" in child.stdout, child.stdout
+        assert list((cache_env / "v1").iterdir()) == []
     finally:
         (cache_env / "v1").chmod(0o700)
 

@@ -951,8 +951,9 @@ class TFSecondKernel(Kernel):
 
 def _explain_model_failure(e: Exception, sig: Signature) -> ModelError:
     text = f"{type(e).__name__}: {e}"
-    if "numpy()" in text or "EagerTensor" in text or "eager execution" in text or \
-            ("predict" in text and "tf.function" in text):
+    # Keras 3's model.predict on a graph tensor: "'SymbolicTensor' object has no attribute 'numpy'"
+    if "numpy()" in text or "attribute 'numpy'" in text or "EagerTensor" in text or \
+            "eager execution" in text or ("predict" in text and "tf.function" in text):
         return ModelError(
             f"The model could not run inside a TensorFlow graph ({text.splitlines()[0][:300]}). "
             f"It leaves TensorFlow (.numpy(), numpy functions or model.predict), so gradients "
