@@ -127,6 +127,33 @@ def test_jacobians_equal_the_source_models(exported: dict[str, Any], name: str, 
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript-exporter", "dynamo-exporter"])
+@pytest.mark.parametrize("name", ["mlp", "concat"])
+def test_hessians_and_laplacians_equal_the_source_models(exported: dict[str, Any], name: str,
+                                                         dynamo: bool) -> None:
+    """Second derivatives of an ONNX file: torch.func.hessian of the source module, one
+    instance at a time (float64 inputs through a float32 graph: float32 tolerances)."""
+    path = exported["files"][(name, dynamo)]
+    module = exported["models"][name]
+    rng = np.random.default_rng(2)
+    if name == "mlp":
+        x = rng.normal(size=(23, 6)).astype("float32")
+        hess = batchjac.hessian(str(path), x)
+        with torch.no_grad():
+            ref = torch.func.vmap(torch.func.hessian(lambda r: module(r[None])[0]))(
+                torch.from_numpy(x)).numpy()
+    else:
+        u, h = rng.normal(size=(23, 5)).astype("float32"), rng.normal(size=(23, 3)).astype("float32")
+        hess = batchjac.hessian(str(path), {"u": u, "h": h}, wrt="u")
+        with torch.no_grad():
+            ref = torch.func.vmap(torch.func.hessian(lambda a, b: module(a[None], b[None])[0]))(
+                torch.from_numpy(u), torch.from_numpy(h)).numpy()
+    assert_rel_close(hess, ref, rtol=1e-4)
+    lap = batchjac.laplacian(str(path), x) if name == "mlp" else \
+        batchjac.laplacian(str(path), {"u": u, "h": h}, wrt="u")
+    assert_rel_close(lap, np.trace(ref, axis1=-2, axis2=-1), rtol=1e-4)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript-exporter", "dynamo-exporter"])
 def test_concat_inside_the_model_with_two_inputs(exported: dict[str, Any], dynamo: bool) -> None:
     """Two ONNX inputs (unknown, known), concatenated inside: by position and by the ONNX names."""
     path = exported["files"][("concat", dynamo)]

@@ -27,6 +27,7 @@ from ._bind import BackendName, prepare
 from ._config import default_max_memory, parse_bytes
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
+from ._loaders import as_model
 from ._plan import OrderArg, SecondKindArg, SecondPlan, check_options, choose_order, make_second_plan
 from ._runner import Results, pad_args, run_chunks, run_single
 from ._sinks import ArraySink, new_result
@@ -171,6 +172,7 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
                  backend_options: dict[str, Any] | None = None, explain: bool = False,
                  progress: bool | Callable[[int], None] = False, tangents: Any = None) -> Any:
     """The one path of every second-order verb (``kind`` says which result)."""
+    model = as_model(model)  # an ONNX file or ModelProto: its PyTorch module
     choose_order(mode, kind, 1, 1)  # bad options fail before anything is bound or created
     check_options("auto", chunk_size, max_memory)
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
