@@ -687,6 +687,57 @@ def test_a_reverse_mode_first_call_does_not_load_torch_dynamo(tmp_path: Any) -> 
     assert float(words[7]) < 1e-5
 
 
+def test_a_remembered_vmap_build_waits_until_the_work_repays_loading_torch_dynamo(
+        tmp_path: Any) -> None:
+    """A warm cache that remembers torch.func's vmap for a small reverse-mode kernel (an
+    earlier process raced it) must not make a fresh process's first call import torch._dynamo
+    (0.6 s against 25 ms for the cold cache's first call, in the bench's warm W1 case): the
+    first call runs on plain autograd, and the remembered build is taken once the work repays
+    it, without a race."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = """
+        import sys, numpy as np, batchjac
+        from batchjac import _backends, _tuning
+        from batchjac.examples import seed_model, workload_inputs, mlp_jacobian, mlp_weights
+        model = seed_model("torch")
+        unknown, known = workload_inputs("W1", 300, seed=31)
+        ref = mlp_jacobian(mlp_weights((8, 64, 64, 4)), np.concatenate([unknown, known], 1))[:, :, :5]
+        jac = batchjac.jacobian(model, unknown, known)
+        (bound,) = _backends._bound[model].values()
+        (kernel,) = bound._kernels.values()
+        if sys.argv[1] == "write":  # what a process whose race chose vmap leaves in the cache
+            kernel.variant, kernel.raced, kernel.note = "vmap", True, "vmap (timed one chunk)"
+            _tuning.persist(bound, "torch", kernel)
+            sys.exit(0)
+        first = (kernel.variant, "torch._dynamo" in sys.modules, kernel.remembered is not None)
+        book = _tuning.ledger(bound)  # the work of many repeated calls
+        book.rows, book.seconds = 10**7, 1e3
+        for _ in range(3):  # (the fast path hands the due decision to the full path)
+            again = batchjac.jacobian(model, unknown, known)
+        print("FIRST", *first, "THEN", kernel.variant, kernel.raced,
+              "ERR", float(max(np.abs(j - ref).max() for j in (jac, again)) / np.abs(ref).max()))
+    """
+    src = str(Path(batchjac.__file__).resolve().parents[1])
+
+    def run(step: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code), step],
+                              env={**os.environ, "PYTHONPATH": src, "BATCHJAC_CACHE_DIR": str(tmp_path)},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split()
+
+    run("write")
+    words = run("read")
+    assert words[:4] == ["FIRST", "replicated", "False", "True"], words
+    assert words[4:7] == ["THEN", "vmap", "False"], words  # remembered, not raced
+    assert float(words[8]) < 1e-5
+
+
 def test_the_replicated_first_build_is_raced_once_the_work_repays_it() -> None:
     """The untimed replicated first build is not the last word: retune times it against
     torch.func's vmap, and either is right."""

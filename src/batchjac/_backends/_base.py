@@ -243,10 +243,14 @@ class Kernel(ABC):
     untimed: bool = False
     #: whether the implementation in use was chosen by a race here (the decision to remember)
     raced: bool = False
-    #: the build a first call takes untimed because it is the cheapest to make, if there is
-    #: one (TensorFlow: the plain graph); a remembered build other than it waits for the work
-    #: to repay its making (see ``batchjac._tuning.recall_variant``)
-    cheap_first: str | None = None
+    @property
+    def cheap_first(self) -> str | None:
+        """The build a first call takes untimed because it is the cheapest to make, if there
+        is one (TensorFlow: the plain graph; PyTorch: plain autograd before torch._dynamo is
+        loaded); a remembered build other than it waits for the work to repay its making
+        (see ``batchjac._tuning.recall_variant``)."""
+        return None
+
     #: that remembered build and why, until it is taken
     remembered: tuple[str, str] | None = None
 

@@ -399,7 +399,9 @@ class TFKernel(Kernel):
     """
 
     variants: tuple[str, ...] = ("xla", "graph")
-    cheap_first = "graph"  # built sooner than XLA compiles (see _first_call)
+    @property
+    def cheap_first(self) -> str | None:
+        return "graph"  # built sooner than XLA compiles (see _first_call)
     #: below this ratio graph/XLA time, the graph is chosen
     GRAPH_MARGIN = 0.95
 

@@ -648,6 +648,23 @@ class TorchKernel(Kernel):
         assert first is not None
         raise _explain_model_failure(first, bound.signature) from first
 
+    def _replicated_is_cheaper_first(self) -> bool:
+        """Whether plain autograd ("replicated") answers this kernel's first call sooner than
+        torch.func, which would import torch._dynamo first (see :meth:`_first_replicated`)."""
+        bound = self._bound
+        return self.mode == "reverse" and "replicated" in self.variants \
+            and "torch._dynamo" not in sys.modules and bound.reverse_engine in (None, "func") \
+            and bound.output_shape is not None \
+            and math.prod(bound.output_shape) * self.chunk_size <= self.REPLICATED_FIRST_ROWS
+
+    @property
+    def cheap_first(self) -> str | None:
+        """The build a first call takes when an earlier process's race chose another one
+        (:func:`batchjac._tuning.recall_variant`): "replicated" where it imports nothing and
+        torch.func would import torch._dynamo (0.6 s of a 25 ms first call, measured in the
+        bench's warm-cache W1 case); the remembered build replaces it once the work repays it."""
+        return "replicated" if self._replicated_is_cheaper_first() else None
+
     def _first_replicated(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """An untimed reverse-mode first call on plain autograd ("replicated"), where that is
@@ -661,11 +678,8 @@ class TorchKernel(Kernel):
         from .._config import autotune_enabled
         from ._base import race_allowed, untimed_note
 
-        bound = self._bound
-        if self.mode != "reverse" or "replicated" not in self.variants or self._forced is not None \
-                or race_allowed() or not autotune_enabled() or "torch._dynamo" in sys.modules \
-                or bound.reverse_engine not in (None, "func") or bound.output_shape is None \
-                or math.prod(bound.output_shape) * self.chunk_size > self.REPLICATED_FIRST_ROWS:
+        if self._forced is not None or race_allowed() or not autotune_enabled() or \
+                not self._replicated_is_cheaper_first():
             return None
         try:
             out = self._run(("reverse", "replicated"), u, ctx)
