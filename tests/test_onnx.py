@@ -153,6 +153,13 @@ def test_hessians_and_laplacians_equal_the_source_models(exported: dict[str, Any
     assert_rel_close(lap, np.trace(ref, axis1=-2, axis2=-1), rtol=1e-4)
 
 
+def test_check_hessian_takes_an_onnx_file(exported: dict[str, Any]) -> None:
+    x = np.random.default_rng(3).normal(size=(9, 6)).astype("float32")
+    report = batchjac.check_hessian(str(exported["files"][("mlp", False)]), x)
+    assert report.passed, report
+    assert report.max_rel_error.shape == (9,)
+
+
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript-exporter", "dynamo-exporter"])
 def test_concat_inside_the_model_with_two_inputs(exported: dict[str, Any], dynamo: bool) -> None:
     """Two ONNX inputs (unknown, known), concatenated inside: by position and by the ONNX names."""

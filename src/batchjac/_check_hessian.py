@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 
 from ._bind import prepare
-from ._check import DEFAULT_RTOL, FLOAT32_REFERENCE_RTOL, _pick
+from ._check import DEFAULT_RTOL, FLOAT32_REFERENCE_RTOL, _column_scale, _pick
 from ._errors import BatchJacError, InputError, add_context
 from ._evaluate import bind, context, output_size, subset, with_dtype
 from ._hessian import _compute, plan_second
+from ._loaders import as_model
 from ._plan import OrderArg, choose_mode
 from ._runner import call, pad_args
 from ._spec import BatchSpec
@@ -96,6 +97,7 @@ def check_hessian(
     exceeds ``rtol`` (default ``1e-3`` for float32 Hessians, ``1e-6`` for float64); the check
     passes when none fails. Costs ``2 k`` Jacobians per checked instance.
     """
+    model = as_model(model)  # an ONNX file or ModelProto: its PyTorch module, as check takes it
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy="raise")
     if spec.n == 0:
         raise InputError("The inputs have no instances (N = 0); there is nothing to check.")
@@ -154,17 +156,14 @@ def _reference(model: Any, sub: BatchSpec, name: str, options: dict[str, Any],
     # every call has the perturbed copies of ``rows`` instances: one kernel, one shape
     kernel = bound.kernel(choose_mode("auto", k, m)[0], rows * 2 * k, False)
     step = _step(precision, rel_step)
-    u_all, _ = spec64.chunk(0, spec64.n)
-    flat_all = u_all.reshape(spec64.n, k).astype(np.float64)
-    col = np.sqrt((flat_all**2).mean(axis=0))
-    col = np.where(col > 0, col, 1.0)
+    col = _column_scale(spec64)  # the step's scale per unknown, as check's
+    signs = np.concatenate([np.eye(k), -np.eye(k)])  # (2k, k): +e_j then -e_j
     out = np.empty((spec64.n, m, k, k))
     for lo in range(0, spec64.n, rows):
         hi = min(lo + rows, spec64.n)
         u, ctx = spec64.chunk(lo, hi)
         flat = u.reshape(hi - lo, k).astype(np.float64)
         h = step * np.maximum(np.abs(flat), col)  # (rows, k)
-        signs = np.concatenate([np.eye(k), -np.eye(k)])  # (2k, k): +e_j then -e_j
         pert = flat[:, None, :] + signs[None] * h[:, None, :]  # (rows, 2k, k)
         taken = (pert[:, :k] - pert[:, k:])[:, np.arange(k), np.arange(k)]  # the steps taken
         uu = pert.reshape(-1, *spec64.unknown_shape).astype(spec64.dtype)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .w5 import write_inputs
+from .w5 import _du, write_inputs
 
 SIZES = (1_000_000, 10_000_000)
 BACKEND = "jax"
@@ -88,10 +88,6 @@ def check(folder: str, store: str) -> dict[str, Any]:
 def _python(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "batchjac._bench.w8", *args], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-
-
-def _du(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def _summary(proc: subprocess.CompletedProcess[str]) -> dict[str, Any] | None:
