@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[all,dev]"
+	# the bytecode a wheel install writes (an editable install leaves it to the first import,
+	# which PYTHONDONTWRITEBYTECODE forbids: each process then compiles batchjac's modules)
+	$(PY) -m compileall -q src/batchjac
 	touch $(STAMP)
 
 install: $(STAMP)

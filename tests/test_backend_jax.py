@@ -567,6 +567,52 @@ def test_a_later_process_loads_the_compiled_kernel_instead_of_compiling(
     assert np.abs(jac - got).max() > 1e-2  # (the weights do matter)
 
 
+def test_a_cache_that_never_held_an_executable_costs_the_call_no_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a directory that never held an executable the lookup is skipped: the key (the
+    kernel's text hashed) is made by the writer after the call, which still stores the
+    executable, and a later kernel of the same code then finds and loads it."""
+    import os
+    import threading
+    from pathlib import Path
+
+    from batchjac._backends import jax_executables
+
+    monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)
+    made: list[str] = []
+    original = jax_executables._key
+    monkeypatch.setattr(jax_executables, "_key", lambda lowered, options: made.append(
+        threading.current_thread().name) or original(lowered, options))
+    sizes = (6, 12, 3)
+    x = data((40, 6), seed=33)
+    got = batchjac.jacobian(jax_examples.mlp(sizes, seed=6), x)
+    assert "MainThread" not in made  # nothing looked up during the call
+    jax_executables.flush()
+    assert made
+    assert all(name.startswith("batchjac-executables") for name in made)
+    assert list(Path(os.environ["BATCHJAC_CACHE_DIR"]).rglob("*.bin")), "no executable written"
+    monkeypatch.setattr(jax_executables, "_SEEN", set())
+    model = jax_examples.mlp(sizes, seed=6)  # a new function object of the same code
+    jac = batchjac.jacobian(model, x)
+    assert "MainThread" in made  # the directory holds executables now: looked up
+    assert bound_of(model).compile_count == 0  # and loaded
+    np.testing.assert_array_equal(jac, got)
+    np.testing.assert_allclose(got, mlp_jacobian(mlp_weights(sizes, 6), x), rtol=2e-4, atol=1e-5)
+
+
+def test_close_widths_are_computed_in_forward_mode() -> None:
+    """JAX's forward mode traces and compiles quicker where the widths are close (5 unknowns,
+    4 outputs: forward_bias); the Jacobian is the reference's either way."""
+    sizes = (8, 16, 4)
+    model = jax_examples.mlp(sizes, seed=7)
+    x = data((30, 8), seed=34)
+    jac = batchjac.jacobian(model, x[:, :5], x[:, 5:])
+    kernels = list(bound_of(model)._kernels.values())
+    assert [k.computes for k in kernels] == ["forward"]
+    np.testing.assert_allclose(jac, mlp_jacobian(mlp_weights(sizes, 7), x)[:, :, :5],
+                               rtol=2e-4, atol=1e-5)
+
+
 def test_an_executable_that_fails_to_load_is_compiled_instead(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchjac._backends import jax_executables
 

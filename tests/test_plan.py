@@ -21,6 +21,11 @@ def test_auto_mode_follows_shapes() -> None:
     assert plan(k=4, m=512).mode == "forward"  # W3, wide output
     assert plan(k=784, m=10).mode == "reverse"  # W2, wide input
     assert plan(k=5, m=4).mode == "reverse"
+    # a backend whose backward pass weighs 1.5 tangent passes (JAX): forward below 1.5 m
+    assert plan(k=5, m=4, forward_bias=1.5).mode == "forward"
+    assert "tangent passes cost less" in plan(k=5, m=4, forward_bias=1.5).reason
+    assert plan(k=6, m=4, forward_bias=1.5).mode == "reverse"
+    assert plan(k=5, m=4, forward_bias=1.5, mode="reverse").mode == "reverse"
     assert plan(k=4, m=512, mode="reverse").mode == "reverse"
     assert "forward mode" in plan(k=4, m=512).reason
 

@@ -190,6 +190,44 @@ def test_payloads_round_trip_and_damaged_ones_are_never_handed_out(cache_env: Pa
     assert cache.get_bytes(key("a")) == payloads["a"]  # the sound file is still read
 
 
+def test_a_directory_says_whether_it_ever_held_a_payload(cache_env: Path) -> None:
+    """A lookup in a directory that never held an executable is skipped (its key costs the
+    kernel's text hashed): the mark appears with the first payload, private as the rest."""
+    cache = default_cache()
+    assert not cache.has_payloads()
+    cache.put(key("mode"), DECISION)  # a decision is not a payload
+    assert not cache.has_payloads()
+    cache.put_bytes(key("a"), b"\x00\x01\x02")
+    assert cache.has_payloads()
+    mark = cache_env / f"v{_tunecache.VERSION}" / _tunecache.PAYLOADS_MARK
+    assert mark.stat().st_mode & 0o077 == 0
+    assert not _tunecache.TuneCache(None).has_payloads()
+
+
+def test_payloads_beyond_the_size_limit_go_least_recently_used_first(
+        cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BATCHJAC_CACHE_MAX_BYTES bounds the executables kept: past it the payloads least
+    recently written or read are removed, never the one just written; decisions stay."""
+    monkeypatch.setenv("BATCHJAC_CACHE_MAX_BYTES", "35000")  # three payloads of ~10.4 kB
+    cache = default_cache()
+    rng = np.random.default_rng(11)
+    payloads = {w: rng.integers(0, 256, size=10_000, dtype=np.uint8).tobytes() for w in "abcd"}
+    cache.put(key("mode"), DECISION)
+    for i, w in enumerate("abc"):
+        cache.put_bytes(key(w), payloads[w])
+        path = cache.blob_path(key(w))
+        assert path is not None
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))  # a, b, c written in that order
+    assert cache.get_bytes(key("a")) == payloads["a"]  # read: now the most recent of the three
+    cache.put_bytes(key("d"), payloads["d"])
+    kept = {w for w in "abcd" if cache.get_bytes(key(w)) is not None}
+    assert kept == {"a", "c", "d"}  # b was the least recently used
+    assert cache.get(key("mode")) == DECISION
+    monkeypatch.setenv("BATCHJAC_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(InputError, match=r"BATCHJAC_CACHE_MAX_BYTES.*'lots'"):
+        default_cache()
+
+
 def test_payloads_are_not_written_with_the_cache_off(cache_env: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATCHJAC_CACHE", "off")

@@ -229,5 +229,5 @@ def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
     budget = default_max_memory(bound.device_free_memory()) if max_memory is None \
         else parse_bytes(max_memory)
     plan = make_plan(n=spec.n, k=spec.k, m=m, in_elems=in_elems, dtype=spec.dtype, mode=mode,
-                     chunk_size=chunk_size, max_memory=budget)
+                     chunk_size=chunk_size, max_memory=budget, forward_bias=bound.forward_bias)
     return plan

@@ -12,6 +12,8 @@
                          ``"off"`` reads nothing and writes nothing.
 ``BATCHJAC_CACHE_DIR``   where that cache lives (default: ``$XDG_CACHE_HOME/batchjac``, else
                          ``~/.cache/batchjac``).
+``BATCHJAC_CACHE_MAX_BYTES``  the most the compiled executables in that directory take, e.g.
+                         ``"2GB"`` (default 1 GB); past it, the least recently used go.
 """
 
 from __future__ import annotations
@@ -129,6 +131,16 @@ def cache_enabled() -> bool:
         raise InputError(f"BATCHJAC_CACHE must be 'on' or 'off'; got {raw!r}. Unset it for the "
                          "default ('on'), or set it to 'off' to neither read nor write the cache.")
     return raw == "on"
+
+
+#: the default of BATCHJAC_CACHE_MAX_BYTES: W1-W4's executables take 0.07-2 MB each
+CACHE_MAX_BYTES = 10**9
+
+
+def cache_max_bytes() -> int:
+    """The most the cache's binary payloads may take (``BATCHJAC_CACHE_MAX_BYTES``)."""
+    raw = os.environ.get("BATCHJAC_CACHE_MAX_BYTES", "").strip()
+    return CACHE_MAX_BYTES if not raw else parse_bytes(raw, name="BATCHJAC_CACHE_MAX_BYTES")
 
 
 def cache_dir() -> Path:

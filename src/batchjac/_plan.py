@@ -39,13 +39,21 @@ class Plan:
     memory_note: str = ""
 
 
-def choose_mode(mode: ModeArg, k: int, m: int) -> tuple[Literal["forward", "reverse"], str]:
+def choose_mode(mode: ModeArg, k: int, m: int, forward_bias: float = 1.0
+                ) -> tuple[Literal["forward", "reverse"], str]:
+    """Forward mode while ``k < forward_bias * m``: ``k`` tangent passes against ``m``
+    backward ones, a backward pass weighing ``forward_bias`` tangent passes for the backend
+    (:attr:`~batchjac._backends.BoundModel.forward_bias`; 1 unless measured otherwise)."""
     if mode == "forward" or mode == "reverse":
         return mode, f"mode={mode!r} was asked for"
     if mode != "auto":
         raise InputError(f"`mode` must be 'auto', 'forward' or 'reverse'; got {mode!r}.")
     if k < m:
         return "forward", f"{k} unknowns < {m} outputs: forward mode needs {k} tangent passes"
+    if k < forward_bias * m:
+        return "forward", (f"{k} unknowns against {m} outputs: {k} tangent passes cost less "
+                           f"than {m} backward passes here (each ~{forward_bias:g} tangent "
+                           f"passes to build and run)")
     return "reverse", f"{m} outputs <= {k} unknowns: reverse mode needs {m} backward passes"
 
 
@@ -91,14 +99,14 @@ def granule(n: int) -> int:
 
 def make_plan(
     *, n: int, k: int, m: int, in_elems: int, dtype: np.dtype, mode: ModeArg,
-    chunk_size: int | None, max_memory: int,
+    chunk_size: int | None, max_memory: int, forward_bias: float = 1.0,
 ) -> Plan:
     """The mode and chunk size for ``n`` rows. A ``chunk_size`` more than MAX_PADDING_FACTOR
     times the rows is capped at them (rounded up as the planner rounds one chunk of all rows);
     one whose estimated memory exceeds ``max_memory`` is kept, with a
-    :class:`ChunkMemoryWarning`."""
+    :class:`ChunkMemoryWarning`. ``forward_bias``: see :func:`choose_mode`."""
     plan = _make_plan(n=n, k=k, m=m, in_elems=in_elems, dtype=dtype, mode=mode,
-                      chunk_size=chunk_size, max_memory=max_memory)
+                      chunk_size=chunk_size, max_memory=max_memory, forward_bias=forward_bias)
     if plan.memory_note:  # outside the cache: every such call says so
         warnings.warn(f"batchjac: {plan.memory_note}.", ChunkMemoryWarning, stacklevel=2)
     return plan
@@ -107,9 +115,9 @@ def make_plan(
 @functools.lru_cache(maxsize=256)  # called on every jacobian(); the inputs are small and hashable
 def _make_plan(
     *, n: int, k: int, m: int, in_elems: int, dtype: np.dtype, mode: ModeArg,
-    chunk_size: int | None, max_memory: int,
+    chunk_size: int | None, max_memory: int, forward_bias: float = 1.0,
 ) -> Plan:
-    chosen, why = choose_mode(mode, k, m)
+    chosen, why = choose_mode(mode, k, m, forward_bias)
     per_row = bytes_per_row(k, m, in_elems, dtype.itemsize)
     size, budget_rows, source, note = _chunking(n, per_row, chunk_size, max_memory)
     n_chunks = -(-n // size) if n else 0

@@ -62,7 +62,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ._config import cache_dir, cache_enabled
+from ._config import CACHE_MAX_BYTES, cache_dir, cache_enabled, cache_max_bytes
 from ._errors import InputError, InputTypeError, TuneCacheWarning
 from ._version import __version__
 
@@ -74,6 +74,8 @@ VERSION = 1
 MAX_BYTES = 1 << 20
 #: the largest binary payload kept (:meth:`TuneCache.put_bytes`: a compiled executable)
 MAX_BLOB_BYTES = 64 << 20
+#: the file whose presence says that a payload was stored in the directory
+PAYLOADS_MARK = "payloads"
 
 #: a decision validator: a callable that raises or returns False to reject a decision, or a
 #: schema ``{field: spec}`` where spec is a type (or tuple of types), a set or list of the
@@ -227,8 +229,11 @@ class TuneCache:
     and processes, may share one directory.
     """
 
-    def __init__(self, directory: str | os.PathLike[str] | None) -> None:
+    def __init__(self, directory: str | os.PathLike[str] | None, *,
+                 max_payload_bytes: int = CACHE_MAX_BYTES) -> None:
         self._dir = None if directory is None else Path(directory)
+        #: the most the binary payloads may take (the least recently used go first)
+        self.max_payload_bytes = max_payload_bytes
 
     def __repr__(self) -> str:
         return f"TuneCache({str(self._dir)!r})" if self._dir is not None else "TuneCache(None)"
@@ -309,6 +314,12 @@ class TuneCache:
         path = self.path(key)
         return None if path is None else path.with_suffix(".bin")
 
+    def has_payloads(self) -> bool:
+        """Whether a payload was ever stored in this directory (one ``stat``): a lookup in a
+        directory without any is skipped, and with it the key's making, which for a compiled
+        executable is the kernel's whole text hashed (2-12 ms on the project's CPU)."""
+        return self._dir is not None and (self._dir / f"v{VERSION}" / PAYLOADS_MARK).exists()
+
     def get_bytes(self, key: TuneKey) -> bytes | None:
         """The payload stored for ``key`` with :meth:`put_bytes`, or None when there is none
         usable: a file that is truncated, corrupt (its checksum does not match), of another
@@ -338,6 +349,8 @@ class TuneCache:
         if problem is not None or header is None:
             _warn_once("read", f"batchjac ignores the cache file {path}: {problem}.", _READ_FIX)
             return None
+        with contextlib.suppress(OSError):  # used now: the last to go when space is made
+            os.utime(path)
         return payload
 
     def put_bytes(self, key: TuneKey, payload: bytes) -> None:
@@ -356,7 +369,9 @@ class TuneCache:
         data = json.dumps(json.loads(header), sort_keys=True).encode("utf-8") + b"\n" + bytes(payload)
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (path.parent / PAYLOADS_MARK).touch(mode=0o600)  # (before the payload: never one unseen)
             _atomic_write(path, data)
+            _evict_payloads(path.parent, self.max_payload_bytes, keep=path)
         except OSError as err:
             _warn_once("write", f"batchjac cannot write its cache in {path.parent}: "
                        f"{_os_error_text(err)}; the payload is not remembered.",
@@ -369,11 +384,12 @@ def default_cache() -> TuneCache:
     :func:`~batchjac._config.cache_dir`. The environment is read on every call (it is cheap),
     so a change of ``BATCHJAC_CACHE_DIR`` takes effect; an invalid ``BATCHJAC_CACHE`` raises
     :class:`~batchjac._errors.InputError`. Without a home directory to put it in, the cache
-    is disabled with a warning."""
+    is disabled with a warning; an invalid ``BATCHJAC_CACHE_MAX_BYTES`` raises too."""
     if not cache_enabled():
         return TuneCache(None)
+    limit = cache_max_bytes()
     try:
-        return TuneCache(cache_dir())
+        return TuneCache(cache_dir(), max_payload_bytes=limit)
     except InputError as err:
         _warn_once("write", str(err), "")
         return TuneCache(None)
@@ -409,6 +425,27 @@ def _encode(key: TuneKey, decision: Mapping[str, Any]) -> bytes:
         raise InputError(f"A tuning decision must be small (at most {MAX_BYTES} bytes as JSON); "
                          f"this one is {len(data)} bytes. Store the decision, not the data behind it.")
     return data
+
+
+def _evict_payloads(folder: Path, limit: int, *, keep: Path) -> None:
+    """Remove the least recently used payloads (by modification time, which a read renews)
+    until those left take at most ``limit`` bytes; ``keep`` (the one just written) stays.
+    Another process removing the same file meanwhile is not an error."""
+    entries = []
+    for entry in os.scandir(folder):
+        if entry.name.endswith(".bin"):
+            with contextlib.suppress(OSError):
+                st = entry.stat()
+                entries.append((st.st_mtime, st.st_size, entry.path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, name in sorted(entries):
+        if total <= limit:
+            break
+        if name == str(keep):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+            total -= size
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -327,6 +327,9 @@ class BoundModel(ABC):
     #: second-order tangents) than forward over reverse for few outputs: measured side by
     #: side on W7 (3 unknowns, 1 output, 10,000 rows), JAX 0.86x, PyTorch 1.9x, TensorFlow 1.8x
     reductions_over_forward: ClassVar[bool] = True
+    #: how many tangent passes one backward pass weighs, in the mode choice the shapes leave
+    #: open (``_plan.choose_mode``: forward while ``k < forward_bias * m``); 1 unless measured
+    forward_bias: ClassVar[float] = 1.0
 
     def __init__(self, signature: Signature) -> None:
         self.signature = signature

@@ -19,7 +19,12 @@ the user's program in batchjac's directory; this one touches batchjac's kernels 
 Nothing here is ever an error: a payload that fails to load, a module with host callbacks
 (their executables hold pointers into this process) or one that cannot be serialized is
 compiled as usual. ``BATCHJAC_CACHE=off`` reads and writes nothing. Writing happens in a
-background thread, after the kernel has run, so it adds nothing to the call that compiled.
+background thread once the call that compiled has its result (:func:`release`): serializing
+W3's executable beside its first run took 4-8 ms of the run's two cores. A directory that
+never held an executable is not searched (:meth:`~batchjac._tunecache.TuneCache.has_payloads`):
+the key, the module's text hashed, costs 1-12 ms on a first call (W1-W3), and is then made
+by the writer, after the call. The directory keeps at most ``BATCHJAC_CACHE_MAX_BYTES`` of
+executables (1 GB by default), the least recently used removed first.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,11 +44,18 @@ from .._tunecache import TuneKey, default_cache
 
 #: compilations shorter than this are not worth a file (reading one back costs a few ms)
 MIN_COMPILE_SECONDS = 0.02
+#: seconds the writer waits before it serializes an executable: its key and serialization
+#: hold Python's lock for 2-10 ms, which the call that compiled, returning meanwhile, would
+#: otherwise wait for (Python hands its lock over every 5 ms)
+WRITE_DELAY = 0.05
 
 _WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="batchjac-executables")
 #: executables written or loaded by this process, by key digest (written once, not again)
 _SEEN: set[str] = set()
+#: executables compiled by calls that have not returned yet: written by :func:`release`
+_PENDING: list[tuple[Any, TuneKey | None, Any, Any, dict[str, str]]] = []
+_PENDING_LOCK = threading.Lock()
 
 
 def _key(lowered: Any, options: dict[str, str]) -> TuneKey | None:
@@ -59,28 +74,44 @@ def _key(lowered: Any, options: dict[str, str]) -> TuneKey | None:
                         framework="jax")
 
 
-def compile(lowered: Any, options: dict[str, str] | None = None) -> tuple[Any, bool]:
+def compile(lowered: Any, options: dict[str, str] | None = None, *,
+            starting: Callable[[], object] = lambda: None) -> tuple[Any, bool]:
     """``lowered.compile(compiler_options=options)``, or the executable an earlier process
-    compiled for the same module, options, versions and machine; and whether it was loaded."""
-    import time
+    compiled for the same module, options, versions and machine; and whether it was loaded.
+    ``starting`` is called just before XLA compiles, or once the executable is loaded (the
+    probes beside a first kernel start then: XLA compiles outside Python's lock)."""
 
     options = dict(options or {})
     cache = default_cache()
-    key = _key(lowered, options) if cache.enabled else None
+    searched = cache.enabled and cache.has_payloads()
+    key = _key(lowered, options) if searched else None
     if key is not None:
         payload = cache.get_bytes(key)
         if payload is not None:
             loaded = _load(payload)
             if loaded is not None:
                 _SEEN.add(key.digest())
+                starting()
                 return loaded, True
+    starting()
     start = time.perf_counter()
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
-    if key is not None and time.perf_counter() - start >= MIN_COMPILE_SECONDS \
-            and key.digest() not in _SEEN:
-        _SEEN.add(key.digest())
-        _WRITER.submit(_store, cache, key, compiled)
+    if cache.enabled and (key is not None or not searched) \
+            and time.perf_counter() - start >= MIN_COMPILE_SECONDS:
+        with _PENDING_LOCK:
+            _PENDING.append((cache, key, compiled, lowered, options))
     return compiled, False
+
+
+def release() -> None:
+    """Queue the executables compiled so far for writing: called when a call has its result."""
+    if not _PENDING:
+        return
+    with _PENDING_LOCK:
+        pending = _PENDING[:]
+        _PENDING.clear()
+    for cache, key, compiled, lowered, options in pending:
+        _WRITER.submit(_store, cache, key, compiled, lowered, options)
 
 
 def _load(payload: bytes) -> Any:
@@ -93,11 +124,18 @@ def _load(payload: bytes) -> Any:
         return None
 
 
-def _store(cache: Any, key: TuneKey, compiled: Any) -> None:
+def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
+           options: dict[str, str]) -> None:
     import pickle
 
     from jax.experimental import serialize_executable
 
+    time.sleep(WRITE_DELAY)  # (the call that compiled returns before this takes Python's lock)
+    if key is None:  # (not searched for: made here, after the call)
+        key = _key(lowered, options)
+    if key is None or key.digest() in _SEEN:
+        return
+    _SEEN.add(key.digest())
     with contextlib.suppress(Exception):  # not serializable: nothing remembered
         blob, in_tree, out_tree = serialize_executable.serialize(compiled)
         trees = pickle.dumps((in_tree, out_tree))
@@ -114,5 +152,7 @@ def _split(payload: bytes) -> tuple[bytes, Any, Any]:
 
 
 def flush(timeout: float | None = None) -> None:
-    """Wait for the executables queued for writing (tests, and processes about to exit)."""
+    """Write the executables compiled so far and wait for them (tests, and processes about
+    to exit)."""
+    release()
     _WRITER.submit(lambda: None).result(timeout)

@@ -336,12 +336,27 @@ def measure_round(workload: str, backend: str, n: int, *, timeout: float = 900,
     return rnd
 
 
+def precompile() -> None:
+    """Write batchjac's bytecode, as installing a wheel does. The frameworks come with theirs;
+    an editable install (``make install``) leaves batchjac's to the first import, and with
+    PYTHONDONTWRITEBYTECODE set (as on the project's machine) every fresh process compiles
+    the modules the first call imports inside the timed call: measured on W3 (JAX), 60-100
+    ms of its ~240 ms, most of it a full garbage collection that compiling triggers."""
+    import compileall
+
+    import batchjac
+
+    compileall.compile_dir(os.path.dirname(batchjac.__file__), quiet=1)
+
+
 def run_all(workloads: dict[str, int], backends: list[str], *, rounds: int,
             log: Callable[[str], None], timeout: float = 900, loop: int = LOOP_CALLS
             ) -> list[dict[str, Any]]:
     """Every cold case, ``rounds`` times, interleaved: round r runs every (workload, backend)
     before round r+1 starts, so drifting load hits all alike. One dict per (workload, backend)
-    with the rounds' raw results under ``"rounds"``."""
+    with the rounds' raw results under ``"rounds"``. batchjac's bytecode is written first
+    (:func:`precompile`)."""
+    precompile()
     keys = [(w, b) for w in workloads for b in backends]
     out: dict[tuple[str, str], dict[str, Any]] = {
         key: {"workload": key[0], "backend": key[1], "n": workloads[key[0]],
@@ -497,7 +512,10 @@ def section(cold: list[dict[str, Any]]) -> list[str]:
         "fresh process's first call reads them (warm cache). \"Second call\" is a second "
         "call in the same process (the built native function called again). The error is "
         "max |J_batchjac - J_native| / max |J_native| "
-        f"over the first {CHECK_ROWS} rows.",
+        f"over the first {CHECK_ROWS} rows. batchjac's bytecode is written before the cases "
+        "(as a wheel install writes it; the frameworks have theirs): with an editable install "
+        "and PYTHONDONTWRITEBYTECODE set, each process would compile batchjac's modules inside "
+        "the timed call.",
         "",
         "| workload | N | backend | batchjac first call | batchjac second call | native "
         "| native first call | native second call | batchjac / native | warm-cache first call "
