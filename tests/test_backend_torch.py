@@ -203,9 +203,9 @@ def test_against_finite_differences(mode: str, dtype: str, chunk_size: int | Non
 
 def test_both_reverse_implementations_agree_with_finite_differences(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.func's vmap of vjp and the replicated single backward pass (2-d output, two
-    inputs of which one is known) give the same Jacobians; the first call times them unless
-    BATCHJAC_AUTOTUNE=off, and a fixed variant is kept."""
+    """torch.func's vmap of vjp, the replicated single backward pass and the looped backward
+    pass per output (2-d output, two inputs of which one is known) give the same Jacobians;
+    the first call times them unless BATCHJAC_AUTOTUNE=off, and a fixed variant is kept."""
     model = _smooth_module(torch.float64)
     x = data((12, 4), seed=7, dtype="float64")
     ref = central_differences(float64_forward(model), x)
@@ -218,8 +218,9 @@ def test_both_reverse_implementations_agree_with_finite_differences(
     assert_jac_close(jac, ref[..., :3])
     bound = bound_of(model, np.float64)
     kernel = bound.kernel("reverse", 12, False)
-    assert kernel.variants == ("vmap", "replicated")
+    assert kernel.variants == ("vmap", "replicated", "looped")
     assert "timed one chunk" in kernel.note
+    assert all(f"{v} " in kernel.note for v in kernel.variants)
     for variant in kernel.variants:
         kernel.use(variant)
         assert kernel.variant == variant
@@ -754,6 +755,42 @@ def test_the_replicated_first_build_is_raced_once_the_work_repays_it() -> None:
     kernel.untimed, kernel._path, kernel.variant = True, ("reverse", "replicated"), "replicated"
     kernel.retune(x[:, :3], (x[:, 3:],))
     assert not kernel.untimed
-    assert kernel.variant in ("vmap", "replicated")
-    assert kernel.note.startswith(("vmap (", "replicated (timed"))
+    assert kernel.variant in ("vmap", "replicated", "looped")
+    assert kernel.note.startswith(("vmap (", "replicated (timed", "looped (timed"))
     assert_jac_close(kernel(x[:, :3], (x[:, 3:],))[1], ref[..., :3])
+
+
+def test_a_large_first_reverse_call_runs_looped_without_loading_torch_dynamo(tmp_path: Any) -> None:
+    """A first call too large for the replicated pass (chunk x outputs over
+    REPLICATED_FIRST_ROWS: here 2,000 rows x 10 outputs of a 784-input MLP, W2's shape) runs
+    the looped pass on plain autograd, untimed, without importing torch._dynamo, and gives the
+    closed form's Jacobians; a later call of the same kernel still does."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = """
+        import sys, numpy as np, batchjac
+        from batchjac import _backends
+        from batchjac.examples import workload_model, workload_inputs, mlp_jacobian, mlp_weights
+        model = workload_model("W2", "torch")
+        (unknown, _) = workload_inputs("W2", 2000, seed=37)
+        ref = mlp_jacobian(mlp_weights((784, 256, 256, 10)), unknown)
+        jac = batchjac.jacobian(model, unknown)
+        (bound,) = _backends._bound[model].values()
+        (kernel,) = bound._kernels.values()
+        again = batchjac.jacobian(model, unknown)
+        print("DYNAMO", "torch._dynamo" in sys.modules, "VARIANT", kernel.variant,
+              "UNTIMED", kernel.untimed, "ERR",
+              float(max(np.abs(j - ref).max() for j in (jac, again)) / np.abs(ref).max()))
+    """
+    src = str(Path(batchjac.__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+                          env={**os.environ, "PYTHONPATH": src, "BATCHJAC_CACHE_DIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    words = proc.stdout.split()
+    assert words[:6] == ["DYNAMO", "False", "VARIANT", "looped", "UNTIMED", "True"], proc.stdout
+    assert float(words[7]) < 1e-5

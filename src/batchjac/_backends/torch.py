@@ -64,7 +64,7 @@ from ._base import (
     user_stacklevel,
 )
 
-Engine = Literal["func", "autograd", "replicated"]
+Engine = Literal["func", "autograd", "replicated", "looped"]
 
 _OPTIONS = ("train_mode", "device")
 
@@ -469,6 +469,8 @@ class TorchBound(BoundModel):
         plain autograd, for ``autograd.Function`` subclasses that torch.func rejects."""
         if engine == "replicated":
             return self._jac_replicated(u, ctx)
+        if engine == "looped":
+            return self._jac_looped(u, ctx)
         if engine == "func":
             y, pull = torch.func.vjp(lambda a: self.apply(a, ctx), u)[:2]
         else:
@@ -514,6 +516,31 @@ class TorchBound(BoundModel):
         jac = g.reshape(m, rows, *u.shape[1:]).movedim(0, 1)
         return y[:rows].detach(), jac.reshape(rows, *out_shape, *self.signature.unknown_shape)
 
+    def _jac_looped(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reverse mode with plain autograd and no vmap: one forward pass of the chunk, then
+        one backward pass per output ``o`` of ``sum_rows y[:, o]`` (rows are independent,
+        which the probes check, so its gradient at row ``i`` is row ``i``'s Jacobian row).
+        It imports nothing (torch.func's vmap imports torch._dynamo, 0.6-0.9 s, on its first
+        pullback), holds one copy of the activations (the replicated pass holds ``m``), and
+        on W2's 10,000 rows took 437 ms against vmap's 507-541 ms (side by side, loaded)."""
+        assert self.output_shape is not None
+        out_shape = self.output_shape
+        m, rows, ushape = math.prod(out_shape), u.shape[0], tuple(u.shape[1:])
+        with torch.enable_grad(), _unknowns_require_grad():
+            x = u.detach().requires_grad_(True)
+            y = self.apply(x, ctx)
+            jac = x.new_empty((rows, m, *ushape))
+            if not y.requires_grad:  # no path from the unknowns at all (probes off)
+                jac.zero_()
+            else:
+                flat = y.reshape(rows, m)
+                for o in range(m):
+                    (g,) = torch.autograd.grad(flat[:, o].sum(), x, retain_graph=o < m - 1,
+                                               allow_unused=True, materialize_grads=True)
+                    jac[:, o] = g
+        return y.detach(), jac.reshape(rows, *out_shape, *self.signature.unknown_shape)
+
     def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
         return TorchKernel(self, mode, chunk_size, with_outputs)
 
@@ -535,14 +562,17 @@ class TorchKernel(Kernel):
     fastest path that works for this model: forward mode falls back to reverse mode (with one
     warning), and torch.func's reverse mode to plain autograd (same values, no warning).
 
-    Reverse mode has two implementations: torch.func's ``vmap`` of ``vjp`` ("vmap") and one
+    Reverse mode has three implementations: torch.func's ``vmap`` of ``vjp`` ("vmap"), one
     backward pass through the chunk repeated once per output ("replicated", see
-    ``TorchBound._jac_replicated``). Measured here on an 8-output MLP (5-32-32-8, float64),
-    "replicated" takes 0.22 ms for 15 rows against 0.39 ms, but 2.2 against 1.6 ms for 1,000
-    rows; so the first call times both when a chunk takes less than ``REPLICATED_BELOW``
-    (:func:`~batchjac._backends._base.race`) unless a
-    variant was fixed with :meth:`use` (stores, reproducible solves) or
-    ``BATCHJAC_AUTOTUNE=off``: then "vmap".
+    ``TorchBound._jac_replicated``) and one forward pass with a backward pass per output
+    ("looped", ``TorchBound._jac_looped``). Measured here on an 8-output MLP (5-32-32-8,
+    float64), "replicated" takes 0.22 ms for 15 rows against 0.39 ms, but 2.2 against 1.6 ms
+    for 1,000 rows; on W2's 10,000 rows "looped" took 437 ms against vmap's 507-541 ms. A
+    first call whose work repays a race times "vmap" against "looped", and "replicated" too
+    when a chunk takes less than ``REPLICATED_BELOW`` (:func:`~batchjac._backends._base.race`),
+    unless a variant was fixed with :meth:`use` (stores, reproducible solves) or
+    ``BATCHJAC_AUTOTUNE=off``: then "vmap". A first call too small to repay a race runs a
+    plain-autograd build untimed (:meth:`_first_plain`).
     """
 
     MARGIN = 0.95
@@ -564,12 +594,12 @@ class TorchKernel(Kernel):
         self.planned = mode  # ``mode`` becomes "reverse" where forward mode falls back
         if mode == "forward":
             _load_forward_ad()
-        self.variants = ("vmap", "replicated") if mode == "reverse" else ("vmap",)
+        self.variants = ("vmap", "replicated", "looped") if mode == "reverse" else ("vmap",)
         self.variant = None
 
     def _select(self, variant: str, note: str) -> None:
-        if self._path is not None and self._path[1] in ("func", "replicated"):
-            self._path = ("reverse", "replicated" if variant == "replicated" else "func")
+        if self._path is not None and self._path[1] in _PLAIN_ENGINES:
+            self._path = ("reverse", _VARIANT_ENGINE.get(variant, "func"))
         super()._select(variant, note)
 
     def _run(self, path: tuple[Mode, Engine], u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
@@ -595,8 +625,8 @@ class TorchKernel(Kernel):
         return (_to_numpy(y) if self.with_outputs else None), _to_numpy(jac)
 
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        if not self.untimed or self._path not in (("reverse", "func"), ("reverse", "replicated")) \
-                or "replicated" not in self.variants:
+        if not self.untimed or self._path is None or self._path[0] != "reverse" \
+                or self._path[1] not in _PLAIN_ENGINES or "replicated" not in self.variants:
             return
         self.untimed = False
         bound = self._bound
@@ -605,12 +635,13 @@ class TorchKernel(Kernel):
             self._choose_reverse(ut, ct)
 
     #: the replicated pass is a reverse-mode first call's build while it holds at most this
-    #: many rows (the chunk times the outputs) and torch.func has not loaded torch._dynamo
+    #: many rows (the chunk times the outputs) and torch.func has not loaded torch._dynamo;
+    #: past it the looped pass is
     REPLICATED_FIRST_ROWS = 16384
 
     def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self._first_replicated(u, ctx)
+        out = self._first_plain(u, ctx)
         if out is not None:
             return out
         bound = self._bound
@@ -648,52 +679,59 @@ class TorchKernel(Kernel):
         assert first is not None
         raise _explain_model_failure(first, bound.signature) from first
 
-    def _replicated_is_cheaper_first(self) -> bool:
-        """Whether plain autograd ("replicated") answers this kernel's first call sooner than
-        torch.func, which would import torch._dynamo first (see :meth:`_first_replicated`)."""
+    def _plain_first(self) -> str | None:
+        """The plain-autograd build that answers this kernel's first call sooner than
+        torch.func, which would import torch._dynamo first (see :meth:`_first_plain`):
+        "replicated" for small chunks, "looped" past ``REPLICATED_FIRST_ROWS``; None where
+        torch.func is loaded already, the mode is forward, or torch.func failed here."""
         bound = self._bound
-        return self.mode == "reverse" and "replicated" in self.variants \
-            and "torch._dynamo" not in sys.modules and bound.reverse_engine in (None, "func") \
-            and bound.output_shape is not None \
-            and math.prod(bound.output_shape) * self.chunk_size <= self.REPLICATED_FIRST_ROWS
+        if not (self.mode == "reverse" and "replicated" in self.variants
+                and "torch._dynamo" not in sys.modules and bound.reverse_engine in (None, "func")
+                and bound.output_shape is not None):
+            return None
+        small = math.prod(bound.output_shape) * self.chunk_size <= self.REPLICATED_FIRST_ROWS
+        return "replicated" if small else "looped"
 
     @property
     def cheap_first(self) -> str | None:
         """The build a first call takes when an earlier process's race chose another one
-        (:func:`batchjac._tuning.recall_variant`): "replicated" where it imports nothing and
-        torch.func would import torch._dynamo (0.6 s of a 25 ms first call, measured in the
-        bench's warm-cache W1 case); the remembered build replaces it once the work repays it."""
-        return "replicated" if self._replicated_is_cheaper_first() else None
+        (:func:`batchjac._tuning.recall_variant`): a plain-autograd build where it imports
+        nothing and torch.func would import torch._dynamo (0.6 s of a 25 ms first call,
+        measured in the bench's warm-cache W1 case); the remembered build replaces it once
+        the work repays it."""
+        return self._plain_first()
 
-    def _first_replicated(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
-                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """An untimed reverse-mode first call on plain autograd ("replicated"), where that is
-        the cheaper first answer: torch.func's reverse mode imports torch._dynamo when its
-        first pullback runs (measured here: 0.5 s idle, 2.4-2.7 s on the loaded machine, for a
-        W1 job that then computes in 1.5 ms), the replicated pass imports nothing, and on a
-        small chunk it is as fast (1.4x slower at 1,000 rows of an 8-output MLP, faster below).
+    def _first_plain(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An untimed reverse-mode first call on plain autograd, where that is the cheaper
+        first answer: torch.func's reverse mode imports torch._dynamo when its first pullback
+        runs (measured here: 0.5 s idle, 2.4-2.7 s on the loaded machine, for a W1 job that
+        then computes in 1.5 ms; 0.6-0.9 s of W2's first call at 10,000 rows). Small chunks
+        take the replicated pass (1.4x slower at 1,000 rows of an 8-output MLP, faster below),
+        larger ones the looped pass (a backward pass per output, as fast as vmap or faster).
         The builds are raced later, once the work repays it (:meth:`retune`). None: the usual
-        first call (a variant fixed, a race allowed, torch.func loaded already, a large chunk,
-        another kernel of this model found that torch.func fails)."""
+        first call (a variant fixed, a race allowed, torch.func loaded already, another kernel
+        of this model found that torch.func fails)."""
         from .._config import autotune_enabled
         from ._base import race_allowed, untimed_note
 
-        if self._forced is not None or race_allowed() or not autotune_enabled() or \
-                not self._replicated_is_cheaper_first():
+        build = self._plain_first()
+        if self._forced is not None or race_allowed() or not autotune_enabled() or build is None:
             return None
+        engine = _VARIANT_ENGINE[build]
         try:
-            out = self._run(("reverse", "replicated"), u, ctx)
+            out = self._run(("reverse", engine), u, ctx)
         except (ModelError, Warning):
             raise
         except Exception:  # e.g. a model that keeps state across rows: the usual first call
             return None
-        self._path, self.variant, self.untimed = ("reverse", "replicated"), "replicated", True
-        self.note = (f"replicated (plain autograd: torch.func's reverse mode would load "
+        self._path, self.variant, self.untimed = ("reverse", engine), build, True
+        self.note = (f"{build} (plain autograd: torch.func's reverse mode would load "
                      f"torch._dynamo first; {untimed_note()})")
         return out
 
     def _choose_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
-        """"vmap" or "replicated" for a reverse-mode kernel that runs with torch.func."""
+        """"vmap", "replicated" or "looped" for a reverse-mode kernel that runs with torch.func."""
         from ._base import race_allowed, untimed_note
 
         if self._forced is not None:
@@ -703,30 +741,29 @@ class TorchKernel(Kernel):
             self.note = f"vmap ({untimed_note()})"
             self.untimed = True
             return
-        paths: dict[str, tuple[Mode, Engine]] = {"vmap": ("reverse", "func"),
-                                                  "replicated": ("reverse", "replicated")}
-
         start = time.perf_counter()
-        self._run(paths["vmap"], u, ctx)
+        self._run(("reverse", "func"), u, ctx)
         took = time.perf_counter() - start
-        if took >= self.REPLICATED_BELOW:  # the replicated pass holds m copies of the chunk
-            self._path, self.variant = paths["vmap"], "vmap"
-            self.note = (f"vmap (a chunk takes {took * 1e3:.0f} ms; the replicated pass only "
-                         f"pays off for chunks under {self.REPLICATED_BELOW * 1e3:.0f} ms)")
+        # the replicated pass holds m copies of the chunk: only for fast chunks
+        rivals = ["looped"] if took >= self.REPLICATED_BELOW else ["replicated", "looped"]
+        for name in list(rivals):
+            try:
+                self._run(("reverse", _VARIANT_ENGINE[name]), u, ctx)  # warm up
+            except Exception:  # e.g. a model that keeps state across rows: torch.func only
+                rivals.remove(name)
+        self.variants = ("vmap", *(v for v in self.variants if v in rivals))
+        if not rivals:
+            self._path, self.variant = ("reverse", "func"), "vmap"
+            self.note = "vmap (the plain-autograd passes failed)"
             return
-        try:
-            self._run(paths["replicated"], u, ctx)  # warm up
-        except Exception:  # e.g. a model that keeps state across rows: torch.func only
-            self.variants = ("vmap",)
-            self._path, self.variant = paths["vmap"], "vmap"
-            self.note = "vmap (the replicated pass failed)"
-            return
-        best = race(lambda v: self._run(paths[v], u, ctx), paths, timing_seconds=0.1)
-        winner = "replicated" if best["replicated"] < self.MARGIN * best["vmap"] else "vmap"
-        self._path = paths[winner]
+        best = race(lambda v: self._run(("reverse", _VARIANT_ENGINE[v]), u, ctx),
+                    ["vmap", *rivals], timing_seconds=0.1)
+        fastest = min(rivals, key=lambda v: best[v])
+        winner = fastest if best[fastest] < self.MARGIN * best["vmap"] else "vmap"
+        self._path = ("reverse", _VARIANT_ENGINE[winner])
         self.variant = winner
-        self.note = (f"{winner} (timed one chunk: vmap {best['vmap'] * 1e3:.2f} ms, replicated "
-                     f"{best['replicated'] * 1e3:.2f} ms)")
+        timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in best.items())
+        self.note = f"{winner} (timed one chunk: {timed})"
 
     def _warn_fallback(self) -> None:
         self.mode = "reverse"
@@ -742,6 +779,10 @@ class TorchKernel(Kernel):
             ForwardModeFallbackWarning, stacklevel=user_stacklevel(),
         )
 
+
+#: the reverse-mode builds of :class:`TorchKernel` and the engine each runs on
+_VARIANT_ENGINE: dict[str, Engine] = {"vmap": "func", "replicated": "replicated", "looped": "looped"}
+_PLAIN_ENGINES = ("func", "replicated", "looped")
 
 _FORWARD_CAUSE = ("Usual cause: an operator or a custom torch.autograd.Function without a "
                   "forward-mode rule (jvp, or vmap support).")
