@@ -190,6 +190,27 @@ def test_all_zero_jacobians_warn_once_per_bound_model(tmp_path: Any) -> None:
         batchjac.jacobian(ReadsOnlyKnown(), u, h, out=str(tmp_path / "j.zarr"), chunk_size=16)
 
 
+@pytest.mark.parametrize("where", ["first", "last", "none"])
+def test_the_zero_check_finds_one_nonzero_entry_anywhere(where: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check reads blocks of rows and stops at the first nonzero one: one nonzero entry in
+    the first or the last block is found, in C order and transposed (non-contiguous) arrays
+    alike, and an all-zero chunk is all zero."""
+    from batchjac import _runner
+
+    monkeypatch.setattr(_runner, "ZERO_CHECK_BLOCK", 60)  # blocks of 2 rows of 5 x 6
+    rng = _rng()
+    for layout in ("C", "T"):
+        a = np.zeros((11, 5, 6), dtype="f4")
+        if where != "none":
+            row = 0 if where == "first" else 10
+            a[row, int(rng.integers(5)), int(rng.integers(6))] = float(rng.uniform(1e-30, 1.0))
+        b = a if layout == "C" else np.ascontiguousarray(a.transpose(0, 2, 1)).transpose(0, 2, 1)
+        assert _runner._any_nonzero(b) is (where != "none")
+    assert _runner._any_nonzero(np.zeros((0, 3))) is False
+    assert _runner._any_nonzero(np.asarray(2.0)) is True
+
+
 def test_all_zero_jacobians_warn_in_every_backend() -> None:
     torch = pytest.importorskip("torch")
     rng = _rng()
