@@ -424,3 +424,114 @@ def test_numpy_known_beside_native_unknown(fw: str) -> None:
     assert isinstance(jac, _array_type(fw))
     assert device_of(jac) == dev
     assert_jac_close(_host(jac), _reference(u, h)[1])
+
+
+# -- second order: hessian, its diagonal, laplacian, hvp ---------------------------------------
+
+def _hessian_reference(u: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """The W1 model's Hessians with respect to the unknowns: float64 central differences of
+    its closed-form Jacobian (truncation error ~1e-10 relative)."""
+    from batchjac._finite_diff import central_differences
+
+    layers = mlp_weights(W1.sizes)
+    return central_differences(
+        lambda a: mlp_jacobian(layers, np.concatenate([a, h], -1))[..., :5], u)
+
+
+def _assert_same(got: Any, want: np.ndarray) -> None:
+    """The native path's numbers are the numpy path's (the same kernels, the same rows)."""
+    np.testing.assert_allclose(_host(got), want, rtol=1e-6, atol=1e-7 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("chunk_size", [None, 48])  # one chunk, and 3 chunks with padding
+def test_second_order_native_in_native_out_on_the_input_device(fw: str, chunk_size: int | None
+                                                               ) -> None:
+    put, dev, device_of = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(120, seed=31)
+    v = np.random.default_rng(32).normal(size=u.shape).astype(np.float32)
+    ref = _hessian_reference(u, h)
+    y_ref, j_ref = _reference(u, h)
+    calls: dict[str, Callable[..., Any]] = {
+        "hessian": lambda *a, **kw: batchjac.hessian(model, *a, **kw),
+        "diagonal": lambda *a, **kw: batchjac.hessian(model, *a, diagonal=True, **kw),
+        "laplacian": lambda *a, **kw: batchjac.laplacian(model, *a, **kw),
+        "hvp": lambda *a, v=v, **kw: batchjac.hvp(model, *a, v=v, **kw),
+    }
+    want = {"hessian": ref, "diagonal": np.diagonal(ref, axis1=-2, axis2=-1),
+            "laplacian": np.trace(ref, axis1=-2, axis2=-1),
+            "hvp": np.einsum("naij,nj->nai", ref, v)}
+    for kind, fn in calls.items():
+        extra = {"v": put(v)} if kind == "hvp" else {}
+        y_np, j_np, r_np = fn(u, h, chunk_size=chunk_size, return_outputs=True,
+                              return_jacobian=True)
+        got = fn(put(u), put(h), chunk_size=chunk_size, return_outputs=True,
+                 return_jacobian=True, **extra)
+        assert len(got) == 3
+        for a in got:
+            assert isinstance(a, _array_type(fw)), (kind, type(a))
+            assert device_of(a) == dev, kind
+        y, jac, res = got
+        assert tuple(res.shape) == want[kind].shape, kind
+        for a, a_np in zip(got, (y_np, j_np, r_np)):
+            _assert_same(a, a_np)
+        assert_jac_close(_host(res), want[kind], factor=10.0)  # float32 against float64 FD
+        assert_jac_close(_host(jac), j_ref)
+        assert_jac_close(_host(y), y_ref)
+        alone = fn(put(u), put(h), chunk_size=chunk_size, **extra)  # the result alone
+        assert isinstance(alone, _array_type(fw)), kind
+        assert device_of(alone) == dev, kind
+        _assert_same(alone, r_np)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_second_order_output_numpy_and_mixed_kinds(fw: str) -> None:
+    put, dev, device_of = _on_cpu(fw)
+    u, h = _data(40, seed=33)
+    ref = _hessian_reference(u, h)
+    own = workload_model("W1", fw)
+    forced = batchjac.hessian(own, put(u), put(h), output="numpy")
+    assert type(forced) is np.ndarray
+    assert_jac_close(forced, ref, factor=10.0)
+    other = workload_model("W1", "torch" if fw != "torch" else "jax")
+    lap = batchjac.laplacian(other, put(u), put(h))  # converted once each way
+    assert isinstance(lap, _array_type(fw))
+    assert device_of(lap) == dev
+    assert_jac_close(_host(lap), np.trace(ref, axis1=-2, axis2=-1), factor=10.0)
+    asked = batchjac.hessian(other, u, h, diagonal=True, output=fw)  # numpy in, that kind out
+    assert isinstance(asked, _array_type(fw))
+    assert_jac_close(_host(asked), np.diagonal(ref, axis1=-2, axis2=-1), factor=10.0)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_hvp_tangents_are_checked_on_the_device(fw: str) -> None:
+    put, _, _ = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(20, seed=34)
+    v = np.random.default_rng(35).normal(size=u.shape).astype(np.float32)
+    v[7, 2] = np.inf
+    with pytest.raises(batchjac.InputError, match=r"`v` has a non-finite value \(inf\) in row 7"):
+        batchjac.hvp(model, put(u), put(h), v=put(v))
+    with pytest.raises(batchjac.InputError, match=r"`v` has shape \(20, 4\), but the unknowns "
+                                                  r"have shape \(20, 5\)"):
+        batchjac.hvp(model, put(u), put(h), v=put(v[:, :4].copy()))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("chunk_size", [None, 64])
+def test_second_order_native_path_makes_no_host_copy(fw: str, chunk_size: int | None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    put, _, _ = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(200, seed=36)
+    tu, th = put(u), put(h)
+    batchjac.hessian(model, tu, th, chunk_size=chunk_size, return_outputs=True)  # probes, races
+    copies = _HostCopies(monkeypatch, fw)
+    batchjac.hessian(model, tu, th, chunk_size=chunk_size, return_outputs=True, output="numpy")
+    assert copies.calls, "the spy saw no conversion on the numpy path: it cannot fail"
+    copies.calls.clear()
+    _y, hess = batchjac.hessian(model, tu, th, chunk_size=chunk_size, return_outputs=True)
+    assert copies.calls == []
+    monkeypatch.undo()
+    assert_jac_close(_host(hess), _hessian_reference(u, h), factor=10.0)

@@ -768,6 +768,8 @@ class JaxSecondKernel(Kernel):
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
                  ) -> dict[str, np.ndarray]:
         out = self._fn(self._bound.args, u, tuple(ctx))
+        if isinstance(u, jax.Array):  # JAX arrays in: left on their device
+            return dict(out)
         return {name: np.asarray(a) for name, a in out.items()}
 
 

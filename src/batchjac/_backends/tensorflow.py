@@ -773,6 +773,8 @@ class TFSecondKernel(Kernel):
                 raise
             self._fallback(e)
             out = self._fn("graph")(u, *ctx, *self._seed_arrays)
+        if tf.is_tensor(u):  # tensors in, tensors out, where TensorFlow computed them
+            return dict(out)
         return {name: np.asarray(a) for name, a in out.items()}
 
     def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:

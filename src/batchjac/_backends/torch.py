@@ -835,12 +835,14 @@ class TorchSecondKernel(Kernel):
                 raise
             except Exception as e:
                 raise _explain_model_failure(e, bound.signature) from e
-        out = {SECOND_RESULT[self.kind]: _to_numpy(second)}
+        out = {SECOND_RESULT[self.kind]: second}
         if self.with_outputs:
-            out["outputs"] = _to_numpy(y)
+            out["outputs"] = y
         if self.with_jacobian:
-            out["jacobians"] = _to_numpy(jac)
-        return out
+            out["jacobians"] = jac
+        if isinstance(u, torch.Tensor):  # tensors in, tensors out, on the device
+            return {name: t.detach() for name, t in out.items()}
+        return {name: _to_numpy(t) for name, t in out.items()}
 
     # -- the computations --------------------------------------------------------------------
     def _compute(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], v: torch.Tensor | None
