@@ -535,3 +535,107 @@ def test_second_order_native_path_makes_no_host_copy(fw: str, chunk_size: int | 
     assert copies.calls == []
     monkeypatch.undo()
     assert_jac_close(_host(hess), _hessian_reference(u, h), factor=10.0)
+
+
+# -- the verbs built on Jacobians: solution arrays in the inputs' kind, reports in numpy --------
+
+def _assert_delivered(got: Any, want: np.ndarray) -> None:
+    """``got`` holds the host result ``want``: the same numbers, in the same dtype, except
+    float64 into JAX without x64 mode, which holds no float64 (float32 there, as jnp.asarray
+    makes it: rounding far below the float32 computation's own)."""
+    host = _host(got)
+    if host.dtype != want.dtype:
+        import jax
+
+        assert kind_of(got) == "jax", (host.dtype, want.dtype)
+        assert not jax.config.jax_enable_x64
+        assert (host.dtype, want.dtype) == (np.float32, np.float64)
+        np.testing.assert_allclose(host, want, rtol=1e-7, atol=1e-38)
+        return
+    np.testing.assert_array_equal(host, want)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_solve_gives_the_solution_in_the_inputs_kind(fw: str) -> None:
+    put, dev, device_of = _on_cpu(fw)
+    w3 = WORKLOADS["W3"]  # 4 unknowns + 4 known -> 512 outputs: identifiable
+    layers = mlp_weights(w3.sizes)
+    r = np.random.default_rng(37)
+    x_true = r.uniform(-1, 1, (30, 4)).astype(np.float32)
+    known = r.normal(size=(30, 4)).astype(np.float32)
+    targets = mlp_forward(layers, np.concatenate([x_true, known], -1)).astype(np.float32)
+    model = workload_model("W3", fw)
+    kw = {"return_jacobian": True, "return_covariance": True}
+    ref = batchjac.solve(model, targets, known, x0=np.zeros_like(x_true), **kw)
+    got = batchjac.solve(model, put(targets), put(known), x0=put(np.zeros_like(x_true)), **kw)
+    for a in (got.x, got.jacobian, got.covariance):
+        assert isinstance(a, _array_type(fw)), type(a)
+        assert device_of(a) == dev
+    for a in (got.status, got.success, got.residual, got.cost):  # the diagnostics: a report
+        assert type(a) is np.ndarray
+    assert got.success.all()
+    _assert_delivered(got.x, ref.x)  # the same host iterations
+    _assert_delivered(got.jacobian, ref.jacobian)
+    _assert_delivered(got.covariance, ref.covariance)
+    np.testing.assert_array_equal(got.status, ref.status)
+    np.testing.assert_allclose(_host(got.x), x_true, atol=2e-3)  # the unknowns that made them
+    assert "n=30" in repr(got)
+    forced = batchjac.solve(model, put(targets), put(known), x0=put(np.zeros_like(x_true)),
+                            output="numpy")
+    assert type(forced.x) is np.ndarray
+    np.testing.assert_array_equal(forced.x, ref.x)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_propagate_gives_mean_and_cov_in_the_inputs_kind(fw: str) -> None:
+    put, dev, device_of = _on_cpu(fw)
+    u, h = _data(60, seed=38)
+    std = np.array([0.1, 0.02, 0.3, 0.05, 0.2])
+    y_ref, j_ref = _reference(u, h)
+    cov_ref = np.einsum("nak,k,nbk->nab", j_ref, std**2, j_ref)  # J diag(s^2) J^T
+    model = workload_model("W1", fw)
+    ref = batchjac.propagate(model, u, h, std=std)
+    got = batchjac.propagate(model, put(u), put(h), std=std)
+    for a in (got.mean, got.cov, got.std):
+        assert isinstance(a, _array_type(fw)), type(a)
+        assert device_of(a) == dev
+    _assert_delivered(got.mean, ref.mean)
+    _assert_delivered(got.cov, ref.cov)
+    _assert_delivered(got.std, ref.std)
+    assert_jac_close(_host(got.mean), y_ref, dtype=np.float32)  # (float64 of float32 outputs)
+    np.testing.assert_allclose(_host(got.cov), cov_ref, rtol=1e-4,
+                               atol=1e-6 * float(np.abs(cov_ref).max()))
+    second = batchjac.propagate(model, put(u), put(h), std=std, order=2)
+    assert isinstance(second.mean, _array_type(fw))
+    assert device_of(second.cov) == dev
+    forced = batchjac.propagate(model, put(u), put(h), std=std, output="numpy")
+    assert type(forced.mean) is np.ndarray
+    assert type(forced.std) is np.ndarray
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_reports_read_native_arrays_and_stay_numpy(fw: str) -> None:
+    """check and sensitivity take the framework's arrays (jacobian's native result) and give
+    the report the numpy inputs give; elasticities, per-instance arrays, keep jac's kind."""
+    put, dev, device_of = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(80, seed=39)
+    y, jac = batchjac.jacobian(model, put(u), put(h), return_outputs=True)
+    y_np, j_np = _host(y), _host(jac)
+    s_native = batchjac.sensitivity(jac, put(u), y)
+    s_numpy = batchjac.sensitivity(j_np, u, y_np)
+    for name in ("mean_abs", "mean", "elasticity", "scaled"):
+        got = getattr(s_native, name)
+        assert type(got) is np.ndarray, name
+        np.testing.assert_array_equal(got, getattr(s_numpy, name))
+    assert_jac_close(s_native.mean_abs, np.abs(_reference(u, h)[1]).mean(0), dtype=np.float32)
+    e = batchjac.elasticities(jac, put(u), y)
+    assert isinstance(e, _array_type(fw))
+    assert device_of(e) == dev
+    _assert_delivered(e, batchjac.elasticities(j_np, u, y_np))
+    rep_native = batchjac.check(model, put(u), put(h), sample=10)
+    rep_numpy = batchjac.check(model, u, h, sample=10)
+    assert rep_native.passed
+    assert type(rep_native.max_rel_error) is np.ndarray
+    np.testing.assert_array_equal(rep_native.instances, rep_numpy.instances)
+    np.testing.assert_allclose(rep_native.max_rel_error, rep_numpy.max_rel_error, rtol=1e-6)

@@ -109,6 +109,24 @@ def resolve(inputs: tuple[Any, ...], output: Any, backend: Callable[[], str], *,
     return Delivery(kind, device, native=kind == backend())
 
 
+def on_host(inputs: tuple[Any, ...], output: Any, *, out: Any = None) -> Delivery:
+    """The :class:`Delivery` of a verb whose algebra runs on the host (``solve``'s iterations,
+    ``propagate``'s covariances): the kind and device of its inputs (or ``output=``'s), never
+    computed natively. Its inputs are read to the host once (:func:`batchjac._validate.
+    to_numpy`), and :func:`deliver` hands its result arrays back once."""
+    found = resolve(inputs, output, lambda: "", out=out)
+    return Delivery(found.kind, found.device)
+
+
+def like(result: Any, template: Any) -> Any:
+    """``result`` (host arrays, or a tuple of them) in the kind and on the device of
+    ``template`` (any array: numpy gives numpy)."""
+    kind = kind_of(template)
+    if kind == "numpy":
+        return result
+    return deliver(result, Delivery(kind, array_ops(kind).device_of(template)))
+
+
 def native_options(delivery: Delivery, backend: str, model: Any, options: dict[str, Any]
                     ) -> dict[str, Any]:
     """The backend options of a native call: the backend's say on the inputs' device (torch: a
