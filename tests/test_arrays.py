@@ -639,3 +639,7 @@ def test_reports_read_native_arrays_and_stay_numpy(fw: str) -> None:
     assert type(rep_native.max_rel_error) is np.ndarray
     np.testing.assert_array_equal(rep_native.instances, rep_numpy.instances)
     np.testing.assert_allclose(rep_native.max_rel_error, rep_numpy.max_rel_error, rtol=1e-6)
+    hess_native = batchjac.check_hessian(model, put(u), put(h), sample=5)
+    hess_numpy = batchjac.check_hessian(model, u, h, sample=5)
+    assert hess_native.passed
+    np.testing.assert_allclose(hess_native.max_rel_error, hess_numpy.max_rel_error, rtol=1e-6)
