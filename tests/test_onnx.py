@@ -522,3 +522,28 @@ def test_a_reduction_version_still_unknown_stays_named(monkeypatch: pytest.Monke
     x = np.random.default_rng(42).normal(size=(4, 3)).astype("float32")
     with pytest.raises(batchjac.ModelLoadError, match=r"ReduceMean \(opset 18\)"):
         batchjac.jacobian(model, x)
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce_sum_13_over_empty_axes_reduces_everything(tmp_path: Path, keepdims: int) -> None:
+    """ReduceSum-13 with empty axes (noop_with_empty_axes=0): every axis, as onnxruntime
+    computes it (onnx2torch's own converter raised AttributeError with keepdims=0). Not a
+    per-row model, so the translated module is called directly."""
+    from batchjac._loaders.onnx import load_proto
+
+    helper, tp = onnx.helper, onnx.TensorProto
+    nodes = [helper.make_node("Constant", [], ["none"], value=helper.make_tensor(
+                 "none", tp.INT64, [0], [])),
+             helper.make_node("ReduceSum", ["x", "none"], ["y"], keepdims=keepdims)]
+    x_info = helper.make_tensor_value_info("x", tp.FLOAT, ["n", 3])
+    y_info = helper.make_tensor_value_info("y", tp.FLOAT, None)
+    model = helper.make_model(helper.make_graph(nodes, "sum_all", [x_info], [y_info]),
+                              opset_imports=[helper.make_opsetid("", 13)])
+    path = tmp_path / "sum_all.onnx"
+    onnx.save(model, str(path))
+    x = np.random.default_rng(43).normal(size=(5, 3)).astype("float32")
+    with torch.no_grad():
+        got = load_proto(model)(torch.from_numpy(x)).numpy()
+    want = _ort(path, {"x": x})
+    assert got.shape == want.shape == ((1, 1) if keepdims else ())
+    np.testing.assert_allclose(got, want, rtol=1e-6)
