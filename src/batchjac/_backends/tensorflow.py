@@ -226,8 +226,14 @@ class TFBound(BoundModel):
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
         if self._graph_forward is None:
             # probes, checks and solvers call this with many batch sizes: one trace for all
-            self._graph_forward = tf.function(lambda u, *ctx: self.apply(u, ctx), autograph=False,
-                                              reduce_retracing=True)
+            fn = tf.function(lambda u, *ctx: self.apply(u, ctx), autograph=False,
+                             reduce_retracing=True)
+            # one such function per bound model, by design: TensorFlow's detector of frequent
+            # retracing keys them all by this lambda's code, and would warn about traces that
+            # are batchjac's choice, naming its internals (TFBound.forward.<locals>.<lambda>)
+            if hasattr(fn, "_omit_frequent_tracing_warning"):
+                fn._omit_frequent_tracing_warning = True
+            self._graph_forward = fn
         return self._graph_forward(u, *ctx).numpy()
 
     def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
