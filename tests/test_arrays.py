@@ -643,3 +643,25 @@ def test_reports_read_native_arrays_and_stay_numpy(fw: str) -> None:
     hess_numpy = batchjac.check_hessian(model, u, h, sample=5)
     assert hess_native.passed
     np.testing.assert_allclose(hess_native.max_rel_error, hess_numpy.max_rel_error, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_all_finite_on_the_device_is_exact(fw: str) -> None:
+    """The NaN/Inf check of native inputs (one sum, entry by entry only when the sum is not
+    finite): every kind of non-finite entry is found, and finite entries whose sum overflows
+    are finite."""
+    put, _, _ = _on_cpu(fw)
+    ops = _backends.array_ops(fw)
+    r = np.random.default_rng(44)
+    a = r.normal(size=(300, 7)).astype(np.float32)
+    assert ops.all_finite(put(a))
+    for bad in ([np.nan], [np.inf], [-np.inf], [np.inf, -np.inf]):
+        b = a.copy()
+        for v in bad:
+            b[tuple(r.integers(0, s) for s in b.shape)] = v
+        assert not ops.all_finite(put(b)), bad
+    huge = np.full((4, 3), 3e38, np.float32)  # finite, but their sum overflows float32
+    assert ops.all_finite(put(huge))
+    huge[2, 1] = np.nan
+    assert not ops.all_finite(put(huge))
+    assert ops.all_finite(put(np.arange(12, dtype=np.int32).reshape(4, 3)))

@@ -194,7 +194,11 @@ class TorchOps:
         return torch.cat(parts)
 
     def all_finite(self, a: Any) -> bool:
-        return not a.is_floating_point() or bool(torch.isfinite(a).all())
+        # one reduction: NaN and Inf reach the sum, so a finite sum proves every entry finite
+        # (torch.isfinite(a).all() is four passes: 19 ms on W2's 10,000 x 784 input against
+        # 0.5 ms, 4% of the call); only a sum that overflowed is checked entry by entry
+        return not a.is_floating_point() or bool(torch.isfinite(a.sum())) or \
+            bool(torch.isfinite(a).all())
 
     def any_nonzero(self, a: Any) -> bool:
         return bool(a.any())
