@@ -395,6 +395,10 @@ for chunk_size in (None, 30):
                                return_outputs=True, chunk_size=chunk_size)
     assert jac.devices() == {d1} and jac.committed and y.devices() == {d1}, jac.devices()
     assert np.array_equal(np.asarray(jac), ref), chunk_size
+    hess = batchjac.hessian(model, jax.device_put(u, d1), jax.device_put(h, d1),
+                            chunk_size=chunk_size)
+    assert hess.devices() == {d1} and hess.committed, hess.devices()
+    assert np.allclose(np.asarray(hess), batchjac.hessian(model, u, h), rtol=1e-6, atol=1e-7)
 print("ok")
 """
 
@@ -513,6 +517,10 @@ def test_hvp_tangents_are_checked_on_the_device(fw: str) -> None:
     v[7, 2] = np.inf
     with pytest.raises(batchjac.InputError, match=r"`v` has a non-finite value \(inf\) in row 7"):
         batchjac.hvp(model, put(u), put(h), v=put(v))
+    v[7, 2] = 0.5
+    mixed = batchjac.hvp(model, put(u), put(h), v=v)  # a numpy v beside native inputs
+    assert isinstance(mixed, _array_type(fw))
+    _assert_same(mixed, batchjac.hvp(model, u, h, v=v))
     with pytest.raises(batchjac.InputError, match=r"`v` has shape \(20, 4\), but the unknowns "
                                                   r"have shape \(20, 5\)"):
         batchjac.hvp(model, put(u), put(h), v=put(v[:, :4].copy()))
