@@ -395,6 +395,10 @@ for chunk_size in (None, 30):
                                return_outputs=True, chunk_size=chunk_size)
     assert jac.devices() == {d1} and jac.committed and y.devices() == {d1}, jac.devices()
     assert np.array_equal(np.asarray(jac), ref), chunk_size
+    hess = batchjac.hessian(model, jax.device_put(u, d1), jax.device_put(h, d1),
+                            chunk_size=chunk_size)
+    assert hess.devices() == {d1} and hess.committed, hess.devices()
+    assert np.allclose(np.asarray(hess), batchjac.hessian(model, u, h), rtol=1e-6, atol=1e-7)
 print("ok")
 """
 
@@ -424,3 +428,248 @@ def test_numpy_known_beside_native_unknown(fw: str) -> None:
     assert isinstance(jac, _array_type(fw))
     assert device_of(jac) == dev
     assert_jac_close(_host(jac), _reference(u, h)[1])
+
+
+# -- second order: hessian, its diagonal, laplacian, hvp ---------------------------------------
+
+def _hessian_reference(u: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """The W1 model's Hessians with respect to the unknowns: float64 central differences of
+    its closed-form Jacobian (truncation error ~1e-10 relative)."""
+    from batchjac._finite_diff import central_differences
+
+    layers = mlp_weights(W1.sizes)
+    return central_differences(
+        lambda a: mlp_jacobian(layers, np.concatenate([a, h], -1))[..., :5], u)
+
+
+def _assert_same(got: Any, want: np.ndarray) -> None:
+    """The native path's numbers are the numpy path's (the same kernels, the same rows)."""
+    np.testing.assert_allclose(_host(got), want, rtol=1e-6, atol=1e-7 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("chunk_size", [None, 48])  # one chunk, and 3 chunks with padding
+def test_second_order_native_in_native_out_on_the_input_device(fw: str, chunk_size: int | None
+                                                               ) -> None:
+    put, dev, device_of = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(120, seed=31)
+    v = np.random.default_rng(32).normal(size=u.shape).astype(np.float32)
+    ref = _hessian_reference(u, h)
+    y_ref, j_ref = _reference(u, h)
+    calls: dict[str, Callable[..., Any]] = {
+        "hessian": lambda *a, **kw: batchjac.hessian(model, *a, **kw),
+        "diagonal": lambda *a, **kw: batchjac.hessian(model, *a, diagonal=True, **kw),
+        "laplacian": lambda *a, **kw: batchjac.laplacian(model, *a, **kw),
+        "hvp": lambda *a, v=v, **kw: batchjac.hvp(model, *a, v=v, **kw),
+    }
+    want = {"hessian": ref, "diagonal": np.diagonal(ref, axis1=-2, axis2=-1),
+            "laplacian": np.trace(ref, axis1=-2, axis2=-1),
+            "hvp": np.einsum("naij,nj->nai", ref, v)}
+    for kind, fn in calls.items():
+        extra = {"v": put(v)} if kind == "hvp" else {}
+        y_np, j_np, r_np = fn(u, h, chunk_size=chunk_size, return_outputs=True,
+                              return_jacobian=True)
+        got = fn(put(u), put(h), chunk_size=chunk_size, return_outputs=True,
+                 return_jacobian=True, **extra)
+        assert len(got) == 3
+        for a in got:
+            assert isinstance(a, _array_type(fw)), (kind, type(a))
+            assert device_of(a) == dev, kind
+        y, jac, res = got
+        assert tuple(res.shape) == want[kind].shape, kind
+        for a, a_np in zip(got, (y_np, j_np, r_np)):
+            _assert_same(a, a_np)
+        assert_jac_close(_host(res), want[kind], factor=10.0)  # float32 against float64 FD
+        assert_jac_close(_host(jac), j_ref)
+        assert_jac_close(_host(y), y_ref)
+        alone = fn(put(u), put(h), chunk_size=chunk_size, **extra)  # the result alone
+        assert isinstance(alone, _array_type(fw)), kind
+        assert device_of(alone) == dev, kind
+        _assert_same(alone, r_np)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_second_order_output_numpy_and_mixed_kinds(fw: str) -> None:
+    put, dev, device_of = _on_cpu(fw)
+    u, h = _data(40, seed=33)
+    ref = _hessian_reference(u, h)
+    own = workload_model("W1", fw)
+    forced = batchjac.hessian(own, put(u), put(h), output="numpy")
+    assert type(forced) is np.ndarray
+    assert_jac_close(forced, ref, factor=10.0)
+    other = workload_model("W1", "torch" if fw != "torch" else "jax")
+    lap = batchjac.laplacian(other, put(u), put(h))  # converted once each way
+    assert isinstance(lap, _array_type(fw))
+    assert device_of(lap) == dev
+    assert_jac_close(_host(lap), np.trace(ref, axis1=-2, axis2=-1), factor=10.0)
+    asked = batchjac.hessian(other, u, h, diagonal=True, output=fw)  # numpy in, that kind out
+    assert isinstance(asked, _array_type(fw))
+    assert_jac_close(_host(asked), np.diagonal(ref, axis1=-2, axis2=-1), factor=10.0)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_hvp_tangents_are_checked_on_the_device(fw: str) -> None:
+    put, _, _ = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(20, seed=34)
+    v = np.random.default_rng(35).normal(size=u.shape).astype(np.float32)
+    v[7, 2] = np.inf
+    with pytest.raises(batchjac.InputError, match=r"`v` has a non-finite value \(inf\) in row 7"):
+        batchjac.hvp(model, put(u), put(h), v=put(v))
+    v[7, 2] = 0.5
+    mixed = batchjac.hvp(model, put(u), put(h), v=v)  # a numpy v beside native inputs
+    assert isinstance(mixed, _array_type(fw))
+    _assert_same(mixed, batchjac.hvp(model, u, h, v=v))
+    with pytest.raises(batchjac.InputError, match=r"`v` has shape \(20, 4\), but the unknowns "
+                                                  r"have shape \(20, 5\)"):
+        batchjac.hvp(model, put(u), put(h), v=put(v[:, :4].copy()))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("chunk_size", [None, 64])
+def test_second_order_native_path_makes_no_host_copy(fw: str, chunk_size: int | None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    put, _, _ = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(200, seed=36)
+    tu, th = put(u), put(h)
+    batchjac.hessian(model, tu, th, chunk_size=chunk_size, return_outputs=True)  # probes, races
+    copies = _HostCopies(monkeypatch, fw)
+    batchjac.hessian(model, tu, th, chunk_size=chunk_size, return_outputs=True, output="numpy")
+    assert copies.calls, "the spy saw no conversion on the numpy path: it cannot fail"
+    copies.calls.clear()
+    _y, hess = batchjac.hessian(model, tu, th, chunk_size=chunk_size, return_outputs=True)
+    assert copies.calls == []
+    monkeypatch.undo()
+    assert_jac_close(_host(hess), _hessian_reference(u, h), factor=10.0)
+
+
+# -- the verbs built on Jacobians: solution arrays in the inputs' kind, reports in numpy --------
+
+def _assert_delivered(got: Any, want: np.ndarray) -> None:
+    """``got`` holds the host result ``want``: the same numbers, in the same dtype, except
+    float64 into JAX without x64 mode, which holds no float64 (float32 there, as jnp.asarray
+    makes it: rounding far below the float32 computation's own)."""
+    host = _host(got)
+    if host.dtype != want.dtype:
+        import jax
+
+        assert kind_of(got) == "jax", (host.dtype, want.dtype)
+        assert not jax.config.jax_enable_x64
+        assert (host.dtype, want.dtype) == (np.float32, np.float64)
+        np.testing.assert_allclose(host, want, rtol=1e-7, atol=1e-38)
+        return
+    np.testing.assert_array_equal(host, want)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_solve_gives_the_solution_in_the_inputs_kind(fw: str) -> None:
+    put, dev, device_of = _on_cpu(fw)
+    w3 = WORKLOADS["W3"]  # 4 unknowns + 4 known -> 512 outputs: identifiable
+    layers = mlp_weights(w3.sizes)
+    r = np.random.default_rng(37)
+    x_true = r.uniform(-1, 1, (30, 4)).astype(np.float32)
+    known = r.normal(size=(30, 4)).astype(np.float32)
+    targets = mlp_forward(layers, np.concatenate([x_true, known], -1)).astype(np.float32)
+    model = workload_model("W3", fw)
+    kw = {"return_jacobian": True, "return_covariance": True}
+    ref = batchjac.solve(model, targets, known, x0=np.zeros_like(x_true), **kw)
+    got = batchjac.solve(model, put(targets), put(known), x0=put(np.zeros_like(x_true)), **kw)
+    for a in (got.x, got.jacobian, got.covariance):
+        assert isinstance(a, _array_type(fw)), type(a)
+        assert device_of(a) == dev
+    for a in (got.status, got.success, got.residual, got.cost):  # the diagnostics: a report
+        assert type(a) is np.ndarray
+    assert got.success.all()
+    _assert_delivered(got.x, ref.x)  # the same host iterations
+    _assert_delivered(got.jacobian, ref.jacobian)
+    _assert_delivered(got.covariance, ref.covariance)
+    np.testing.assert_array_equal(got.status, ref.status)
+    np.testing.assert_allclose(_host(got.x), x_true, atol=2e-3)  # the unknowns that made them
+    assert "n=30" in repr(got)
+    forced = batchjac.solve(model, put(targets), put(known), x0=put(np.zeros_like(x_true)),
+                            output="numpy")
+    assert type(forced.x) is np.ndarray
+    np.testing.assert_array_equal(forced.x, ref.x)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_propagate_gives_mean_and_cov_in_the_inputs_kind(fw: str) -> None:
+    put, dev, device_of = _on_cpu(fw)
+    u, h = _data(60, seed=38)
+    std = np.array([0.1, 0.02, 0.3, 0.05, 0.2])
+    y_ref, j_ref = _reference(u, h)
+    cov_ref = np.einsum("nak,k,nbk->nab", j_ref, std**2, j_ref)  # J diag(s^2) J^T
+    model = workload_model("W1", fw)
+    ref = batchjac.propagate(model, u, h, std=std)
+    got = batchjac.propagate(model, put(u), put(h), std=std)
+    for a in (got.mean, got.cov, got.std):
+        assert isinstance(a, _array_type(fw)), type(a)
+        assert device_of(a) == dev
+    _assert_delivered(got.mean, ref.mean)
+    _assert_delivered(got.cov, ref.cov)
+    _assert_delivered(got.std, ref.std)
+    assert_jac_close(_host(got.mean), y_ref, dtype=np.float32)  # (float64 of float32 outputs)
+    np.testing.assert_allclose(_host(got.cov), cov_ref, rtol=1e-4,
+                               atol=1e-6 * float(np.abs(cov_ref).max()))
+    second = batchjac.propagate(model, put(u), put(h), std=std, order=2)
+    assert isinstance(second.mean, _array_type(fw))
+    assert device_of(second.cov) == dev
+    forced = batchjac.propagate(model, put(u), put(h), std=std, output="numpy")
+    assert type(forced.mean) is np.ndarray
+    assert type(forced.std) is np.ndarray
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_reports_read_native_arrays_and_stay_numpy(fw: str) -> None:
+    """check and sensitivity take the framework's arrays (jacobian's native result) and give
+    the report the numpy inputs give; elasticities, per-instance arrays, keep jac's kind."""
+    put, dev, device_of = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    u, h = _data(80, seed=39)
+    y, jac = batchjac.jacobian(model, put(u), put(h), return_outputs=True)
+    y_np, j_np = _host(y), _host(jac)
+    s_native = batchjac.sensitivity(jac, put(u), y)
+    s_numpy = batchjac.sensitivity(j_np, u, y_np)
+    for name in ("mean_abs", "mean", "elasticity", "scaled"):
+        got = getattr(s_native, name)
+        assert type(got) is np.ndarray, name
+        np.testing.assert_array_equal(got, getattr(s_numpy, name))
+    assert_jac_close(s_native.mean_abs, np.abs(_reference(u, h)[1]).mean(0), dtype=np.float32)
+    e = batchjac.elasticities(jac, put(u), y)
+    assert isinstance(e, _array_type(fw))
+    assert device_of(e) == dev
+    _assert_delivered(e, batchjac.elasticities(j_np, u, y_np))
+    rep_native = batchjac.check(model, put(u), put(h), sample=10)
+    rep_numpy = batchjac.check(model, u, h, sample=10)
+    assert rep_native.passed
+    assert type(rep_native.max_rel_error) is np.ndarray
+    np.testing.assert_array_equal(rep_native.instances, rep_numpy.instances)
+    np.testing.assert_allclose(rep_native.max_rel_error, rep_numpy.max_rel_error, rtol=1e-6)
+    hess_native = batchjac.check_hessian(model, put(u), put(h), sample=5)
+    hess_numpy = batchjac.check_hessian(model, u, h, sample=5)
+    assert hess_native.passed
+    np.testing.assert_allclose(hess_native.max_rel_error, hess_numpy.max_rel_error, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_all_finite_on_the_device_is_exact(fw: str) -> None:
+    """The NaN/Inf check of native inputs (one sum, entry by entry only when the sum is not
+    finite): every kind of non-finite entry is found, and finite entries whose sum overflows
+    are finite."""
+    put, _, _ = _on_cpu(fw)
+    ops = _backends.array_ops(fw)
+    r = np.random.default_rng(44)
+    a = r.normal(size=(300, 7)).astype(np.float32)
+    assert ops.all_finite(put(a))
+    for bad in ([np.nan], [np.inf], [-np.inf], [np.inf, -np.inf]):
+        b = a.copy()
+        for v in bad:
+            b[tuple(r.integers(0, s) for s in b.shape)] = v
+        assert not ops.all_finite(put(b)), bad
+    huge = np.full((4, 3), 3e38, np.float32)  # finite, but their sum overflows float32
+    assert ops.all_finite(put(huge))
+    huge[2, 1] = np.nan
+    assert not ops.all_finite(put(huge))
+    assert ops.all_finite(put(np.arange(12, dtype=np.int32).reshape(4, 3)))

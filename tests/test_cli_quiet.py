@@ -54,6 +54,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def _fresh_cache(tmp_path: Path, name: str) -> dict[str, str]:
+    """A cache directory of its own: no decision remembered by an earlier run (which compile
+    was chosen, which probes passed) changes what this run does, and prints."""
+    return {"BATCHJAC_CACHE_DIR": str(tmp_path / f"cache-{name}")}
+
+
 def _stderr_lines(text: str) -> list[str]:
     """stderr split at newlines and at the carriage returns of the progress bar."""
     return [part for line in text.split("\n") for part in line.split("\r") if part.strip()]
@@ -177,3 +183,98 @@ def test_command_output_in_process(capsys: pytest.CaptureFixture[str]) -> None:
         assert tf_logger.level == before  # -v: the frameworks' loggers as they are
         with pytest.warns(UserWarning, match="shown"):
             warnings.warn("shown", UserWarning, stacklevel=1)
+
+
+_ASSERTING = """
+import tensorflow as tf
+
+W = tf.constant([[0.5, -0.2, 0.1, 0.3], [0.2, 0.1, -0.4, 0.3]] * 4)
+
+
+def model(x):
+    tf.debugging.assert_all_finite(x, "inputs must be finite")
+    y = tf.tanh(tf.matmul(x, W))
+    tf.debugging.assert_less_equal(tf.abs(y), 1.0)
+    return y
+"""
+
+
+def test_ignoring_assert_lines_only_with_verbose(files: Path, tmp_path: Path) -> None:
+    """A TensorFlow model with assertions: XLA logs "Ignoring Assert operator" for each when
+    it compiles the kernel (a native warning line on descriptor 2); gone without -v."""
+    (files / "asserting.py").write_text(_ASSERTING)
+    args = ("compute", "asserting.py:model", "-i", "u.npy", "-k", "h.npy", "--backend",
+            "tensorflow")
+    res = batchjac_cli(*args, "-o", "ja.npy", cwd=files, env=_fresh_cache(tmp_path, "plain"))
+    assert res.returncode == 0, res.stderr
+    lines = _stderr_lines(res.stderr)
+    summary = [ln for ln in lines if ln.startswith("batchjac: 300 rows -> ja.npy")]
+    bar = [ln for ln in lines if ln.startswith("batchjac: ") and "%|" in ln]
+    assert len(summary) == 1, res.stderr
+    assert set(lines) == set(summary) | set(bar), res.stderr
+    loud = batchjac_cli(*args, "-o", "ja-v.npy", "-v", cwd=files,
+                        env=_fresh_cache(tmp_path, "verbose"))
+    assert loud.returncode == 0, loud.stderr
+    assert "Ignoring Assert operator" in loud.stderr, loud.stderr  # what the filter hides
+
+
+_RETRACING = """
+import numpy as np
+import tensorflow as tf
+
+import batchjac
+
+for width in range(2, 8):  # six bound models, each tracing batchjac's forward pass once
+    x = np.random.default_rng(width).normal(size=(8, width)).astype("float32")
+    batchjac.jacobian(lambda z: tf.tanh(z), x, backend="tensorflow")
+
+
+@tf.function
+def users_own(z):
+    return z * 2.0
+
+
+for n in range(1, 8):  # the user's own function, retraced for every shape: their warning
+    users_own(tf.zeros((n,)))
+
+
+def model(x):
+    return tf.tanh(x[:, :4]) * x[:, 4:5]
+"""
+
+
+def test_retracing_warnings_never_name_batchjac(files: Path, tmp_path: Path) -> None:
+    """TensorFlow keys its retracing detector by a function's code: the forward passes of
+    six bound models (one lambda's code) made it warn about
+    ``TFBound.forward.<locals>.<lambda>``. batchjac's own traces no longer count; a user's
+    function retraced is still reported with -v (TensorFlow's logger), and not without."""
+    (files / "retracing.py").write_text(_RETRACING)
+    args = ("compute", "retracing.py:model", "-i", "u.npy", "-k", "h.npy", "--backend",
+            "tensorflow")
+    res = batchjac_cli(*args, "-o", "jr.npy", cwd=files, env=_fresh_cache(tmp_path, "plain"))
+    assert res.returncode == 0, res.stderr
+    lines = _stderr_lines(res.stderr)
+    summary = [ln for ln in lines if ln.startswith("batchjac: 300 rows -> jr.npy")]
+    bar = [ln for ln in lines if ln.startswith("batchjac: ") and "%|" in ln]
+    assert len(summary) == 1, res.stderr
+    assert set(lines) == set(summary) | set(bar), res.stderr
+    loud = batchjac_cli(*args, "-o", "jr-v.npy", "-v", cwd=files,
+                        env=_fresh_cache(tmp_path, "verbose"))
+    assert loud.returncode == 0, loud.stderr
+    retracing = [ln for ln in _stderr_lines(loud.stderr) if "triggered tf.function retracing" in ln]
+    assert any("users_own" in ln for ln in retracing), loud.stderr  # -v shows TensorFlow's
+    assert not any("TFBound" in ln or "batchjac" in ln for ln in retracing), retracing
+
+
+def test_batchjac_forward_passes_do_not_warn_in_python(caplog: pytest.LogCaptureFixture) -> None:
+    """The same in the Python API, where no filter stands between TensorFlow and the user."""
+    tf = pytest.importorskip("tensorflow")
+    import logging
+
+    import batchjac
+
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        for width in range(2, 9):
+            x = np.random.default_rng(width).normal(size=(8, width)).astype("float32")
+            batchjac.jacobian(lambda z: tf.sin(z) * 2.0, x, backend="tensorflow")
+    assert not [r for r in caplog.records if "retracing" in r.getMessage()], caplog.text

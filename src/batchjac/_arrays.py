@@ -109,6 +109,24 @@ def resolve(inputs: tuple[Any, ...], output: Any, backend: Callable[[], str], *,
     return Delivery(kind, device, native=kind == backend())
 
 
+def on_host(inputs: tuple[Any, ...], output: Any, *, out: Any = None) -> Delivery:
+    """The :class:`Delivery` of a verb whose algebra runs on the host (``solve``'s iterations,
+    ``propagate``'s covariances): the kind and device of its inputs (or ``output=``'s), never
+    computed natively. Its inputs are read to the host once (:func:`batchjac._validate.
+    to_numpy`), and :func:`deliver` hands its result arrays back once."""
+    found = resolve(inputs, output, lambda: "", out=out)
+    return Delivery(found.kind, found.device)
+
+
+def like(result: Any, template: Any) -> Any:
+    """``result`` (host arrays, or a tuple of them) in the kind and on the device of
+    ``template`` (any array: numpy gives numpy)."""
+    kind = kind_of(template)
+    if kind == "numpy":
+        return result
+    return deliver(result, Delivery(kind, array_ops(kind).device_of(template)))
+
+
 def native_options(delivery: Delivery, backend: str, model: Any, options: dict[str, Any]
                     ) -> dict[str, Any]:
     """The backend options of a native call: the backend's say on the inputs' device (torch: a
@@ -150,17 +168,32 @@ class ChunkSink:
         return parts[0] if len(parts) == 1 else self.xp.concat(parts)
 
 
+def named_results(spec: BatchSpec, shapes: Mapping[str, tuple[int, ...]],
+                  given: Mapping[str, Any] | None = None) -> tuple[Any, Callable[[], dict[str, Any]]]:
+    """Where the chunks of a verb's named in-memory results go, and how to read them from
+    there: ``(sink, finish)`` with ``finish() -> {name: whole result}``. ``shapes``: each kept
+    result's shape for the whole batch; ``given``: arrays to fill for some of them (``out=``).
+    Numpy: written into those or new arrays (:func:`batchjac._sinks.new_result`); a
+    framework's arrays: kept on the device and joined there (:class:`ChunkSink`). Every
+    in-memory verb (Jacobians, Hessians and their reductions) goes through here."""
+    if spec.xp.kind != "numpy":
+        chunks = ChunkSink(spec.xp, tuple(shapes))
+        return chunks, lambda: {name: chunks.finish(name) for name in shapes}
+    targets = {name: (given or {}).get(name) for name in shapes}
+    targets = {name: t if t is not None else new_result(shapes[name], spec.dtype)
+               for name, t in targets.items()}
+    return ArraySink(targets), lambda: targets
+
+
 def in_memory(spec: BatchSpec, y_shape: tuple[int, ...], j_shape: tuple[int, ...], out: Any,
               with_outputs: bool) -> tuple[Any, Any]:
-    """Where chunks of an in-memory result go, and how to read the result from there:
-    ``(sink, finish)`` with ``finish() -> (y or None, J)``. Numpy: written into ``out`` or a
-    new array (:func:`batchjac._sinks.new_result`); a framework's arrays: kept on the device
-    and joined there (:class:`ChunkSink`)."""
-    if spec.xp.kind != "numpy":
-        names = ("jacobians", "outputs") if with_outputs else ("jacobians",)
-        chunks = ChunkSink(spec.xp, names)
-        return chunks, lambda: (chunks.finish("outputs") if with_outputs else None,
-                                chunks.finish("jacobians"))
-    out_j = out if out is not None else new_result(j_shape, spec.dtype)
-    out_y = new_result(y_shape, spec.dtype) if with_outputs else None
-    return ArraySink({"jacobians": out_j, "outputs": out_y}), lambda: (out_y, out_j)
+    """:func:`named_results` of a Jacobian call: ``(sink, finish)`` with ``finish() -> (y or
+    None, J)``; ``out`` receives the Jacobians."""
+    shapes = {"jacobians": j_shape, **({"outputs": y_shape} if with_outputs else {})}
+    sink, finish = named_results(spec, shapes, {"jacobians": out})
+
+    def pair() -> tuple[Any, Any]:
+        done = finish()
+        return done.get("outputs"), done["jacobians"]
+
+    return sink, pair

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import _backends, _tuning as tuning
+from ._arrays import OutputArg, deliver, named_results, native_options, resolve
 from ._backends._base import SECOND_RESULT
 from ._bind import BackendName, prepare
 from ._config import default_max_memory, parse_bytes
@@ -29,12 +30,11 @@ from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._loaders import as_model
 from ._plan import OrderArg, SecondKindArg, SecondPlan, check_options, choose_order, make_second_plan
-from ._runner import Results, pad_args, run_chunks, run_single
-from ._sinks import ArraySink, new_result
+from ._runner import Results, pad_chunk, run_chunks, run_single
 from ._spec import BatchSpec, check_finite_rows
 from ._stores import StoreError, as_store, is_store_target, progress_bar
 from ._stores.hessians import SecondStoreResult, second_to_store
-from ._validate import DTypeLike, NanPolicy, normalize
+from ._validate import DTypeLike, NanPolicy, as_native, normalize
 
 log = logging.getLogger("batchjac")
 
@@ -42,13 +42,14 @@ log = logging.getLogger("batchjac")
 @dataclass
 class TangentSpec(BatchSpec):
     """A batch whose chunks carry the tangents ``v`` of a Hessian-vector product after the
-    model's own arrays: ``(u, (*ctx, v))``, as an ``hvp`` kernel takes them."""
+    model's own arrays: ``(u, (*ctx, v))``, as an ``hvp`` kernel takes them (of the batch's
+    array kind, cut and cast where they live)."""
 
     tangents: Any = None
 
     def chunk(self, lo: int, hi: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         u, ctx = super().chunk(lo, hi)
-        return u, (*ctx, np.ascontiguousarray(self.tangents[lo:hi], dtype=self.dtype))
+        return u, (*ctx, self.xp.cast(self.tangents[lo:hi], self.dtype))
 
 
 class _SecondOrderBook:
@@ -77,11 +78,12 @@ def hessian(
     client: Any = None,
     scheduler: str | None = None,
     rows_per_task: int | None = None,
+    output: OutputArg = "auto",
 ) -> Any:
     """Per-instance Hessians ``H[i] = d^2 model(inputs_i) / d unknown_i^2``.
 
     The call forms of :func:`batchjac.jacobian` (``hessian(model, x)``, ``hessian(model,
-    unknown, known)``, ``wrt=[0, 2]``, dicts and tuples of inputs). Returns a numpy array of
+    unknown, known)``, ``wrt=[0, 2]``, dicts and tuples of inputs). Returns an array of
     shape ``(N, *output_shape, *unknown_shape, *unknown_shape)``, the per-instance convention
     of ``torch.func.hessian``/``jax.hessian``; with ``diagonal=True`` only its diagonal,
     ``(N, *output_shape, *unknown_shape)``, and with ``laplacian=True`` its trace over the
@@ -90,6 +92,12 @@ def hessian(
 
     ``return_outputs``/``return_jacobian`` add the outputs and the Jacobians of the same pass:
     the result is then a tuple ``(outputs?, jacobians?, hessians)`` in that order.
+
+    Every array of the result has the kind and device of the inputs, as ``jacobian``'s
+    (:mod:`batchjac._arrays`): numpy for numpy inputs; torch tensors, JAX arrays or TensorFlow
+    tensors into a model of their own framework are computed on their device and come back
+    there, with no copy to the host; ``output=`` ("numpy", "torch", "jax", "tensorflow") asks
+    for a kind. ``out=`` takes host chunks.
 
     ``mode``: "auto" (forward over reverse for full Hessians of at most as many outputs as
     unknowns, forward over forward for more outputs and for the reductions), or
@@ -137,12 +145,13 @@ def hessian(
                         max_memory=max_memory, dtype=dtype, return_outputs=return_outputs,
                         return_jacobian=return_jacobian, nan_policy=nan_policy, out=out,
                         backend=backend, backend_options=backend_options, explain=explain,
-                        progress=progress)
+                        progress=progress, output=output)
 
 
 def laplacian(model: Any, *inputs: Any, **options: Any) -> Any:
     """The per-instance Laplacian ``sum_j d^2 model / d unknown_j^2``, shape ``(N,
-    *output_shape)``: ``hessian(model, *inputs, laplacian=True, **options)``.
+    *output_shape)``: ``hessian(model, *inputs, laplacian=True, **options)``, in the inputs'
+    array kind and device as ``hessian``'s result.
 
     >>> import numpy as np, batchjac
     >>> import torch
@@ -159,7 +168,9 @@ def hvp(model: Any, *inputs: Any, v: Any, wrt: Any = None, mode: OrderArg = "aut
     """Per-instance Hessian-vector products ``H[i] @ v[i]``: ``v`` has one row per instance
     shaped like the unknowns, ``(N, *unknown_shape)``; the result is ``(N, *output_shape,
     *unknown_shape)``, computed in one forward pass over the reverse-mode Jacobian per chunk
-    (no Hessian is formed). Other options as for :func:`hessian`."""
+    (no Hessian is formed). Other options as for :func:`hessian`; the result has the kind and
+    device of the inputs and ``v`` (one framework's arrays among them: a torch ``v`` beside
+    torch inputs stays on their device), or ``output=``'s."""
     return second_order(model, inputs, "hvp", wrt=wrt, mode=mode, tangents=v, **options)
 
 
@@ -170,17 +181,22 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
                  nan_policy: NanPolicy = "raise", out: Any = None,
                  backend: BackendName | None = None,
                  backend_options: dict[str, Any] | None = None, explain: bool = False,
-                 progress: bool | Callable[[int], None] = False, tangents: Any = None) -> Any:
+                 progress: bool | Callable[[int], None] = False, tangents: Any = None,
+                 output: OutputArg = "auto") -> Any:
     """The one path of every second-order verb (``kind`` says which result)."""
     model = as_model(model)  # an ONNX file or ModelProto: its PyTorch module
     choose_order(mode, kind, 1, 1)  # bad options fail before anything is bound or created
     check_options("auto", chunk_size, max_memory)
-    spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
+    # the result's kind and device: the inputs' (v's too: it is an input of hvp), as jacobian's
+    given = (*inputs, tangents) if kind == "hvp" and tangents is not None else inputs
+    delivery = resolve(given, output, lambda: backend or _backends.detect(model), out=out)
+    spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy, xp=delivery.xp,
+                     device=delivery.device)
     name = backend or _backends.detect(model)
-    options = backend_options or {}
+    options = native_options(delivery, name, model, backend_options or {})
     try:
         if kind == "hvp":
-            spec = _with_tangents(spec, tangents, nan_policy)
+            spec = _with_tangents(spec, tangents, nan_policy, delivery.device)
         if is_store_target(out):
             return _to_store(model, spec, name, kind, as_store(out), mode=mode,
                              chunk_size=chunk_size, max_memory=max_memory,
@@ -190,9 +206,9 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
         bound = prepare(model, _plain(spec), name, options)
         plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
                            max_memory=max_memory)
-        return _compute(bound, spec, kind, plan, return_outputs=return_outputs,
-                        return_jacobian=return_jacobian, out=out, explain=explain,
-                        progress=progress)
+        return deliver(_compute(bound, spec, kind, plan, return_outputs=return_outputs,
+                                return_jacobian=return_jacobian, out=out, explain=explain,
+                                progress=progress), delivery)
     except StoreError:  # about the output, not the model or inputs: no context to add
         raise
     except BatchJacError as e:
@@ -239,25 +255,31 @@ def _plain(spec: BatchSpec) -> BatchSpec:
         return spec
     return BatchSpec(arrays=spec.arrays, layout=spec.layout, dtype=spec.dtype, n=spec.n,
                      unknown_shape=spec.unknown_shape, names=spec.names,
-                     finite_check=spec.finite_check)
+                     finite_check=spec.finite_check, xp=spec.xp)
 
 
-def _with_tangents(spec: BatchSpec, v: Any, nan_policy: NanPolicy) -> TangentSpec:
+def _with_tangents(spec: BatchSpec, v: Any, nan_policy: NanPolicy, device: Any = None
+                   ) -> TangentSpec:
+    """The batch with the tangents ``v`` checked and of the batch's kind (on ``device``)."""
     if v is None:
         raise InputError("hvp() needs the tangents `v`: one row per instance, shaped like the "
                          f"unknowns, i.e. ({spec.n}, {', '.join(map(str, spec.unknown_shape))}).")
-    arr = np.asarray(v)
+    xp = spec.xp
+    arr = np.asarray(v) if xp.kind == "numpy" else as_native(v, "v", xp, device)
+    shape, dt = tuple(int(d) for d in arr.shape), xp.dtype_of(arr)
     want = (spec.n, *spec.unknown_shape)
-    if arr.shape != want:
-        raise InputError(f"`v` has shape {arr.shape}, but the unknowns have shape {want}: it "
+    if shape != want:
+        raise InputError(f"`v` has shape {shape}, but the unknowns have shape {want}: it "
                          f"needs one tangent per instance, shaped like that instance's unknowns.")
-    if arr.dtype.kind not in "fiu":
-        raise InputError(f"`v` must hold real numbers; got dtype {arr.dtype}.")
+    if dt.kind not in "fiu":
+        raise InputError(f"`v` must hold real numbers; got dtype {dt}.")
     if nan_policy == "raise":
-        check_finite_rows(arr.astype(spec.dtype, copy=False), "v", 0, whole=True)
+        cast = xp.cast(arr, spec.dtype)
+        if xp.kind == "numpy" or not xp.all_finite(cast):  # (on the device: a bool comes back)
+            check_finite_rows(xp.to_numpy(cast), "v", 0, whole=True)
     return TangentSpec(arrays=spec.arrays, layout=spec.layout, dtype=spec.dtype, n=spec.n,
                        unknown_shape=spec.unknown_shape, names=spec.names,
-                       finite_check=spec.finite_check, tangents=arr)
+                       finite_check=spec.finite_check, xp=xp, tangents=arr)
 
 
 def plan_second(spec: BatchSpec, bound: _backends.BoundModel, kind: SecondKindArg, *,
@@ -318,28 +340,23 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
     def run() -> Results:
         if out is None and plan.n_chunks == 1:
             return run_single(kernel, spec)
-        targets = {n: (out if n == name and out is not None else new_result(shapes[n], spec.dtype))
-                   for n in (name, *asked)}
+        sink, finish = named_results(spec, {n: shapes[n] for n in (name, *asked)}, {name: out})
         bar = progress_bar(progress, spec.n)
         try:
-            run_chunks(kernel, spec, ArraySink(targets), on_chunk=bar.update if bar else None)
+            run_chunks(kernel, spec, sink, on_chunk=bar.update if bar else None)
         finally:
             if bar is not None:
                 bar.close()
-        return targets
+        return finish()
 
     # the tuning policy: a kernel with several builds (TensorFlow: graph, XLA) races them
     # only when the work seen repays it, in a ledger of second-order work
     result = tuning.timed(ledger_of, kernel, spec.n, run, new=new, built_seconds=build.seconds)
-    tuning.settle(ledger_of, kernel, lambda: _first_rows(spec, kernel.chunk_size))
+    tuning.settle(ledger_of, kernel,
+                  lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n), kernel.chunk_size))
     if explain and kernel.note:
         sys.stderr.write(f"batchjac: kernel: {kernel.note}\n")
     return _unpack(result, name, asked)
-
-
-def _first_rows(spec: BatchSpec, rows: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    u, ctx = spec.chunk(0, min(rows, spec.n))
-    return pad_args(u, ctx, rows)
 
 
 def _unpack(result: Results, name: str, asked: list[str]) -> Any:

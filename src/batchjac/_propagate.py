@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from . import _backends
+from ._arrays import OutputArg, deliver, like, on_host
 from ._errors import BatchJacError, CovarianceClippedWarning, InputError, add_context
 from ._evaluate import (
     Evaluator,
@@ -39,7 +40,7 @@ from ._loaders import as_model
 from ._plan import ModeArg
 from ._sinks import ArraySink
 from ._spec import BatchSpec
-from ._validate import DTypeLike, normalize
+from ._validate import DTypeLike, normalize, to_numpy
 
 Method = Literal["linear", "unscented", "monte_carlo"]
 _METHODS = ("linear", "unscented", "monte_carlo")
@@ -48,7 +49,8 @@ _METHODS = ("linear", "unscented", "monte_carlo")
 @dataclass
 class Propagation:
     """Per-instance output mean ``(N, *output_shape)`` and covariance ``(N, m, m)``, with
-    ``m`` the flattened output size (C order)."""
+    ``m`` the flattened output size (C order), of the inputs' array kind and on their device
+    (see :func:`propagate`)."""
 
     mean: Any
     cov: Any
@@ -60,10 +62,10 @@ class Propagation:
     clipped: int = 0
 
     @property
-    def std(self) -> np.ndarray:
-        """Per-instance output standard deviations, shaped like ``mean``."""
-        var = np.diagonal(np.asarray(self.cov), axis1=1, axis2=2)
-        return np.sqrt(np.maximum(var, 0.0)).reshape(np.shape(self.mean))
+    def std(self) -> Any:
+        """Per-instance output standard deviations, shaped like ``mean`` and of its kind."""
+        var = np.diagonal(to_numpy(self.cov, "cov"), axis1=1, axis2=2)
+        return like(np.sqrt(np.maximum(var, 0.0)).reshape(tuple(self.mean.shape)), self.mean)
 
 
 class _Uncertainty:
@@ -234,6 +236,7 @@ def propagate(
     backend: str | None = None,
     backend_options: dict[str, Any] | None = None,
     order: int = 1,
+    output: OutputArg = "auto",
 ) -> Propagation:
     """Per-instance output mean and covariance of ``model`` given uncertain unknowns.
 
@@ -284,6 +287,12 @@ def propagate(
     "second_order". ``out=(mean_out, cov_out)``: writable
     arrays of those shapes (e.g. ``np.lib.format.open_memmap``) filled chunk by chunk.
 
+    ``mean`` and ``cov`` of the result (and ``std``) have the kind and device of the inputs
+    ``mean``/``known``, as :func:`batchjac.jacobian`'s result has (torch tensors in, torch
+    tensors out on their device; ``output=`` asks for a kind; with ``out=`` they are those
+    host arrays). The algebra runs on the host (covariances in float64, eigendecompositions,
+    draws): the inputs are copied there once and the result back once.
+
     >>> import numpy as np, batchjac
     >>> from batchjac.examples import seed_model
     >>> model = seed_model("tensorflow")
@@ -302,6 +311,7 @@ def propagate(
         raise InputError(f"`order=2` is the second-order refinement of method='linear'; got "
                          f"method={method!r} (the unscented and Monte Carlo methods have no order).")
     inputs = (mean,) if known is None else (mean, known)
+    delivery = on_host(inputs, output, out=out)
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy="raise")
     unc = _Uncertainty(cov, std, spec.n, spec.unknown_shape)
     kappa = _check_method_options(method, spec.k, n_samples=n_samples, alpha=alpha, kappa=kappa)
@@ -319,8 +329,8 @@ def propagate(
                              max_memory=max_memory)
         except BatchJacError as e:
             raise add_context(e, context(spec, name)) from e
-        return Propagation(mean=mean_out, cov=cov_out, method="second_order",
-                           output_shape=out_shape)
+        return Propagation(mean=deliver(mean_out, delivery), cov=deliver(cov_out, delivery),
+                           method="second_order", output_shape=out_shape)
     clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
         if method == "linear":
@@ -339,7 +349,8 @@ def propagate(
         raise add_context(e, context(spec, name)) from e
     if clipped[0]:
         _warn_clipped(clipped[0], spec, alpha=alpha, beta=beta, kappa=kappa)
-    return Propagation(mean=mean_out, cov=cov_out, method=method, output_shape=out_shape,
+    return Propagation(mean=deliver(mean_out, delivery), cov=deliver(cov_out, delivery),
+                       method=method, output_shape=out_shape,
                        n_samples=int(n_samples) if method == "monte_carlo" else None,
                        clipped=clipped[0])
 

@@ -1,7 +1,9 @@
 """Sensitivity summaries of a set of per-instance Jacobians: which inputs drive which outputs.
 
 Everything is numpy and streams over the instances, so a memory-mapped Jacobian file of any
-size can be summarised.
+size can be summarised. A framework's arrays (``jacobian``'s result for tensors, on any
+device) are read to the host chunk by chunk; the summaries are a report, numpy whatever the
+inputs, and :func:`elasticities`, per-instance arrays, come back in the kind of ``jac``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ._arrays import kind_of, like
 from ._errors import InputError
+from ._validate import to_numpy
 
 Measure = Literal["mean_abs", "elasticity", "scaled"]
 _MEASURES = ("mean_abs", "elasticity", "scaled")
@@ -95,6 +99,11 @@ class Sensitivity:
         return "\n".join(lines)
 
 
+def _host(a: Any, name: str) -> np.ndarray:
+    """``a`` (numpy, a memmap's rows, or a framework's array on any device) as float64 numpy."""
+    return np.asarray(to_numpy(a, name), np.float64)
+
+
 def _names(given: Sequence[str] | None, shape: tuple[int, ...], prefix: str, what: str
            ) -> tuple[str, ...]:
     size = int(np.prod(shape, dtype=np.int64))
@@ -146,7 +155,8 @@ def _split_shape(jac: Any, x: Any, y: Any) -> tuple[int, tuple[int, ...], tuple[
 
 def elasticities(jac: Any, x: Any, y: Any, *, y_floor: float = 1e-3) -> np.ndarray:
     """Per-instance elasticities ``dy_o/dx_j * x_j / y_o``: the percent change of ``y_o`` per
-    percent change of ``x_j``. Shape and axes as ``jac`` ``(N, *out, *unknown)``, float64.
+    percent change of ``x_j``. Shape and axes as ``jac`` ``(N, *out, *unknown)``, float64, of
+    the array kind of ``jac`` (a torch tensor on its device for a torch ``jac``, ...).
 
     Where ``|y_o|`` of an instance is at most ``y_floor`` times the root mean square of that
     output over the instances, the elasticity is undefined (it would blow up as y -> 0) and is
@@ -164,15 +174,15 @@ def elasticities(jac: Any, x: Any, y: Any, *, y_floor: float = 1e-3) -> np.ndarr
     if x is None or y is None:
         raise InputError("elasticities need both the unknowns `x` and the outputs `y`.")
     m, k = int(np.prod(out_shape, dtype=np.int64)), int(np.prod(ushape, dtype=np.int64))
-    a = np.asarray(jac, np.float64).reshape(n, m, k)
-    xs = np.asarray(x, np.float64).reshape(n, k)
-    ys = np.asarray(y, np.float64).reshape(n, m)
+    a = _host(jac, "jac").reshape(n, m, k)
+    xs = _host(x, "x").reshape(n, k)
+    ys = _host(y, "y").reshape(n, m)
     floor = y_floor * np.sqrt(np.mean(ys**2, axis=0)) if n else np.zeros(m)
     ok = np.abs(ys) > floor
     with np.errstate(divide="ignore", invalid="ignore"):
         e = a * xs[:, None, :] / ys[:, :, None]
     e[~np.broadcast_to(ok[:, :, None], e.shape)] = np.nan
-    return e.reshape(np.shape(jac))
+    return like(e.reshape(tuple(np.shape(jac))), jac)  # type: ignore[no-any-return]
 
 
 def sensitivity(
@@ -218,7 +228,7 @@ def sensitivity(
     m, k = int(np.prod(out_shape, dtype=np.int64)), int(np.prod(ushape, dtype=np.int64))
     total_abs, total = np.zeros((m, k)), np.zeros((m, k))
     for lo in range(0, n, _ROWS):
-        a = np.asarray(jac[lo:lo + _ROWS], np.float64).reshape(-1, m, k)
+        a = _host(jac[lo:lo + _ROWS], "jac").reshape(-1, m, k)
         if not np.isfinite(a).all():
             bad = lo + int(np.argmin(np.isfinite(a).reshape(len(a), -1).all(axis=1)))
             raise InputError(f"`jac` has a NaN or Inf entry in instance {bad}; drop or "
@@ -227,11 +237,13 @@ def sensitivity(
         total += a.sum(axis=0)
     elasticity = undefined = scaled = None
     if x is not None and y is not None:
-        xs = np.asarray(x, np.float64).reshape(n, k)
-        ys = np.asarray(y, np.float64).reshape(n, m)
+        xs = _host(x, "x").reshape(n, k)
+        ys = _host(y, "y").reshape(n, m)
         rows = np.arange(n) if n <= max_median_instances else np.sort(
             np.random.default_rng(seed).choice(n, max_median_instances, replace=False))
-        e = elasticities(np.asarray(jac[rows] if len(rows) < n else jac), xs[rows].reshape(
+        some = jac if len(rows) == n else jac[rows] if kind_of(jac) == "numpy" else \
+            to_numpy(jac, "jac")[rows]  # (a framework's array: no fancy indexing in TensorFlow)
+        e = elasticities(_host(some, "jac"), xs[rows].reshape(
             len(rows), *ushape), ys[rows].reshape(len(rows), *out_shape), y_floor=y_floor)
         e = e.reshape(len(rows), m, k)
         undefined = np.isnan(e[:, :, 0]).sum(axis=0) if k else np.zeros(m, int)

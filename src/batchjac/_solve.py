@@ -146,9 +146,11 @@ class IterationInfo:
 
 @dataclass(frozen=True)
 class SolveResult:
-    """Per-instance results of :func:`solve`; every array has one row per instance."""
+    """Per-instance results of :func:`solve`; every array has one row per instance. ``x``,
+    ``jacobian`` and ``covariance`` are of the inputs' array kind, on their device (numpy for
+    numpy inputs; see :func:`batchjac.solve`); the diagnostics are numpy."""
 
-    x: np.ndarray  #: (N, k) the solution (compute dtype); NaN for invalid input
+    x: Any  #: (N, k) the solution (compute dtype); NaN for invalid input
     #: (N,) the weighted residual *norm* ``||sqrt(w) (f(x) - targets)||_2`` (one number per
     #: instance, not the residual vector; ``residual.npy`` of a solve output holds the same)
     residual: np.ndarray
@@ -161,8 +163,8 @@ class SolveResult:
     rank: np.ndarray  #: (N,) numerical rank of ``sqrt(W) J`` at ``x``
     rank_deficient: np.ndarray  #: (N,) bool, ``rank < k`` (always so when k > m)
     start: np.ndarray  #: (N,) index of the start that won (0 is ``x0``)
-    jacobian: np.ndarray | None = None  #: (N, *output_shape, k), model Jacobian at ``x``
-    covariance: np.ndarray | None = None  #: (N, k, k) Gauss-Newton covariance of ``x``
+    jacobian: Any = None  #: (N, *output_shape, k), model Jacobian at ``x``
+    covariance: Any = None  #: (N, k, k) Gauss-Newton covariance of ``x``
     info: dict[str, Any] = field(default_factory=dict)  #: method, tolerances, timings
 
     @property

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
 
 from .. import _backends
+from .._arrays import OutputArg, deliver, on_host
 from .._bind import BackendName
 from .._errors import InputError
 from .._loaders import as_model
@@ -48,6 +50,7 @@ def solve(
     out: str | os.PathLike[str] | Store | None = None,
     block_size: int | None = None,
     progress: bool | Callable[[int], None] = False,
+    output: OutputArg = "auto",
 ) -> SolveResult | SolveStoreResult:
     """Find the unknowns ``x_i`` with ``model(concat([x_i, known_i])) ≈ targets_i``, per instance.
 
@@ -92,6 +95,9 @@ def solve(
       :class:`SolveStoreResult` (``.open(name)`` reads an array). ``callback`` and
       ``chunk_size`` are for in-memory solves; stores are always ``reproducible``.
 
+    - ``output``: the kind of the solution arrays (below); "auto" is the kind of ``targets``,
+      ``known`` and ``x0``.
+
     - ``fit_tol``: the fit test's relative residual when ``sigma`` is not given (default 1e-6 in
       float64, 1e-4 in float32; see below).
 
@@ -104,6 +110,15 @@ def solve(
     the model cannot reach) has ``status == Status.LOCAL_MINIMUM`` and ``success`` False
     (``converged`` is True for both): ``n_starts > 1`` restarts it from random points. Noisy
     targets without ``sigma`` need ``fit_tol`` of the noise's relative size.
+    The solution arrays ``x``, ``jacobian`` and ``covariance`` have the kind and device of the
+    inputs, as :func:`batchjac.jacobian`'s result has (torch tensors in, torch tensors out on
+    their device; JAX and TensorFlow likewise; ``output=`` asks for a kind): what the next
+    step computes with. The per-instance diagnostics (``residual``, ``cost``, ``success``,
+    ``status``, ``iterations``, ``rank``, ``rank_deficient``, ``start``) are numpy, a report
+    to read and to filter by (a numpy mask indexes every kind). The iterations run on the
+    host whatever the inputs: their per-instance damping and step tests are numpy, and the
+    model's evaluations go through its kernels in host chunks; so the inputs are copied to the
+    host once and the solution arrays back once.
     ``rank_deficient`` flags instances whose unknowns the outputs do not
     determine (always so when k > m: the damped steps then stay close to ``x0`` in the
     directions the outputs do not see, a minimum-norm-like solution).
@@ -123,6 +138,7 @@ def solve(
     (True, True)
     """
     model = as_model(model)  # an ONNX file or ModelProto: its PyTorch module
+    delivery = on_host((targets, known, x0), output, out=out)
     if out is None:
         if block_size is not None:
             raise InputError("`block_size` sizes the blocks of a resumable output; it goes with "
@@ -131,15 +147,16 @@ def solve(
         # swapped for the other with a warning, as in jacobian(); a store's mode comes from
         # the cost model and falls back
         with _backends.mode_asked(mode != "auto"):
-            return _in_memory(model, targets, known, x0=x0, bounds=bounds, method=method,
-                              max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
-                              weights=weights, sigma=sigma, n_starts=n_starts, seed=seed,
-                              fit_tol=fit_tol, n_unknowns=n_unknowns,
-                              return_jacobian=return_jacobian,
-                              return_covariance=return_covariance, dtype=dtype, mode=mode,
-                              chunk_size=chunk_size, max_memory=max_memory, backend=backend,
-                              backend_options=backend_options, callback=callback,
-                              reproducible=reproducible)
+            found = _in_memory(model, targets, known, x0=x0, bounds=bounds, method=method,
+                               max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
+                               weights=weights, sigma=sigma, n_starts=n_starts, seed=seed,
+                               fit_tol=fit_tol, n_unknowns=n_unknowns,
+                               return_jacobian=return_jacobian,
+                               return_covariance=return_covariance, dtype=dtype, mode=mode,
+                               chunk_size=chunk_size, max_memory=max_memory, backend=backend,
+                               backend_options=backend_options, callback=callback,
+                               reproducible=reproducible)
+        return _delivered(found, delivery)
     return _to_store(model, targets, known, x0=x0, bounds=bounds, method=method, max_iter=max_iter,
                      xtol=xtol, ftol=ftol, gtol=gtol, weights=weights, sigma=sigma, n_starts=n_starts,
                      seed=seed, fit_tol=fit_tol, n_unknowns=n_unknowns, return_jacobian=return_jacobian,
@@ -147,6 +164,16 @@ def solve(
                      chunk_size=chunk_size, max_memory=max_memory, backend=backend,
                      backend_options=backend_options, callback=callback, out=out,
                      block_size=block_size, progress=progress)
+
+
+def _delivered(found: SolveResult, delivery: Any) -> SolveResult:
+    """The solution arrays in the inputs' kind and device (the diagnostics stay numpy)."""
+    if delivery.kind == "numpy":
+        return found
+    return dataclasses.replace(
+        found, x=deliver(found.x, delivery),
+        jacobian=None if found.jacobian is None else deliver(found.jacobian, delivery),
+        covariance=None if found.covariance is None else deliver(found.covariance, delivery))
 
 
 def _to_store(model: Any, targets: Any, known: Any, *, x0: Any, bounds: Any, mode: ModeArg,

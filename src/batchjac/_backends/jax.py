@@ -803,6 +803,8 @@ class JaxSecondKernel(Kernel):
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
                  ) -> dict[str, np.ndarray]:
         out = self._fn(self._bound.args, u, tuple(ctx))
+        if isinstance(u, jax.Array):  # JAX arrays in: left on their device
+            return dict(out)
         return {name: np.asarray(a) for name, a in out.items()}
 
 
@@ -982,7 +984,9 @@ class JaxOps:
         return jnp.concatenate(parts)
 
     def all_finite(self, a: Any) -> bool:
-        return not jnp.issubdtype(a.dtype, jnp.floating) or bool(jnp.isfinite(a).all())
+        # one reduction, as TorchOps.all_finite (a finite sum proves every entry finite)
+        return not jnp.issubdtype(a.dtype, jnp.floating) or bool(jnp.isfinite(jnp.sum(a))) or \
+            bool(jnp.isfinite(a).all())
 
     def any_nonzero(self, a: Any) -> bool:
         return bool(jnp.any(a))

@@ -226,8 +226,14 @@ class TFBound(BoundModel):
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
         if self._graph_forward is None:
             # probes, checks and solvers call this with many batch sizes: one trace for all
-            self._graph_forward = tf.function(lambda u, *ctx: self.apply(u, ctx), autograph=False,
-                                              reduce_retracing=True)
+            fn = tf.function(lambda u, *ctx: self.apply(u, ctx), autograph=False,
+                             reduce_retracing=True)
+            # one such function per bound model, by design: TensorFlow's detector of frequent
+            # retracing keys them all by this lambda's code, and would warn about traces that
+            # are batchjac's choice, naming its internals (TFBound.forward.<locals>.<lambda>)
+            if hasattr(fn, "_omit_frequent_tracing_warning"):
+                fn._omit_frequent_tracing_warning = True
+            self._graph_forward = fn
         return self._graph_forward(u, *ctx).numpy()
 
     def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
@@ -773,6 +779,8 @@ class TFSecondKernel(Kernel):
                 raise
             self._fallback(e)
             out = self._fn("graph")(u, *ctx, *self._seed_arrays)
+        if tf.is_tensor(u):  # tensors in, tensors out, where TensorFlow computed them
+            return dict(out)
         return {name: np.asarray(a) for name, a in out.items()}
 
     def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
@@ -1029,7 +1037,9 @@ class TensorFlowOps:
         return tf.concat(parts, axis=0)
 
     def all_finite(self, a: Any) -> bool:
-        return not a.dtype.is_floating or bool(tf.reduce_all(tf.math.is_finite(a)))
+        # one reduction, as TorchOps.all_finite (a finite sum proves every entry finite)
+        return not a.dtype.is_floating or bool(tf.math.is_finite(tf.reduce_sum(a))) or \
+            bool(tf.reduce_all(tf.math.is_finite(a)))
 
     def any_nonzero(self, a: Any) -> bool:
         return bool(tf.reduce_any(tf.not_equal(a, 0)))

@@ -194,7 +194,11 @@ class TorchOps:
         return torch.cat(parts)
 
     def all_finite(self, a: Any) -> bool:
-        return not a.is_floating_point() or bool(torch.isfinite(a).all())
+        # one reduction: NaN and Inf reach the sum, so a finite sum proves every entry finite
+        # (torch.isfinite(a).all() is four passes: 19 ms on W2's 10,000 x 784 input against
+        # 0.5 ms, 4% of the call); only a sum that overflowed is checked entry by entry
+        return not a.is_floating_point() or bool(torch.isfinite(a.sum())) or \
+            bool(torch.isfinite(a).all())
 
     def any_nonzero(self, a: Any) -> bool:
         return bool(a.any())
@@ -876,12 +880,14 @@ class TorchSecondKernel(Kernel):
                 raise
             except Exception as e:
                 raise _explain_model_failure(e, bound.signature) from e
-        out = {SECOND_RESULT[self.kind]: _to_numpy(second)}
+        out = {SECOND_RESULT[self.kind]: second}
         if self.with_outputs:
-            out["outputs"] = _to_numpy(y)
+            out["outputs"] = y
         if self.with_jacobian:
-            out["jacobians"] = _to_numpy(jac)
-        return out
+            out["jacobians"] = jac
+        if isinstance(u, torch.Tensor):  # tensors in, tensors out, on the device
+            return {name: t.detach() for name, t in out.items()}
+        return {name: _to_numpy(t) for name, t in out.items()}
 
     # -- the computations --------------------------------------------------------------------
     def _compute(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], v: torch.Tensor | None

@@ -14,7 +14,12 @@ What onnx2torch 1.5 lacks, and this module adds (through its own registry, ``add
   converter it has serves them, and a node that *uses* an input or attribute the older version
   did not have is refused by name (:func:`_problem`). Models exported by ``torch.onnx.export``
   in torch 2.9+ are opset 18-20 (``Reshape``-19, ``Constant``-19), which it did not convert;
-- ``Gelu`` (opset 20), which ``torch.onnx.export`` writes for ``nn.GELU``.
+- ``Gelu`` (opset 20), which ``torch.onnx.export`` writes for ``nn.GELU``;
+- the ``Reduce*`` operators from opset 18 on (``ReduceMean``, ``ReduceMax``, ``ReduceMin``,
+  ``ReduceProd``, ``ReduceL1``, ``ReduceL2``, ``ReduceLogSum``, ``ReduceLogSumExp``,
+  ``ReduceSumSquare``), whose ``axes`` became an input (``ReduceSum`` did so at 13), with
+  ``noop_with_empty_axes``: one converter (:class:`_Reduce`) for all of them, ``ReduceSum``-13
+  included (onnx2torch's fails on empty axes with ``keepdims=0``).
 
 Operators it still cannot translate are named, all of them, before anything is converted
 (:func:`unsupported`).
@@ -249,6 +254,7 @@ def _signature(schema: Any) -> tuple[set[str], list[str], list[str]]:
 def _extend_registry() -> None:
     from onnx2torch.node_converters.registry import _CONVERTER_REGISTRY, OperationDescription
 
+    _register_reductions(_CONVERTER_REGISTRY, OperationDescription)
     for schema in [defs.get_schema("Reshape", 14), *_later_versions("Reshape", 14)]:
         # onnx2torch refuses allowzero=1, which torch.onnx.export (dynamo) writes on every Reshape
         _CONVERTER_REGISTRY[OperationDescription(defs.ONNX_DOMAIN, "Reshape",
@@ -269,6 +275,17 @@ def _extend_registry() -> None:
             _CONVERTER_REGISTRY.setdefault(key, _Alias(base, old_attrs, len(old_inputs)))
     gelu = OperationDescription(defs.ONNX_DOMAIN, "Gelu", 20)
     _CONVERTER_REGISTRY.setdefault(gelu, _convert_gelu)
+
+
+def _register_reductions(registry: dict[Any, Any], description: Any) -> None:
+    """:class:`_Reduce` for every version of a ``Reduce*`` operator that takes ``axes`` as an
+    input, while later versions keep that signature (a later change stays unsupported)."""
+    for op, since in _REDUCTIONS.items():
+        first = defs.get_schema(op, since)
+        for schema in [first, *_later_versions(op, since)]:
+            if _signature(schema) != _signature(first):
+                break
+            registry[description(defs.ONNX_DOMAIN, op, schema.since_version)] = _convert_reduce
 
 
 def _later_versions(op: str, version: int) -> list[Any]:
@@ -311,6 +328,83 @@ def _convert_gelu(node: Any, graph: Any) -> Any:
         approximate = approximate.decode()
     return OperationConverterResult(torch_module=torch.nn.GELU(approximate=approximate),
                                     onnx_mapping=onnx_mapping_from_node(node))
+
+
+#: the version from which each reduction takes ``axes`` as an input
+_REDUCTIONS = {"ReduceSum": 13, **dict.fromkeys((
+    "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+    "ReduceLogSumExp", "ReduceSumSquare"), 18)}
+
+
+def _reduce_many(fn: Any) -> Any:
+    """A reduction of torch's that takes several axes at once."""
+    return lambda x, dims, keep: fn(x, dim=dims, keepdim=keep)
+
+
+def _prod(x: torch.Tensor, dims: tuple[int, ...], keep: bool) -> torch.Tensor:
+    for d in dims:  # torch.prod takes one axis; kept, so the others keep their place
+        x = torch.prod(x, dim=d, keepdim=True)
+    return x if keep else x.squeeze(dims)
+
+
+_REDUCE_FNS: dict[str, Any] = {
+    "ReduceSum": _reduce_many(torch.sum),
+    "ReduceMean": _reduce_many(torch.mean),
+    "ReduceMax": _reduce_many(torch.amax),
+    "ReduceMin": _reduce_many(torch.amin),
+    "ReduceProd": _prod,
+    "ReduceL1": lambda x, dims, keep: torch.sum(torch.abs(x), dim=dims, keepdim=keep),
+    "ReduceL2": lambda x, dims, keep: torch.sqrt(torch.sum(x * x, dim=dims, keepdim=keep)),
+    "ReduceLogSum": lambda x, dims, keep: torch.log(torch.sum(x, dim=dims, keepdim=keep)),
+    "ReduceLogSumExp": _reduce_many(torch.logsumexp),
+    "ReduceSumSquare": lambda x, dims, keep: torch.sum(x * x, dim=dims, keepdim=keep),
+}
+
+
+class _Reduce(torch.nn.Module):
+    """An ONNX ``Reduce*`` operator with ``axes`` as an input (or fixed at conversion when
+    that input is a constant): no or empty ``axes`` reduce every axis, or none with
+    ``noop_with_empty_axes``; negative axes count from the end."""
+
+    def __init__(self, op: str, keepdims: bool, noop: bool, axes: list[int] | None = None
+                 ) -> None:
+        super().__init__()
+        self.op, self.keepdims, self.noop, self.axes = op, keepdims, noop, axes
+
+    def forward(self, x: torch.Tensor, axes: torch.Tensor | None = None) -> torch.Tensor:
+        given = self.axes if axes is None else [int(a) for a in axes.reshape(-1).tolist()]
+        if not given:
+            if self.noop:
+                return x
+            given = list(range(x.dim()))
+        dims = tuple(sorted({a % x.dim() for a in given})) if x.dim() else ()
+        return _REDUCE_FNS[self.op](x, dims, self.keepdims)  # type: ignore[no-any-return]
+
+
+def _convert_reduce(node: Any, graph: Any) -> Any:
+    from onnx2torch.utils.common import (
+        OnnxMapping,
+        OperationConverterResult,
+        get_const_value,
+        onnx_mapping_from_node,
+    )
+
+    keepdims = bool(node.attributes.get("keepdims", 1))
+    noop = bool(node.attributes.get("noop_with_empty_axes", 0))
+    names = [name for name in node.input_values if name]
+    if len(names) < 2:
+        return OperationConverterResult(
+            torch_module=_Reduce(node.operation_type, keepdims, noop),
+            onnx_mapping=OnnxMapping(inputs=(names[0],), outputs=node.output_values))
+    try:  # axes a constant (what exporters write): fixed now, the module takes the data only
+        axes = get_const_value(names[1], graph)
+    except KeyError:
+        return OperationConverterResult(torch_module=_Reduce(node.operation_type, keepdims, noop),
+                                        onnx_mapping=onnx_mapping_from_node(node))
+    fixed = [int(a) for a in torch.as_tensor(axes).reshape(-1).tolist()]
+    return OperationConverterResult(
+        torch_module=_Reduce(node.operation_type, keepdims, noop, fixed),
+        onnx_mapping=OnnxMapping(inputs=(names[0],), outputs=node.output_values))
 
 
 def _first_line(e: BaseException) -> str:
