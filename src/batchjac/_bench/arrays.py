@@ -6,8 +6,8 @@ framework's arrays; nothing is copied to the host by either.
 
 Call :func:`measure` from the bench (one row per framework), or run
 ``python -m batchjac._bench.arrays [torch|jax] [N]`` for a quick look. Timings are interleaved
-(batchjac, baseline, batchjac, ...) in one process after warm-up calls (which let batchjac's
-tuning settle), and the medians compared.
+(batchjac, baseline, batchjac, ...) in one process after warm-up calls and calls until
+batchjac's tuning has settled (no race due), and the medians compared.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def measure(framework: str, n: int = 10_000, repeats: int = 5, warmup: int = 3) 
     for _ in range(warmup):
         wait(ours())
         wait(base())
+    _settle(lambda: wait(ours()))
     times: dict[str, list[float]] = {"batchjac": [], "baseline": []}
     for _ in range(repeats):
         for name, run in (("batchjac", ours), ("baseline", base)):
@@ -71,6 +72,23 @@ def measure(framework: str, n: int = 10_000, repeats: int = 5, warmup: int = 3) 
     return {"framework": framework, "workload": "W2", "n": n, "result_kind": kind,
             "batchjac_s": med["batchjac"], "baseline_s": med["baseline"],
             "ratio": med["batchjac"] / med["baseline"], "runs": times}
+
+
+def _settle(call: Callable[[], object]) -> None:
+    """Call batchjac until no bound model has a race to come, as the steady table does
+    (:func:`batchjac._bench.worker.settle`): a build chosen untimed for the first calls (torch's
+    looped pass) is raced once the work repays it, and the row compares the settled choice."""
+    from batchjac import _backends, _tuning
+
+    from .worker import SETTLE_SECONDS
+
+    def due() -> bool:
+        return any(_tuning.pending(b) for models in list(_backends._bound.values())
+                   for b in models.values())
+
+    start = time.perf_counter()
+    while due() and time.perf_counter() - start < SETTLE_SECONDS:
+        call()
 
 
 FRAMEWORKS = ("torch", "jax")
@@ -104,7 +122,8 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
           "`vmap(jacrev)` on the tensor; JAX `jit(vmap(jacrev))` waited for with "
           "`block_until_ready`). batchjac's result is the framework's array (the kind column), "
           "with no copy to the host. Medians of "
-          f"{REPEATS} interleaved calls after warm-up, one fresh process per framework.", "",
+          f"{REPEATS} interleaved calls after warm-up and calls until batchjac's tuning settled "
+          "(no race due), one fresh process per framework.", "",
           "| framework | batchjac result kind | batchjac | native baseline | batchjac / native |",
           "|---|---|---|---|---|"]
     for r in rows:
