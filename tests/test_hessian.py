@@ -465,3 +465,47 @@ def test_tensorflow_builds_race_only_when_the_work_repays_it(monkeypatch: Any) -
         raced = batchjac.hessian(f, x, backend="tensorflow", explain=True, chunk_size=28)
     assert "timed one chunk: graph" in err.getvalue()
     np.testing.assert_allclose(raced, first, rtol=1e-10, atol=1e-12)
+
+
+def test_a_later_process_loads_the_compiled_jax_hessian_kernel(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second-order JAX kernel's executable is remembered on disk as the first-order
+    one's: a later process traces it and loads it (no XLA compilation) and gets the same
+    Hessians, which match float64 central differences of the closed-form Jacobian."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    pytest.importorskip("jax")
+    from batchjac._backends import jax_executables
+    from batchjac._examples import jax as jax_examples
+
+    monkeypatch.setenv("BATCHJAC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)
+    sizes = (4, 9, 2)
+    x = rng(43).standard_normal((30, 4)).astype("float32")
+    got = np.asarray(batchjac.hessian(jax_examples.mlp(sizes, seed=8), x))
+    jax_executables.flush()
+    w = mlp_weights(sizes, 8)
+    ref = central_differences(lambda z: mlp_jacobian(w, z), x.astype(np.float64))
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4)
+    np.save(tmp_path / "x.npy", x)
+    code = f"""
+        import numpy as np, batchjac
+        from batchjac import _backends
+        from batchjac._examples import jax as jax_examples
+        model = jax_examples.mlp({sizes}, seed=8)
+        h = batchjac.hessian(model, np.load({str(tmp_path / 'x.npy')!r}))
+        np.save({str(tmp_path / 'h.npy')!r}, h)
+        (bound,) = _backends._bound[model].values()
+        print("COMPILES", bound.compile_count)
+    """
+    src = str(Path(batchjac.__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+                          env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "COMPILES 0" in proc.stdout
+    np.testing.assert_array_equal(np.load(tmp_path / "h.npy"), got)

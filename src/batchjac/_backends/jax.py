@@ -723,6 +723,7 @@ class JaxSecondKernel(Kernel):
       with no ``k x k`` block per output), ``vmap``-ed over the ``k`` tangents.
 
     One build (XLA's defaults), no race: these kernels are new and their variants unmeasured.
+    The executable is remembered on disk (:mod:`batchjac._backends.jax_executables`).
     """
 
     def __init__(self, bound: JaxBound, kind: SecondKind, order: Order, chunk_size: int,
@@ -740,7 +741,12 @@ class JaxSecondKernel(Kernel):
             return self._body(args, u, ctx)
 
         try:
-            self._fn = jax.jit(traced).lower(bound.args, u_spec, ctx_spec).compile()
+            from . import jax_executables
+
+            lowered = jax.jit(traced).lower(bound.args, u_spec, ctx_spec)
+            # remembered on disk as the first-order kernels are (a warm process loads it)
+            self._fn, loaded = jax_executables.compile(lowered, starting=bound.compiling.set)
+            bound.compile_count += not loaded
         except (BatchJacError, Warning):
             raise
         except Exception as e:
@@ -802,10 +808,15 @@ class JaxSecondKernel(Kernel):
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
                  ) -> dict[str, np.ndarray]:
+        from .jax_executables import release
+
         out = self._fn(self._bound.args, u, tuple(ctx))
         if isinstance(u, jax.Array):  # JAX arrays in: left on their device
-            return dict(out)
-        return {name: np.asarray(a) for name, a in out.items()}
+            res = dict(out)
+        else:
+            res = {name: np.asarray(a) for name, a in out.items()}
+        release()  # the executable this call compiled is written now, after its result
+        return res
 
 
 class _Sites:
