@@ -465,3 +465,58 @@ def test_tensorflow_builds_race_only_when_the_work_repays_it(monkeypatch: Any) -
         raced = batchjac.hessian(f, x, backend="tensorflow", explain=True, chunk_size=28)
     assert "timed one chunk: graph" in err.getvalue()
     np.testing.assert_allclose(raced, first, rtol=1e-10, atol=1e-12)
+
+
+def test_tensorflow_one_output_takes_the_nested_tapes(monkeypatch: Any) -> None:
+    """One output (a PINN's u): the untimed first call computes by nested ``batch_jacobian``
+    tapes (the tiled builds repeat the forward and reverse pass once per unknown there); the
+    Hessian, its diagonal and the Laplacian equal float64 central differences of the analytic
+    Jacobian; where the tapes cannot be built (pfor fails) the tiled graph gives the same
+    values and says why; a race times all three builds."""
+    pytest.importorskip("tensorflow")
+    from batchjac._backends import tensorflow as tfb
+
+    from .helpers import race_now
+
+    layers = mlp_weights((3, 16, 16, 1), seed=31)
+    x = rng(32).normal(size=(23, 3))
+    want = central_differences(lambda u: mlp_jacobian(layers, u), x)  # (23, 1, 3, 3)
+    want_diag = np.diagonal(want, axis1=-2, axis2=-1)
+
+    def computed(f: Any, **options: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            hess = batchjac.hessian(f, x, backend="tensorflow", explain=True, **options)
+            diag = batchjac.hessian(f, x, diagonal=True, backend="tensorflow", **options)
+            lap = batchjac.laplacian(f, x, backend="tensorflow", **options)
+        return hess, diag, lap, err.getvalue()
+
+    def close(hess: np.ndarray, diag: np.ndarray, lap: np.ndarray) -> None:
+        scale = np.abs(want).max()
+        assert np.abs(hess - want).max() / scale < 1e-7
+        assert np.abs(diag - want_diag).max() / scale < 1e-7
+        assert np.abs(lap - want_diag.sum(-1)).max() / scale < 1e-7
+
+    f = mlp("tensorflow", layers)
+    hess, diag, lap, said = computed(f)
+    assert hess.shape == (23, 1, 3, 3)
+    assert "tapes (" in said, said
+    assert "nested batch_jacobian tapes" in said, said
+    close(hess, diag, lap)
+
+    def no_pfor(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("pfor could not vectorize the op FakeOp")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tfb.TFSecondKernel, "_nested_tapes", no_pfor)
+        hess, diag, lap, said = computed(f, chunk_size=25)  # a new kernel
+    assert "graph (" in said, said
+    assert "nested tapes failed: pfor could not vectorize" in said, said
+    close(hess, diag, lap)
+
+    race_now(monkeypatch)
+    hess, diag, lap, said = computed(f, chunk_size=24)
+    assert "timed one chunk: graph" in said, said
+    assert "xla" in said, said
+    assert "tapes " in said, said
+    close(hess, diag, lap)
