@@ -520,3 +520,34 @@ def test_tensorflow_one_output_takes_the_nested_tapes(monkeypatch: Any) -> None:
     assert "xla" in said, said
     assert "tapes " in said, said
     close(hess, diag, lap)
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_chunk_sizes_are_timed_where_the_work_repays_it(name: str, monkeypatch: Any) -> None:
+    """The Jacobian's ladder of chunk sizes, on this call's second-order kernels: untimed on
+    a first call, timed (the sizes in the plan's reason) once the tuning policy says it pays,
+    with the closed form's values either way; never with an explicit chunk_size."""
+    from .helpers import race_now
+
+    x = rng(33).normal(size=(2048, 3)) * 2
+    want = -np.sin(x).sum(-1)
+    with framework(name) as fw:
+        sin = fw.sin if name == "torch" else fw.numpy.sin
+        f = lambda z: sin(z).sum(-1)  # noqa: E731
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            first = batchjac.laplacian(f, x, backend=name, explain=True)
+        assert "rows (timed per row" not in err.getvalue()
+        assert "kept after timing" not in err.getvalue()
+        race_now(monkeypatch)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            tuned = batchjac.laplacian(f, x, backend=name, explain=True)
+            fixed = batchjac.laplacian(f, x, backend=name, explain=True, chunk_size=2048)
+    said = err.getvalue().splitlines()
+    timed = ("rows (timed per row: 2048 rows", "; kept after timing 2048 rows")
+    assert any(t in said[0] for t in timed), said
+    assert "512 rows" in said[0], said
+    assert not any(t in line for line in said[1:] for t in timed), said
+    for lap in (first, tuned, fixed):
+        assert_jac_close(lap, want, factor=0.1)
