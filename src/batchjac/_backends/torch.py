@@ -858,8 +858,11 @@ class TorchSecondKernel(Kernel):
         return "plain" if self.kind == "laplacian" else None
 
     #: rows of the chunk the race times each build on (an eager kernel runs any size): a
-    #: chunk of W7's 100,000 rows takes ~2 s, and a race calls each build several times
-    RACE_ROWS = 4096
+    #: chunk of W7's 100,000 rows takes ~2 s, and a race calls each build several times. Not
+    #: fewer: on a loaded machine the forward Laplacian's many small operations lose more to
+    #: scheduling on small chunks (W7 in chunks of 2,000: 0.93x the native trace, one chunk
+    #: of 20,000: 0.5x), and a race on 4,096 rows once kept the slower build
+    RACE_ROWS = 16384
 
     def _select(self, variant: str, note: str) -> None:
         what = "a forward Laplacian (one pass)" if variant == "forward-laplacian" else variant
@@ -870,8 +873,13 @@ class TorchSecondKernel(Kernel):
     def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
         from ._base import race_allowed, untimed_note
 
+        chosen = self._bound.__dict__.get("_laplacian_build")
         if self._forced is not None:
             self._select(self._forced, self._forced_why)
+        elif chosen is not None and chosen in self.variants:
+            # as a race chose for another chunk size of this model (the ladder of chunk sizes
+            # compares the sizes on one build)
+            self._select(chosen, "as timed for another chunk size")
         elif race_allowed():
             self._race(u, ctx)
         else:
@@ -902,6 +910,7 @@ class TorchSecondKernel(Kernel):
         best = min(times, key=lambda v: times[v])
         timed = ", ".join(f"{v} {t * 1e3:.1f} ms" for v, t in times.items())
         self._select(best, f"timed {rows} rows: {timed}")
+        self._bound.__dict__["_laplacian_build"] = best
 
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
