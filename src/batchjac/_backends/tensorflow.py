@@ -761,7 +761,10 @@ class TFSecondKernel(Kernel):
         if order == "forward-over-reverse" and kind != "hvp":
             one_output = int(np.prod(bound.output_shape or ())) == 1
             self.variants = ("tapes", "graph", "xla") if one_output else ("graph", "xla", "tapes")
-        #: why the nested tapes could not be built for this model (they were dropped)
+        if kind == "laplacian":  # (raced where the work repays it, never the untimed first)
+            self.variants = (*self.variants, "forward-laplacian")
+        #: why the nested tapes or the forward Laplacian could not be built for this model
+        #: (they were dropped)
         self.tapes_failed = ""
         self.variant = None
         self.note = ""
@@ -772,7 +775,8 @@ class TFSecondKernel(Kernel):
                 self._bound.trace_count += 1
                 ctx, seeds = rest[:self._n_ctx], rest[self._n_ctx:]
                 self._seed_inputs = dict(zip(self._seed_keys(), seeds))
-                return self._body(u, ctx, tapes=variant == "tapes")
+                return self._body(u, ctx, tapes=variant == "tapes",
+                                  laplacian=variant == "forward-laplacian")
 
             with _quiet_pfor():  # (the tapes: pfor logs pages where it cannot vectorise)
                 self._fns[variant] = tf.function(
@@ -780,22 +784,25 @@ class TFSecondKernel(Kernel):
                     autograph=False).get_concrete_function(*self._specs)
         return self._fns[variant]
 
-    def _tapes_work(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
-        """Whether the nested tapes build and run for this model; if not, they are dropped
-        from the variants (the tiled builds compute the same without pfor)."""
-        if "tapes" not in self.variants:
+    def _tapes_work(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], variant: str = "tapes"
+                    ) -> bool:
+        """Whether the nested tapes (or the forward Laplacian) build and run for this model;
+        if not, they are dropped from the variants (the tiled builds compute the same)."""
+        if variant not in self.variants:
             return False
         try:
-            self._run("tapes", u, ctx)
+            self._run(variant, u, ctx)
         except (BatchJacError, Warning):
             raise
         except Exception as e:
             if _out_of_memory(e):
                 raise
-            self._fns.pop("tapes", None)
-            self.variants = tuple(v for v in self.variants if v != "tapes")
+            self._fns.pop(variant, None)
+            self.variants = tuple(v for v in self.variants if v != variant)
             text = str(getattr(e, "message", e)).strip().splitlines()
-            self.tapes_failed = f"nested tapes failed: {text[0][:200] if text else type(e).__name__}"
+            what = "nested tapes" if variant == "tapes" else "forward Laplacian"
+            why = f"{what} failed: {text[0][:200] if text else type(e).__name__}"
+            self.tapes_failed = f"{self.tapes_failed}; {why}" if self.tapes_failed else why
             return False
         return True
 
@@ -821,6 +828,8 @@ class TFSecondKernel(Kernel):
     def _select(self, variant: str, note: str) -> None:
         if variant == "tapes":
             note = f"{note}: nested batch_jacobian tapes"
+        elif variant == "forward-laplacian":
+            note = f"{note}: a forward Laplacian (one pass)"
         elif self.tapes_failed:
             note = f"{note}; {self.tapes_failed}"
         self.variant, self.note = variant, f"{self.kind}: {self.order}, {note}"
@@ -835,7 +844,7 @@ class TFSecondKernel(Kernel):
 
         if self._forced is not None:
             forced = self._forced
-            if forced == "tapes" and not self._tapes_work(u, ctx):
+            if forced in ("tapes", "forward-laplacian") and not self._tapes_work(u, ctx, forced):
                 forced = "graph"  # the same values without pfor, on a machine where it failed
             self._select(forced, f"{forced} ({self._forced_why})")
         elif race_allowed():
@@ -855,6 +864,7 @@ class TFSecondKernel(Kernel):
 
     def _race(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         self._tapes_work(u, ctx)
+        self._tapes_work(u, ctx, "forward-laplacian")
         if "xla" in self.variants:
             try:
                 self._run("xla", u, ctx)
@@ -864,7 +874,7 @@ class TFSecondKernel(Kernel):
                 self._fallback(e)
         if len(self.variants) < 2:  # (XLA failed and the tapes too: the graph, said so)
             return
-        names = sorted(self.variants, key=("graph", "xla", "tapes").index)
+        names = sorted(self.variants, key=("graph", "xla", "tapes", "forward-laplacian").index)
         times = race(lambda v: self._run(v, u, ctx), names)
         best = min(times, key=lambda v: times[v])
         timed = ", ".join(f"{v} {times[v] * 1e3:.1f} ms" for v in names)
@@ -883,8 +893,8 @@ class TFSecondKernel(Kernel):
         self.note = f"{self.kind}: {self.order}, {self.variant} (XLA could not compile the model)"
 
     # -- the computations (traced) -----------------------------------------------------------
-    def _body(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], tapes: bool = False
-              ) -> dict[str, tf.Tensor]:
+    def _body(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], tapes: bool = False,
+              laplacian: bool = False) -> dict[str, tf.Tensor]:
         bound = self._bound
         assert bound.output_shape is not None
         out_shape, ushape = bound.output_shape, bound.signature.unknown_shape
@@ -892,7 +902,9 @@ class TFSecondKernel(Kernel):
         v = None
         if self.kind == "hvp":
             ctx, v = ctx[:-1], ctx[-1]
-        if tapes:
+        if laplacian:
+            y, jac, second = self._forward_laplacian(u, ctx, m, k, rows)
+        elif tapes:
             y, jac, second = self._nested_tapes(u, ctx, m, k, rows)
         elif self.order == "forward-over-reverse":
             y, jac, second = self._over_reverse(u, ctx, v, m, k, rows)
@@ -900,7 +912,9 @@ class TFSecondKernel(Kernel):
             y, jac, second = self._over_forward(u, ctx, v, m, k, rows)
         # second: (rows, m, k) for diagonal/hvp, (rows, m, k, k) for the Hessian
         if self.kind == "laplacian":
-            second = tf.reduce_sum(second if len(second.shape) == 3 else tf.linalg.diag_part(second), -1)
+            if not laplacian:  # (the forward Laplacian's is the sum already)
+                second = tf.reduce_sum(second if len(second.shape) == 3 else
+                                       tf.linalg.diag_part(second), -1)
             second = tf.reshape(second, (rows, *out_shape))
         elif self.kind == "hessian":
             second = tf.reshape(second, (rows, *out_shape, *ushape, *ushape))
@@ -930,6 +944,33 @@ class TFSecondKernel(Kernel):
             jac = inner.batch_jacobian(flat_y, flat_u, unconnected_gradients=zero)
         hess = outer.batch_jacobian(jac, flat_u, unconnected_gradients=zero)
         return y, jac, hess
+
+    def _forward_laplacian(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], m: int, k: int,
+                           rows: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """``(y, J (rows, m, k), Laplacian (rows, m))`` in one pass (:mod:`.tf_laplacian`)
+        over the model's own graph, traced here for the chunk's shapes."""
+        from . import tf_laplacian
+
+        bound = self._bound
+        ushape = tuple(bound.signature.unknown_shape)
+        model = bound.model
+        # a plain callable is wrapped in a tf.function, whose graph would hold one call op:
+        # trace its Python function, so that the graph holds the model's own operations
+        inner = getattr(model, "python_function", None)
+
+        def apply(flat_u: tf.Tensor, *c: tf.Tensor) -> tf.Tensor:
+            y = bound.apply(tf.reshape(flat_u, (rows, *ushape)), c)
+            return tf.reshape(y, (rows, m))
+
+        specs = [tf.TensorSpec((rows, k), bound.tf_dtype), *self._specs[1:1 + len(ctx)]]
+        if inner is not None and not bound.is_keras:
+            bound.model = inner
+        try:
+            concrete = tf_laplacian.traced_model(apply, specs)
+        finally:
+            bound.model = model
+        y, d, lap = tf_laplacian.run(concrete, tf.reshape(u, (rows, k)), ctx)
+        return y, tf.transpose(d, (1, 2, 0)), lap
 
     def _tiled(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], blocks: int
                ) -> tuple[tf.Tensor, tuple[tf.Tensor, ...]]:
