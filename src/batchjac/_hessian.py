@@ -302,8 +302,8 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
         _check_out(out, shapes[name], spec.dtype, name)
     ledger_of = book(bound)
     tuning.begin(ledger_of)  # the races this call skips set the next check anew
-    with tuning.Stopwatch() as laddered:
-        plan = _tune_rows(bound, spec, kind, plan, return_outputs, return_jacobian, out)
+    # (the ladder's kernels are not one kernel's compilation: their time prices no race)
+    plan = _tune_rows(bound, spec, kind, plan, return_outputs, return_jacobian, out)
     if explain:
         sys.stderr.write(f"batchjac: {plan.reason}\n")
     log.debug("batchjac plan: %s", plan.reason)
@@ -313,8 +313,8 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
         if out is not None:
             empty[name] = out
         return _unpack(empty, name, asked)
-    new = laddered.seconds > 0.01 or not bound.has_second_kernel(
-        kind, plan.order, plan.chunk_size, return_outputs, return_jacobian)
+    new = not bound.has_second_kernel(kind, plan.order, plan.chunk_size, return_outputs,
+                                      return_jacobian)
     with tuning.Stopwatch() as build:
         kernel = bound.second_kernel(kind, plan.order, plan.chunk_size, return_outputs,
                                      return_jacobian)
@@ -334,8 +334,7 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
 
     # the tuning policy: a kernel with several builds (TensorFlow: graph, XLA) races them
     # only when the work seen repays it, in a ledger of second-order work
-    result = tuning.timed(ledger_of, kernel, spec.n, run, new=new,
-                          built_seconds=build.seconds + laddered.seconds)
+    result = tuning.timed(ledger_of, kernel, spec.n, run, new=new, built_seconds=build.seconds)
     tuning.settle(ledger_of, kernel, lambda: _first_rows(spec, kernel.chunk_size))
     if explain and kernel.note:
         sys.stderr.write(f"batchjac: kernel: {kernel.note}\n")

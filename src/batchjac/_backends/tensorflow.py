@@ -842,6 +842,11 @@ class TFSecondKernel(Kernel):
         0.28 s; W7's graph 1.6 s and 0.20 s, XLA 1.0 s and 0.13 s."""
         from ._base import race_allowed, untimed_note
 
+        chosen = self._bound.__dict__.get("_second_builds", {}).get((self.kind, self.order))
+        if self._forced is None and chosen in self.variants:
+            # as a race chose for another chunk size of this model: the ladder of chunk sizes
+            # compares sizes on one build, and each size's race would compile every build
+            self._forced, self._forced_why = chosen, "as timed for another chunk size"
         if self._forced is not None:
             forced = self._forced
             if forced in ("tapes", "forward-laplacian") and not self._tapes_work(u, ctx, forced):
@@ -879,6 +884,7 @@ class TFSecondKernel(Kernel):
         best = min(times, key=lambda v: times[v])
         timed = ", ".join(f"{v} {times[v] * 1e3:.1f} ms" for v in names)
         self._select(best, f"{best} (timed one chunk: {timed})")
+        self._bound.__dict__.setdefault("_second_builds", {})[(self.kind, self.order)] = best
 
     def _fallback(self, xla_error: Exception) -> None:
         bound = self._bound
