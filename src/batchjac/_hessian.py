@@ -12,6 +12,7 @@ runner and the sinks carry without knowing what they are.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -103,8 +104,10 @@ def hessian(
     (``.open()`` reads the result, ``.open("jacobians")`` the Jacobians).
 
     Dask: ``client=``/``scheduler=`` or Dask arrays as inputs, as for ``jacobian`` (the same
-    per-block hand-off, :mod:`batchjac._dask`): Dask arrays in give a lazy Dask array out.
-    Not yet on Dask: ``out=`` stores and ``return_jacobian``.
+    per-block hand-off, :mod:`batchjac._dask`): Dask arrays in give a lazy Dask array out; a
+    store path as ``out`` (numpy or file inputs) is written by the workers, chunk by chunk,
+    through the same resume protocol (:func:`batchjac._dask.store_chunks_on_cluster`). Not yet
+    on Dask: ``return_jacobian`` in memory, ``out=`` arrays, and ``hvp``.
 
     >>> import numpy as np, batchjac
     >>> from batchjac.examples import seed_model
@@ -120,12 +123,28 @@ def hessian(
     kind: SecondKindArg = "laplacian" if laplacian else "diagonal" if diagonal else "hessian"
     if client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in inputs) and uses_dask(inputs)):
+        from . import _dask
+
+        if is_store_target(out):  # the workers compute and write the store's chunks
+            with _dask.client_for(client, scheduler) as own:
+                _dask.check_store_inputs(inputs, own)
+                on_cluster = functools.partial(
+                    _dask.store_chunks_on_cluster, own, as_model(model),
+                    backend or _backends.detect(as_model(model)), backend_options or {},
+                    second=(kind, return_jacobian))
+                return second_order(model, inputs, kind, wrt=wrt, mode=mode,
+                                    chunk_size=chunk_size, max_memory=max_memory, dtype=dtype,
+                                    return_outputs=return_outputs,
+                                    return_jacobian=return_jacobian, nan_policy=nan_policy,
+                                    out=out, backend=backend, backend_options=backend_options,
+                                    explain=explain, progress=progress,
+                                    compute_chunks=on_cluster)
         if out is not None or return_jacobian:
             raise InputError("On Dask, hessian() computes in memory (a Dask array for Dask "
-                             "inputs) without return_jacobian; `out=` stores and "
-                             "return_jacobian=True are not supported there yet. Compute "
-                             "locally, or write the lazy result with dask.array.to_zarr.")
-        from . import _dask
+                             "inputs) without return_jacobian, or into a store path "
+                             "(`out='hess.zarr'`, with return_jacobian if wanted); an `out=` "
+                             "array and return_jacobian=True in memory are not supported there "
+                             "yet. Compute locally, or pass a store path.")
 
         kw = {"wrt": wrt, "mode": mode, "diagonal": diagonal, "laplacian": laplacian,
               "chunk_size": chunk_size, "max_memory": max_memory, "dtype": dtype,
@@ -171,8 +190,10 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
                  nan_policy: NanPolicy = "raise", out: Any = None,
                  backend: BackendName | None = None,
                  backend_options: dict[str, Any] | None = None, explain: bool = False,
-                 progress: bool | Callable[[int], None] = False, tangents: Any = None) -> Any:
-    """The one path of every second-order verb (``kind`` says which result)."""
+                 progress: bool | Callable[[int], None] = False, tangents: Any = None,
+                 compute_chunks: Callable[..., None] | None = None) -> Any:
+    """The one path of every second-order verb (``kind`` says which result); a store's chunks
+    computed by ``compute_chunks`` where given (the Dask path's)."""
     model = as_model(model)  # an ONNX file or ModelProto: its PyTorch module
     choose_order(mode, kind, 1, 1)  # bad options fail before anything is bound or created
     check_options("auto", chunk_size, max_memory)
@@ -187,7 +208,7 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
                              chunk_size=chunk_size, max_memory=max_memory,
                              return_outputs=return_outputs, return_jacobian=return_jacobian,
                              nan_policy=nan_policy, options=options, explain=explain,
-                             progress=progress)
+                             progress=progress, compute_chunks=compute_chunks)
         bound = prepare(model, _plain(spec), name, options)
         plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
                            max_memory=max_memory)
@@ -204,7 +225,8 @@ def _to_store(model: Any, spec: BatchSpec, backend: str, kind: SecondKindArg, st
               mode: OrderArg, chunk_size: int | None, max_memory: int | str | None,
               return_outputs: bool, return_jacobian: bool, nan_policy: NanPolicy,
               options: dict[str, Any], explain: bool,
-              progress: bool | Callable[[int], None]) -> SecondStoreResult:
+              progress: bool | Callable[[int], None],
+              compute_chunks: Callable[..., None] | None = None) -> SecondStoreResult:
     """The result written chunk by chunk into a resumable store (the resume protocol of
     :mod:`batchjac._stores`, as Jacobian stores are): the plan and the kernel from here."""
     def plan(bound: _backends.BoundModel) -> dict[str, Any]:
@@ -226,7 +248,7 @@ def _to_store(model: Any, spec: BatchSpec, backend: str, kind: SecondKindArg, st
                           "backend_options": options, "nan_policy": nan_policy},
         bind=lambda: prepare(model, _plain(spec), backend, options), plan=plan, kernel=kernel,
         with_outputs=return_outputs, with_jacobian=return_jacobian, explain=explain,
-        progress=progress)
+        progress=progress, compute_chunks=compute_chunks)
 
 
 def _context(spec: BatchSpec, backend: str) -> str:
