@@ -210,7 +210,12 @@ def _fast_one(name: str, target: Any, primals: list[Any], at: int, c: Carried,
             d1, d2 = derivs
             d = c.d * d1
             if not (isinstance(d2, float) and d2 == 0.0):
-                d[-1] += d2 * (c.d[:-1] * c.d[:-1]).sum(0)
+                # sum_j J_j^2 one tangent at a time (no (k, ...) temporary), then d2 times it
+                squares = c.d[0] * c.d[0]
+                for j in range(1, k1 - 1):
+                    squares.addcmul_(c.d[j], c.d[j])
+                d[-1].addcmul_(squares, d2 if isinstance(d2, torch.Tensor) else
+                               torch.as_tensor(d2, dtype=squares.dtype))
             return Carried(y, d)
     return None
 
