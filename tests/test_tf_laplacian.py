@@ -130,3 +130,23 @@ def test_the_race_times_it(monkeypatch: Any) -> None:
         lap = batchjac.laplacian(f, x, backend="tensorflow", explain=True)
     assert "forward-laplacian " in err.getvalue(), err.getvalue()
     np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_a_race_choice_holds_for_other_chunk_sizes(monkeypatch: Any) -> None:
+    """A kernel of another chunk size takes the build the race chose (without racing every
+    build again), and computes the same values."""
+    x = rng(5).normal(size=(48, 3)) * 2
+
+    def f(z: Any) -> Any:
+        return tf.reduce_sum(tf.sin(z), -1)
+
+    race_now(monkeypatch)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        batchjac.laplacian(f, x, backend="tensorflow", explain=True, chunk_size=48)
+        lap = batchjac.laplacian(f, x, backend="tensorflow", explain=True, chunk_size=16)
+    notes = [line for line in err.getvalue().splitlines() if "kernel:" in line]
+    assert "timed one chunk" in notes[0], notes
+    chosen = notes[0].split("forward-over-reverse, ")[1].split(" ")[0]
+    assert f"{chosen} (as timed for another chunk size)" in notes[1], notes
+    np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)

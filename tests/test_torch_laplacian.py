@@ -164,3 +164,20 @@ def test_race_where_the_work_repays_it(monkeypatch: Any) -> None:
     assert "timed 32 rows: plain" in err.getvalue(), err.getvalue()
     assert "forward-laplacian" in err.getvalue()
     np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_a_race_choice_holds_for_other_chunk_sizes(monkeypatch: Any) -> None:
+    x = rng(7).normal(size=(48, 3)) * 2
+
+    def f(z: Any) -> Any:
+        return torch.sin(z).sum(-1)
+
+    race_now(monkeypatch)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        batchjac.laplacian(f, x, backend="torch", explain=True, chunk_size=48)
+        lap = batchjac.laplacian(f, x, backend="torch", explain=True, chunk_size=16)
+    notes = [line for line in err.getvalue().splitlines() if "kernel:" in line]
+    assert "timed 48 rows" in notes[0], notes
+    assert "as timed for another chunk size" in notes[1], notes
+    np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
