@@ -740,6 +740,10 @@ class TFSecondKernel(Kernel):
     is a repeated forward and reverse pass there) and the tiled graph otherwise; a race (the
     tuning policy's, where the work repays it) times all three. Not under XLA: the nested
     tapes compile once per input *value* there (see :mod:`batchjac._bench.second`).
+
+    A Laplacian kernel has a fourth build, ``"forward-laplacian"`` (:mod:`.tf_laplacian`: one
+    pass over the model's graph carrying the tangents and the summed second derivatives), only
+    ever taken by a race or a choice a race made for another chunk size of the model.
     """
 
     def __init__(self, bound: TFBound, kind: SecondKind, order: Order, chunk_size: int,
