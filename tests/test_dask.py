@@ -314,3 +314,47 @@ def test_scheduler_local_needs_a_worker_count(bad: str) -> None:
     unknown, known = workload_inputs("W1", 10, seed=13)
     with pytest.raises(batchjac.InputError, match=rf"'local:N' needs a worker count N >= 1; got '{bad}'"):
         batchjac.jacobian(seed_model("tensorflow"), unknown, known, scheduler=bad)
+
+
+def test_workers_write_second_order_stores(client: Any, tmp_path: Any,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """hessian/laplacian with out= on the cluster: the workers compute and write the chunks
+    through the store's resume protocol; Hessians equal float64 central differences of the
+    analytic Jacobian, the Laplacian of sum(sin x) its closed form; the same job again has
+    nothing to do."""
+    import zarr
+
+    torch = pytest.importorskip("torch")
+    from .helpers import central_differences
+
+    submit, tasks = client.submit, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        tasks.append(args[0].__name__)
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(client, "submit", counted)
+    unknown, known = (a.astype(np.float64) for a in workload_inputs("W1", 600, seed=11))
+    path = str(tmp_path / "h.zarr")
+    res = batchjac.hessian(seed_model("torch"), unknown, known, out=path, chunk_size=200,
+                           client=client, return_outputs=True, return_jacobian=True)
+    assert (res.computed_chunks, res.resumed_chunks) == (3, 0)
+    assert tasks == ["_store_task"] * 3  # the workers computed and wrote the chunks
+    stored = zarr.open_group(path, mode="r")
+    layers = mlp_weights(WORKLOADS["W1"].sizes)
+    want = central_differences(
+        lambda u: mlp_jacobian(layers, np.concatenate([u, known], 1))[..., :5], unknown)
+    scale = np.abs(want).max()
+    assert np.abs(stored["hessians"][:] - want).max() / scale < 1e-5  # (float32 weights)
+    y, jac = closed_form("W1", unknown, known)
+    np.testing.assert_allclose(stored["jacobians"][:], jac, rtol=1e-4, atol=1e-5 * np.abs(jac).max())
+    np.testing.assert_allclose(stored["outputs"][:], y, rtol=1e-4, atol=1e-5 * np.abs(y).max())
+    again = batchjac.hessian(seed_model("torch"), unknown, known, out=path, chunk_size=200,
+                             client=client, return_outputs=True, return_jacobian=True)
+    assert again.computed_chunks == 0
+
+    x = np.random.default_rng(12).normal(size=(300, 3)) * 2
+    lap = batchjac.laplacian(lambda z: torch.sin(z).sum(-1), x, out=str(tmp_path / "l.zarr"),
+                             chunk_size=100, client=client, backend="torch")
+    assert lap.computed_chunks == 3
+    np.testing.assert_allclose(lap.open(), -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)

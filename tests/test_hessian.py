@@ -509,3 +509,101 @@ def test_a_later_process_loads_the_compiled_jax_hessian_kernel(
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "COMPILES 0" in proc.stdout
     np.testing.assert_array_equal(np.load(tmp_path / "h.npy"), got)
+
+
+def test_tensorflow_one_output_takes_the_nested_tapes(monkeypatch: Any) -> None:
+    """One output (a PINN's u): the untimed first call computes by nested ``batch_jacobian``
+    tapes (the tiled builds repeat the forward and reverse pass once per unknown there); the
+    Hessian, its diagonal and the Laplacian equal float64 central differences of the analytic
+    Jacobian; where the tapes cannot be built (pfor fails) the tiled graph gives the same
+    values and says why; a race times all three builds."""
+    pytest.importorskip("tensorflow")
+    from batchjac._backends import tensorflow as tfb
+
+    from .helpers import race_now
+
+    layers = mlp_weights((3, 16, 16, 1), seed=31)
+    x = rng(32).normal(size=(23, 3))
+    want = central_differences(lambda u: mlp_jacobian(layers, u), x)  # (23, 1, 3, 3)
+    want_diag = np.diagonal(want, axis1=-2, axis2=-1)
+
+    def computed(f: Any, **options: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            hess = batchjac.hessian(f, x, backend="tensorflow", explain=True, **options)
+            diag = batchjac.hessian(f, x, diagonal=True, backend="tensorflow", **options)
+            lap = batchjac.laplacian(f, x, backend="tensorflow", **options)
+        return hess, diag, lap, err.getvalue()
+
+    def close(hess: np.ndarray, diag: np.ndarray, lap: np.ndarray) -> None:
+        scale = np.abs(want).max()
+        assert np.abs(hess - want).max() / scale < 1e-7
+        assert np.abs(diag - want_diag).max() / scale < 1e-7
+        assert np.abs(lap - want_diag.sum(-1)).max() / scale < 1e-7
+
+    f = mlp("tensorflow", layers)
+    hess, diag, lap, said = computed(f)
+    assert hess.shape == (23, 1, 3, 3)
+    assert "tapes (" in said, said
+    assert "nested batch_jacobian tapes" in said, said
+    close(hess, diag, lap)
+
+    def no_pfor(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("pfor could not vectorize the op FakeOp")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tfb.TFSecondKernel, "_nested_tapes", no_pfor)
+        hess, diag, lap, said = computed(f, chunk_size=25)  # a new kernel
+    assert "graph (" in said, said
+    assert "nested tapes failed: pfor could not vectorize" in said, said
+    close(hess, diag, lap)
+
+    race_now(monkeypatch)
+    hess, diag, lap, said = computed(f, chunk_size=24)
+    assert "timed one chunk: graph" in said, said
+    assert "xla" in said, said
+    assert "tapes " in said, said
+    close(hess, diag, lap)
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_chunk_sizes_are_timed_where_the_work_repays_it(name: str, monkeypatch: Any) -> None:
+    """The Jacobian's ladder of chunk sizes, on this call's second-order kernels: untimed on
+    a first call, timed (the sizes in the plan's reason) once the tuning policy says it pays,
+    with the closed form's values either way; never with an explicit chunk_size."""
+    from .helpers import race_now
+
+    x = rng(33).normal(size=(2048, 3)) * 2
+    want = -np.sin(x).sum(-1)
+    with framework(name) as fw:
+        sin = fw.sin if name == "torch" else fw.numpy.sin
+        f = lambda z: sin(z).sum(-1)  # noqa: E731
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            first = batchjac.laplacian(f, x, backend=name, explain=True)
+        assert "rows (timed per row" not in err.getvalue()
+        assert "kept after timing" not in err.getvalue()
+        race_now(monkeypatch)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            tuned = batchjac.laplacian(f, x, backend=name, explain=True)
+            fixed = batchjac.laplacian(f, x, backend=name, explain=True, chunk_size=2048)
+    said = err.getvalue().splitlines()
+    timed = ("rows (timed per row: 2048 rows", "; kept after timing 2048 rows")
+    assert any(t in said[0] for t in timed), said
+    assert "512 rows" in said[0], said
+    assert not any(t in line for line in said[1:] for t in timed), said
+    for lap in (first, tuned, fixed):
+        assert_jac_close(lap, want, factor=0.1)
+
+
+def test_hvp_refuses_a_cluster_by_name() -> None:
+    """hvp computes locally: a `client` or `scheduler` is an InputError naming it (it was a
+    TypeError from deep inside), and client=None is accepted."""
+    torch = pytest.importorskip("torch")
+    x = rng(47).standard_normal((6, 3))
+    v = rng(48).standard_normal((6, 3))
+    with pytest.raises(batchjac.InputError, match=r"hvp\(\) computes locally; got `scheduler`"):
+        batchjac.hvp(lambda z: torch.sin(z).sum(-1), x, v=v, scheduler="local:2")
+    got = batchjac.hvp(lambda z: torch.sin(z).sum(-1), x, v=v, client=None)
+    np.testing.assert_allclose(got, -np.sin(x) * v, rtol=1e-10, atol=1e-12)

@@ -33,11 +33,12 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
-from ._backends import BoundModel, Mode, mode_race
-from ._plan import Plan
+from ._backends import BoundModel, Kernel, Mode, mode_race
+from ._plan import Plan, SecondPlan
 from ._runner import pad_chunk
 from ._spec import BatchSpec
 
@@ -131,18 +132,37 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
 ROWS_COMPILATIONS = 3
 
 
-def tuned_rows(bound: BoundModel, plan: Plan, with_outputs: bool) -> bool:
-    """Whether the chunk sizes for this plan were timed already (the answer is known)."""
-    return ("rows", plan.mode, plan.chunk_size, with_outputs) in bound.tuned_rows
+#: a kernel for chunks of so many rows (the second-order verbs pass theirs: the ladder is the
+#: same, the kernels are theirs)
+KernelFor = Callable[[int], Kernel]
+P = TypeVar("P", Plan, SecondPlan)
 
 
-def tune_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool) -> Plan:
-    """The plan with the fastest chunk size found by timing (at most the planned one)."""
+def tuned_rows(bound: BoundModel, plan: Plan | SecondPlan, with_outputs: bool, *,
+               mode: str | None = None) -> bool:
+    """Whether the chunk sizes for this plan were timed already (the answer is known);
+    ``mode`` names the kernels when they are not the plan's Jacobian kernels."""
+    name = mode if mode is not None else plan.mode  # type: ignore[union-attr]
+    return ("rows", name, plan.chunk_size, with_outputs) in bound.tuned_rows
+
+
+def tune_rows(bound: BoundModel, spec: BatchSpec, plan: P, with_outputs: bool, *,
+              kernel_for: KernelFor | None = None, mode: str | None = None) -> P:
+    """The plan with the fastest chunk size found by timing (at most the planned one).
+    ``kernel_for`` and ``mode``: the kernels timed and their name in the tuning table, where
+    they are not the plan's Jacobian kernels (a Hessian's, a Laplacian's)."""
     if plan.chunk_size < TUNE_MIN_ROWS or spec.n < TUNE_MIN_ROWS:
         return plan
-    key = ("rows", plan.mode, plan.chunk_size, with_outputs)
+    if kernel_for is None or mode is None:
+        assert isinstance(plan, Plan)
+        jac_mode: Mode = plan.mode
+
+        def jacobians(size: int) -> Kernel:
+            return bound.kernel(jac_mode, size, with_outputs)
+        kernel_for, mode = jacobians, jac_mode
+    key = ("rows", mode, plan.chunk_size, with_outputs)
     if key not in bound.tuned_rows:
-        bound.tuned_rows[key] = _fastest_rows(bound, spec, plan, with_outputs)
+        bound.tuned_rows[key] = _fastest_rows(bound, spec, plan, kernel_for)
     best, measured = bound.tuned_rows[key]
     if best >= plan.chunk_size:
         return dataclasses.replace(plan, reason=f"{plan.reason}; kept after timing {measured}")
@@ -155,15 +175,15 @@ def tune_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool
                f"{measured})")
 
 
-def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool
-                  ) -> tuple[int, str]:
+def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan | SecondPlan,
+                  kernel_for: KernelFor) -> tuple[int, str]:
     sizes = [plan.chunk_size]
     while sizes[-1] // ROWS_STEP >= MIN_TUNED_ROWS:
         sizes.append(sizes[-1] // ROWS_STEP)
     runs: dict[int, list[float]] = {}
     per_row: dict[int, float] = {}
     for size in sizes:
-        timed, row_bytes = _timer(bound, spec, plan, with_outputs, size, first=size == sizes[0])
+        timed, row_bytes = _timer(spec, plan, kernel_for, size, first=size == sizes[0])
         runs[size] = [timed() for _ in range(TIMED_RUNS)]
         per_row[size] = float(np.median(runs[size])) / size
         if per_row[size] > STOP_RATIO * min(per_row.values()):
@@ -173,7 +193,7 @@ def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: 
         # the sizes were timed one after the other, minutes apart on a busy machine: time
         # the two that decide again, interleaved (PyTorch's W2 once kept one chunk, 1.0x of
         # the baseline, when a slow spell fell on the smaller sizes' turn)
-        timers = {s: _timer(bound, spec, plan, with_outputs, s, first=False)[0]
+        timers = {s: _timer(spec, plan, kernel_for, s, first=False)[0]
                   for s in (sizes[0], fastest)}
         for _ in range(CONFIRM_RUNS):
             for s, timed in timers.items():
@@ -202,24 +222,30 @@ def _pick(per_row: dict[int, float]) -> int:
     return max(s for s, t in per_row.items() if t <= (1 + NEAR) * best)
 
 
-def _timer(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, size: int, *,
+def _main(result: Any) -> Any:
+    """The Jacobians of a kernel's ``(y, J)``, or the main result of a second-order kernel's
+    mapping of named arrays (its first)."""
+    return next(iter(result.values())) if isinstance(result, dict) else result[1]
+
+
+def _timer(spec: BatchSpec, plan: Plan | SecondPlan, kernel_for: KernelFor, size: int, *,
            first: bool) -> tuple[Callable[[], float], float]:
     """A function timing one chunk of ``size`` rows (warmed up here, compiled if new), and
-    the bytes of a row's Jacobians."""
+    the bytes of a row's Jacobians (a second-order kernel's main result)."""
     u, ctx = pad_chunk(spec, 0, min(size, spec.n), size)
-    kernel = bound.kernel(plan.mode, size, with_outputs)
+    kernel = kernel_for(size)
     # several chunks are copied into the result, one chunk of all the rows is not: the
     # copy (and the fresh pages it writes) is part of the price of a smaller chunk
     copies = size < spec.n and plan.n_chunks == 1  # (several planned chunks: all copy)
     # the planned size's kernel chooses its implementation now (JAX: build and blocks,
     # timed); the smaller sizes run the build it chose, so that sizes are compared alike
-    _, jac = kernel(u, ctx) if first else kernel.provisional(u, ctx)
+    jac = _main(kernel(u, ctx) if first else kernel.provisional(u, ctx))
     # (a framework's arrays, kept on their device, are joined once at the end: no copy here)
     dst = np.empty_like(jac) if copies and isinstance(jac, np.ndarray) else None
 
     def timed() -> float:
         start = clock()
-        _, jac = kernel.provisional(u, ctx)
+        jac = _main(kernel.provisional(u, ctx))
         if dst is not None:
             dst[...] = jac
         return clock() - start

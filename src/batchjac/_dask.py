@@ -193,12 +193,14 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
                 unknown_shape: tuple[int, ...], names: tuple[str, ...], rows: list[np.ndarray],
                 index: int, lo: int, hi: int, chunk_size: int, mode: str, with_outputs: bool,
                 fmt: Any, out: str, arrays: list[Any], variant: str | None = None,
-                asked: bool = False) -> dict[str, Any]:
+                asked: bool = False, second: tuple[str, bool] | None = None) -> dict[str, Any]:
     """On a worker: compute one chunk, then save it into the store's data (write, fsync,
     record) with the one function that saves a unit (``_stores.save_chunk``): the same steps,
     hashes and records as the local path. ``asked``: the call asked for ``mode`` (the
     worker's kernel refuses it if it fails, as the local path does, rather than computing the
-    other mode: a context variable of the calling process does not travel to a worker)."""
+    other mode: a context variable of the calling process does not travel to a worker).
+    ``second``: ``(kind, with_jacobian)`` of a second-order store (``mode`` is then its order),
+    whose kernel runs its first build, as the local store's does."""
     from ._backends import mode_asked
     from ._bind import prepare
     from ._runner import Chunk, call, pad_args
@@ -209,18 +211,26 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
                      names=names)
     bound = prepare(ref.load(), spec, backend, options)
     u, ctx = spec.chunk(0, hi - lo)
-    kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant)  # type: ignore[arg-type]
+    if second is None:
+        kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant)  # type: ignore[arg-type]
+    else:
+        kind, with_jacobian = second
+        kernel = bound.second_kernel(kind, mode, chunk_size, with_outputs,  # type: ignore[arg-type]
+                                     with_jacobian)
+        kernel.use(kernel.variants[0], "a store's kernel")  # same command, same bytes
     with mode_asked(asked):
         out_ = call(kernel, *pad_args(u, ctx, chunk_size), Chunk(index, lo, hi), rows=hi - lo)
     return save_chunk_at(fmt, out, arrays, index, lo, hi, Unit(out_, hash_arrays([u, *ctx])))
 
 
 def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict[str, Any],
-                            bound: Any, spec: Any, with_outputs: bool, pending: Any) -> None:
+                            bound: Any, spec: Any, with_outputs: bool, pending: Any, *,
+                            second: tuple[str, bool] | None = None) -> None:
     """The store's chunk loop on a Dask cluster (``pending``: the store's chunks still to do,
     ``_stores.Pending``): workers compute and save the chunks; this process reads input rows,
     keeps a bounded number of tasks in flight, and collects the records (which the workers
-    have already written durably)."""
+    have already written durably). ``second``: ``(kind, with_jacobian)`` of a second-order
+    store (Hessians, their diagonal, the Laplacian)."""
     from dask.distributed import as_completed
 
     from ._backends._base import fallback_allowed
@@ -239,9 +249,10 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
         lo, hi = pending.bounds(index)
         rows = [np.asarray(a[lo:hi]) for a in spec.arrays]
         fut = client.submit(_store_task, ref, backend, options, spec.layout, spec.dtype, spec.unknown_shape,
-                            spec.names, rows, index, lo, hi, plan["chunk_size"], plan["mode"],
+                            spec.names, rows, index, lo, hi, plan["chunk_size"],
+                            plan["order"] if second else plan["mode"],
                             with_outputs, pending.format, str(pending.out), pending.arrays,
-                            plan.get("variant"), asked, pure=False, retries=2)
+                            plan.get("variant"), asked, second, pure=False, retries=2)
         index_of[fut] = index
         return fut
 

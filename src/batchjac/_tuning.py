@@ -219,8 +219,10 @@ def persist_probes(bound: Any, backend: str, *,
 
 def pending(bound: Any) -> bool:
     """Whether a race is still to come for ``bound`` as its work grows, one its last call
-    skipped (the benchmark's steady state is measured once none is)."""
-    return ledger(bound).next_check < math.inf
+    skipped (the benchmark's steady state is measured once none is), in its own ledger or in
+    the one of its second-order calls (``batchjac._hessian.book``, kept on the bound model)."""
+    books = (bound, getattr(bound, "_second_book", None))
+    return any(ledger(b).next_check < math.inf for b in books if b is not None)
 
 
 def _persisted(bound: Any) -> set[Any]:

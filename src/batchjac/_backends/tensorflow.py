@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._errors import (
+    BatchJacError,
     ForwardModeFallbackWarning,
     InputError,
     ModelError,
@@ -733,6 +734,22 @@ class TFSecondKernel(Kernel):
     - forward over forward: two nested ``ForwardAccumulator`` s, block ``(i, j)`` pushed along
       ``e_i`` inside and ``e_j`` outside (``k^2`` blocks), or along ``e_j`` twice for the
       diagonal and the Laplacian (``k`` blocks, no ``k x k`` block per output).
+
+    The tiled blocks repeat the model's forward and reverse pass once per block. Where the
+    Hessian is taken over the reverse-mode Jacobian (forward over reverse, not ``hvp``), a
+    third build, ``"tapes"``, is TensorFlow's own answer: ``batch_jacobian`` of
+    ``batch_jacobian`` in a plain graph, whose vectoriser (pfor) runs the forward pass once
+    and batches the derivatives. Measured side by side in one process (10,000 rows, a loaded
+    2-core CPU): W7H (3 unknowns, 1 output) tapes 25 ms, tiled graph 52 ms, tiled XLA 50 ms;
+    W6 (5 unknowns, 4 outputs, 20 blocks) tapes 166 ms, tiled graph 148 ms, tiled XLA 104 ms.
+    So an untimed first call takes the tapes for one output (every block of the tiled builds
+    is a repeated forward and reverse pass there) and the tiled graph otherwise; a race (the
+    tuning policy's, where the work repays it) times all three. Not under XLA: the nested
+    tapes compile once per input *value* there (see :mod:`batchjac._bench.second`).
+
+    A Laplacian kernel has a fourth build, ``"forward-laplacian"`` (:mod:`.tf_laplacian`: one
+    pass over the model's graph carrying the tangents and the summed second derivatives), only
+    ever taken by a race or a choice a race made for another chunk size of the model.
     """
 
     def __init__(self, bound: TFBound, kind: SecondKind, order: Order, chunk_size: int,
@@ -751,6 +768,14 @@ class TFSecondKernel(Kernel):
         self._specs += [tf.TensorSpec(a.shape, bound.tf_dtype) for a in self._seed_arrays]
         self._seed_inputs: dict[tuple[Any, ...], tf.Tensor] = {}
         self.variants = ("graph", "xla")
+        if order == "forward-over-reverse" and kind != "hvp":
+            one_output = int(np.prod(bound.output_shape or ())) == 1
+            self.variants = ("tapes", "graph", "xla") if one_output else ("graph", "xla", "tapes")
+        if kind == "laplacian":  # (raced where the work repays it, never the untimed first)
+            self.variants = (*self.variants, "forward-laplacian")
+        #: why the nested tapes or the forward Laplacian could not be built for this model
+        #: (they were dropped)
+        self.tapes_failed = ""
         self.variant = None
         self.note = ""
 
@@ -760,11 +785,36 @@ class TFSecondKernel(Kernel):
                 self._bound.trace_count += 1
                 ctx, seeds = rest[:self._n_ctx], rest[self._n_ctx:]
                 self._seed_inputs = dict(zip(self._seed_keys(), seeds))
-                return self._body(u, ctx)
+                return self._body(u, ctx, tapes=variant == "tapes",
+                                  laplacian=variant == "forward-laplacian")
 
-            self._fns[variant] = tf.function(traced, jit_compile=variant == "xla",
-                                             autograph=False).get_concrete_function(*self._specs)
+            with _quiet_pfor():  # (the tapes: pfor logs pages where it cannot vectorise)
+                self._fns[variant] = tf.function(
+                    traced, jit_compile=variant == "xla",
+                    autograph=False).get_concrete_function(*self._specs)
         return self._fns[variant]
+
+    def _tapes_work(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], variant: str = "tapes"
+                    ) -> bool:
+        """Whether the nested tapes (or the forward Laplacian) build and run for this model;
+        if not, they are dropped from the variants (the tiled builds compute the same)."""
+        if variant not in self.variants:
+            return False
+        try:
+            self._run(variant, u, ctx)
+        except (BatchJacError, Warning):
+            raise
+        except Exception as e:
+            if _out_of_memory(e):
+                raise
+            self._fns.pop(variant, None)
+            self.variants = tuple(v for v in self.variants if v != variant)
+            text = str(getattr(e, "message", e)).strip().splitlines()
+            what = "nested tapes" if variant == "tapes" else "forward Laplacian"
+            why = f"{what} failed: {text[0][:200] if text else type(e).__name__}"
+            self.tapes_failed = f"{self.tapes_failed}; {why}" if self.tapes_failed else why
+            return False
+        return True
 
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
@@ -788,6 +838,12 @@ class TFSecondKernel(Kernel):
         np.asarray(next(iter(out.values())))
 
     def _select(self, variant: str, note: str) -> None:
+        if variant == "tapes":
+            note = f"{note}: nested batch_jacobian tapes"
+        elif variant == "forward-laplacian":
+            note = f"{note}: a forward Laplacian (one pass)"
+        elif self.tapes_failed:
+            note = f"{note}; {self.tapes_failed}"
         self.variant, self.note = variant, f"{self.kind}: {self.order}, {note}"
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
@@ -798,12 +854,23 @@ class TFSecondKernel(Kernel):
         0.28 s; W7's graph 1.6 s and 0.20 s, XLA 1.0 s and 0.13 s."""
         from ._base import race_allowed, untimed_note
 
+        chosen = self._bound.__dict__.get("_second_builds", {}).get((self.kind, self.order))
+        if self._forced is None and chosen in self.variants:
+            # as a race chose for another chunk size of this model: the ladder of chunk sizes
+            # compares sizes on one build, and each size's race would compile every build
+            self._forced, self._forced_why = chosen, "as timed for another chunk size"
         if self._forced is not None:
-            self._select(self._forced, f"{self._forced} ({self._forced_why})")
+            forced = self._forced
+            if forced in ("tapes", "forward-laplacian") and not self._tapes_work(u, ctx, forced):
+                forced = "graph"  # the same values without pfor, on a machine where it failed
+            self._select(forced, f"{forced} ({self._forced_why})")
         elif race_allowed():
             self._race(u, ctx)
         else:
-            self._select("graph", f"graph ({untimed_note()})")
+            first = self.variants[0]
+            if first == "tapes" and not self._tapes_work(u, ctx):
+                first = "graph"
+            self._select(first, f"{first} ({untimed_note()})")
             self.untimed = True
 
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
@@ -813,17 +880,23 @@ class TFSecondKernel(Kernel):
         self._race(u, ctx)
 
     def _race(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        try:
-            self._run("xla", u, ctx)
-        except Exception as e:
-            if isinstance(e, Warning) or _out_of_memory(e):
-                raise
-            self._fallback(e)
+        self._tapes_work(u, ctx)
+        self._tapes_work(u, ctx, "forward-laplacian")
+        if "xla" in self.variants:
+            try:
+                self._run("xla", u, ctx)
+            except Exception as e:
+                if isinstance(e, Warning) or _out_of_memory(e):
+                    raise
+                self._fallback(e)
+        if len(self.variants) < 2:  # (XLA failed and the tapes too: the graph, said so)
             return
-        times = race(lambda v: self._run(v, u, ctx), ("graph", "xla"))
+        names = sorted(self.variants, key=("graph", "xla", "tapes", "forward-laplacian").index)
+        times = race(lambda v: self._run(v, u, ctx), names)
         best = min(times, key=lambda v: times[v])
-        self._select(best, f"{best} (timed one chunk: graph {times['graph'] * 1e3:.1f} ms, xla "
-                           f"{times['xla'] * 1e3:.1f} ms)")
+        timed = ", ".join(f"{v} {times[v] * 1e3:.1f} ms" for v in names)
+        self._select(best, f"{best} (timed one chunk: {timed})")
+        self._bound.__dict__.setdefault("_second_builds", {})[(self.kind, self.order)] = best
 
     def _fallback(self, xla_error: Exception) -> None:
         bound = self._bound
@@ -833,11 +906,13 @@ class TFSecondKernel(Kernel):
             warnings.warn(f"XLA could not compile this model ({text}); batchjac runs it as a "
                           f"plain TensorFlow graph instead, which is correct but can be slower.",
                           XLAFallbackWarning, stacklevel=user_stacklevel())
-        self.variant, self.variants = "graph", ("graph",)
-        self.note = f"{self.kind}: {self.order}, graph (XLA could not compile the model)"
+        self.variants = tuple(v for v in self.variants if v != "xla")
+        self.variant = "graph" if self.variant in (None, "xla") else self.variant
+        self.note = f"{self.kind}: {self.order}, {self.variant} (XLA could not compile the model)"
 
     # -- the computations (traced) -----------------------------------------------------------
-    def _body(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]) -> dict[str, tf.Tensor]:
+    def _body(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], tapes: bool = False,
+              laplacian: bool = False) -> dict[str, tf.Tensor]:
         bound = self._bound
         assert bound.output_shape is not None
         out_shape, ushape = bound.output_shape, bound.signature.unknown_shape
@@ -845,13 +920,19 @@ class TFSecondKernel(Kernel):
         v = None
         if self.kind == "hvp":
             ctx, v = ctx[:-1], ctx[-1]
-        if self.order == "forward-over-reverse":
+        if laplacian:
+            y, jac, second = self._forward_laplacian(u, ctx, m, k, rows)
+        elif tapes:
+            y, jac, second = self._nested_tapes(u, ctx, m, k, rows)
+        elif self.order == "forward-over-reverse":
             y, jac, second = self._over_reverse(u, ctx, v, m, k, rows)
         else:
             y, jac, second = self._over_forward(u, ctx, v, m, k, rows)
         # second: (rows, m, k) for diagonal/hvp, (rows, m, k, k) for the Hessian
         if self.kind == "laplacian":
-            second = tf.reduce_sum(second if len(second.shape) == 3 else tf.linalg.diag_part(second), -1)
+            if not laplacian:  # (the forward Laplacian's is the sum already)
+                second = tf.reduce_sum(second if len(second.shape) == 3 else
+                                       tf.linalg.diag_part(second), -1)
             second = tf.reshape(second, (rows, *out_shape))
         elif self.kind == "hessian":
             second = tf.reshape(second, (rows, *out_shape, *ushape, *ushape))
@@ -865,6 +946,49 @@ class TFSecondKernel(Kernel):
         if self.with_jacobian:
             out["jacobians"] = tf.reshape(jac, (rows, *out_shape, *ushape))
         return out
+
+    def _nested_tapes(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], m: int, k: int, rows: int
+                      ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """``batch_jacobian`` of ``batch_jacobian`` (pfor): ``(y, J (rows, m, k), H (rows, m,
+        k, k))``. Unconnected gradients are zeros, not the ``None`` of the plain tapes."""
+        flat_u = tf.reshape(u, (rows, k))
+        zero = tf.UnconnectedGradients.ZERO
+        with tf.GradientTape() as outer:
+            outer.watch(flat_u)
+            with tf.GradientTape() as inner:
+                inner.watch(flat_u)
+                y = self._bound.apply(tf.reshape(flat_u, tf.shape(u)), ctx)
+                flat_y = tf.reshape(y, (rows, m))
+            jac = inner.batch_jacobian(flat_y, flat_u, unconnected_gradients=zero)
+        hess = outer.batch_jacobian(jac, flat_u, unconnected_gradients=zero)
+        return y, jac, hess
+
+    def _forward_laplacian(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], m: int, k: int,
+                           rows: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """``(y, J (rows, m, k), Laplacian (rows, m))`` in one pass (:mod:`.tf_laplacian`)
+        over the model's own graph, traced here for the chunk's shapes."""
+        from . import tf_laplacian
+
+        bound = self._bound
+        ushape = tuple(bound.signature.unknown_shape)
+        model = bound.model
+        # a plain callable is wrapped in a tf.function, whose graph would hold one call op:
+        # trace its Python function, so that the graph holds the model's own operations
+        inner = getattr(model, "python_function", None)
+
+        def apply(flat_u: tf.Tensor, *c: tf.Tensor) -> tf.Tensor:
+            y = bound.apply(tf.reshape(flat_u, (rows, *ushape)), c)
+            return tf.reshape(y, (rows, m))
+
+        specs = [tf.TensorSpec((rows, k), bound.tf_dtype), *self._specs[1:1 + len(ctx)]]
+        if inner is not None and not bound.is_keras:
+            bound.model = inner
+        try:
+            concrete = tf_laplacian.traced_model(apply, specs)
+        finally:
+            bound.model = model
+        y, d, lap = tf_laplacian.run(concrete, tf.reshape(u, (rows, k)), ctx)
+        return y, tf.transpose(d, (1, 2, 0)), lap
 
     def _tiled(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], blocks: int
                ) -> tuple[tf.Tensor, tuple[tf.Tensor, ...]]:

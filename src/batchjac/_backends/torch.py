@@ -553,6 +553,27 @@ class TorchBound(BoundModel):
         return TorchSecondKernel(self, kind, order, chunk_size, with_outputs, with_jacobian)
 
 
+def _weights(bound: TorchBound) -> list[torch.Tensor]:
+    """The tensors a traced graph of the model holds: its parameters and buffers (and the
+    cast copies batchjac made of them), whose identities and versions say when it is stale."""
+    found = list(bound._state().values())
+    module = bound.module
+    if module is not None:
+        found += list(module.parameters()) + list(module.buffers())
+    # a plain function's weights: the tensors its closure holds, alone or in a list or dict
+    for cell in getattr(bound.model, "__closure__", None) or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # (an empty cell)
+            continue
+        items = held.values() if isinstance(held, dict) else held \
+            if isinstance(held, (list, tuple)) else (held,)
+        for item in items:
+            parts = item if isinstance(item, (list, tuple)) else (item,)
+            found += [t for t in parts if isinstance(t, torch.Tensor)]
+    return found
+
+
 def _basis(n: int, rows: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
            ) -> torch.Tensor:
     """``(n, rows, *shape)``: the unit vectors of ``shape``, broadcast over the rows (a view,
@@ -864,6 +885,77 @@ class TorchSecondKernel(Kernel):
         bound.trace_count += 1
         _load_forward_ad()
         self.note = f"{kind}: {order}"
+        #: the forward Laplacian's graph of the model per input shapes, with the weights'
+        #: identities and versions it was traced with (a graph holds the weights it saw)
+        self._graphs: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        #: why the forward Laplacian could not run for this model (the order's own then)
+        self.laplacian_failed = ""
+        if kind == "laplacian":
+            # the order's own computation, or the forward Laplacian (one pass, see
+            # batchjac._backends.torch_laplacian), which costs a trace of the model into ATen
+            # operations (~1 s the first time in a process, ~20 ms after): taken, and timed
+            # against the other, only when the tuning policy says the work repays it
+            self.variants = ("plain", "forward-laplacian")
+            self.variant = None
+
+    @property
+    def cheap_first(self) -> str | None:
+        return "plain" if self.kind == "laplacian" else None
+
+    #: rows of the chunk the race times each build on (an eager kernel runs any size): a
+    #: chunk of W7's 100,000 rows takes ~2 s, and a race calls each build several times. Not
+    #: fewer: on a loaded machine the forward Laplacian's many small operations lose more to
+    #: scheduling on small chunks (W7 in chunks of 2,000: 0.93x the native trace, one chunk
+    #: of 20,000: 0.5x), and a race on 4,096 rows once kept the slower build
+    RACE_ROWS = 16384
+
+    def _select(self, variant: str, note: str) -> None:
+        what = "a forward Laplacian (one pass)" if variant == "forward-laplacian" else variant
+        if self.laplacian_failed and variant == "plain":
+            note = f"{note}; {self.laplacian_failed}"
+        self.variant, self.note = variant, f"{self.kind}: {self.order}, {what} ({note})"
+
+    def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+        from ._base import race_allowed, untimed_note
+
+        chosen = self._bound.__dict__.get("_laplacian_build")
+        if self._forced is not None:
+            self._select(self._forced, self._forced_why)
+        elif chosen is not None and chosen in self.variants:
+            # as a race chose for another chunk size of this model (the ladder of chunk sizes
+            # compares the sizes on one build)
+            self._select(chosen, "as timed for another chunk size")
+        elif race_allowed():
+            self._race(u, ctx)
+        else:
+            self._select("plain", untimed_note())
+            self.untimed = True
+
+    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if not self.untimed or self._forced is not None or len(self.variants) < 2:
+            return
+        self.untimed = False
+        bound = self._bound
+        ut, ct = bound.tensors(u, ctx)
+        with bound.calling(), _FORWARD_AD:
+            self._race(ut, ct)
+
+    def _race(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+        rows = min(u.shape[0], self.RACE_ROWS)
+        u, ctx = u[:rows], tuple(c[:rows] for c in ctx)
+        if self._forward_laplacian(u, ctx) is None:
+            self._select("plain", "the forward Laplacian failed")
+            return
+
+        def run(variant: str) -> None:
+            self.variant = variant
+            self._compute(u, ctx, None)
+
+        times = race(run, self.variants)
+        best = min(times, key=lambda v: times[v])
+        timed = ", ".join(f"{v} {t * 1e3:.1f} ms" for v, t in times.items())
+        self._select(best, f"timed {rows} rows: {timed}")
+        self._bound.__dict__["_laplacian_build"] = best
 
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
@@ -875,6 +967,8 @@ class TorchSecondKernel(Kernel):
         ut, ct = bound.tensors(u, ctx)
         with bound.calling(), _FORWARD_AD:
             try:
+                if self.variant is None:
+                    self._first_call(ut, ct)
                 y, jac, second = self._compute(ut, ct, v)
             except (BatchJacError, Warning):
                 raise
@@ -893,6 +987,11 @@ class TorchSecondKernel(Kernel):
     def _compute(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], v: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(y, J, result)``; ``J`` is ``(rows, *out, *unk)``."""
+        if self.variant == "forward-laplacian":
+            found = self._forward_laplacian(u, ctx)
+            if found is not None:
+                return found
+            self._select("plain", "the forward Laplacian failed")
         if self.kind in ("diagonal", "laplacian") and self.order == "forward-over-forward":
             return self._diagonal_ff(u, ctx)
         if self.kind == "hessian" and self.order == "forward-over-forward":
@@ -900,6 +999,34 @@ class TorchSecondKernel(Kernel):
         if v is not None and self.order == "forward-over-forward":
             return self._hvp_ff(u, ctx, v)
         return self._over_reverse(u, ctx, v)
+
+    def _forward_laplacian(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(y, J, Laplacian)`` in one forward pass (:mod:`.torch_laplacian`), or None where
+        the model cannot be traced into ATen operations or one of them has no forward
+        derivative (the note says why; ``jvp`` of ``jvp`` then, the same values)."""
+        from . import torch_laplacian
+
+        bound = self._bound
+        k, m, out_shape, ushape = self._shapes(u)
+        rows = u.shape[0]
+        weights = tuple((id(t), t._version) for t in _weights(bound))
+        key = (tuple(u.shape), *(tuple(c.shape) for c in ctx))
+        try:
+            graph, seen = self._graphs.get(key, (None, None))
+            if graph is None or seen != weights:
+                graph = torch_laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
+                self._graphs[key] = (graph, weights)
+            y, dy, lap = torch_laplacian.run(graph, [u, *ctx], 0)
+        except (BatchJacError, Warning):
+            raise
+        except Exception as e:
+            self._graphs.clear()
+            self.laplacian_failed = f"forward Laplacian: {_first_line(e)[:200]}"
+            self.variants = ("plain",)
+            return None
+        jac = dy.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
+        return y, jac, lap.reshape(rows, *out_shape)
 
     def _hvp_ff(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], v: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

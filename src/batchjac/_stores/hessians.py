@@ -61,18 +61,24 @@ def second_to_store(model: Any, spec: BatchSpec, backend: str, *, store: Store, 
                     plan: Callable[[Any], dict[str, Any]],
                     kernel: Callable[[Any, dict[str, Any]], Any], with_outputs: bool,
                     with_jacobian: bool, explain: bool,
-                    progress: bool | Callable[[int], None]) -> SecondStoreResult:
+                    progress: bool | Callable[[int], None],
+                    compute_chunks: Callable[[Any, BatchSpec, bool, Any], None] | None = None
+                    ) -> SecondStoreResult:
     """Compute the second-order result ``name`` into a resumable store (the guarantees of
     :mod:`batchjac._stores`). ``bind()`` binds and probes the model; ``plan(bound)`` is the
     store's plan (``order``, ``chunk_size``, ``chunks``, ``rows``, ``reason``);
     ``kernel(bound, plan)`` the kernel every chunk is computed with. ``describe_options``
-    are the options that fix the result (recorded in the job)."""
+    are the options that fix the result (recorded in the job). ``compute_chunks(bound, spec,
+    with_outputs, pending)`` computes and writes the chunks still to do in place of the local
+    loop (the Dask path's, as for Jacobian stores)."""
     start = time.perf_counter()
     out = Path(store.path)
     fmt = second_format(out, name)
+    bound_once: list[Any] = []  # bound once the target is checked
 
     def describe() -> Job:
         bound = bind()
+        bound_once.append(bound)
         assert bound.output_shape is not None
         y_shape = tuple(bound.output_shape)
         description, meta = describe_job(
@@ -94,7 +100,12 @@ def second_to_store(model: Any, spec: BatchSpec, backend: str, *, store: Store, 
                    extras=lambda _: {"metadata": meta}, announce=announce,
                    shared_chunks=True, chunk_rows=True)
 
-    outcome = run(Target(out, fmt, store.overwrite), describe, progress=progress)
+    def on_cluster(pending: Any) -> None:
+        assert compute_chunks is not None
+        compute_chunks(bound_once[0], spec, with_outputs, pending)
+
+    outcome = run(Target(out, fmt, store.overwrite), describe, progress=progress,
+                  loop=None if compute_chunks is None else on_cluster)
     return _result(out, fmt, name, outcome, seconds=time.perf_counter() - start)
 
 

@@ -1,0 +1,176 @@
+"""A forward Laplacian for TensorFlow models (the rule set of
+:mod:`batchjac._backends.torch_laplacian`, on TensorFlow's graph): the outputs, their
+Jacobians and their Laplacians over the unknowns in one pass, ``k + 2`` matrix products a
+dense layer where the trace of the Hessian (nested ``batch_jacobian`` tapes) costs ``2k + 2``.
+
+The model is traced once into a graph (a ``ConcreteFunction`` of the kernel's chunk shape);
+its operations are then re-created, in order, inside the kernel's own traced function, each
+value that depends on the unknowns carried with ``d``, shaped ``(k + 1, *x.shape)``: ``d[:k]``
+its derivatives along the ``k`` unit tangents, ``d[k]`` the sum of its second derivatives
+along them. The rules: matrix products and elementwise products with one varying argument,
+sums, bias additions and the shape operations (affine in what varies: the tangent is the
+operation of the tangents, constants as zeros), and the elementwise functions met most (tanh,
+sin, cos, exp, sigmoid, log, relu, softplus, square). An operation without a rule raises
+:class:`NotImplementedError`, and the kernel keeps its other builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+#: affine in the floating inputs that vary: the tangent is the operation applied to the
+#: tangents, with every other floating input as zeros (integer inputs: shapes, axes, indices)
+_AFFINE = {
+    "ConcatV2", "Pack", "AddV2", "Add", "Sub", "BiasAdd", "Identity", "Reshape", "Squeeze",
+    "ExpandDims", "Transpose", "Sum", "Mean", "StridedSlice", "Slice", "GatherV2", "Cast",
+    "Neg", "Tile", "Pad", "PadV2", "SelectV2", "Select", "AddN", "Unpack", "Split", "SplitV",
+    "EnsureShape", "StopGradient_never",
+}
+#: linear in each floating input: linear while only one varies (the others kept)
+_MULTILINEAR = {"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Mul", "Einsum", "Conv2D",
+                "RealDiv", "DepthwiseConv2dNative"}
+#: operations that compute nothing the derivatives need
+_SKIP = {"NoOp"}
+
+
+def _unary(kind: str, x: tf.Tensor, y: tf.Tensor) -> tuple[Any, Any] | None:
+    """``(g'(x), g''(x))`` of the elementwise functions met most, from ``y = g(x)``."""
+    if kind == "Tanh":
+        d1 = 1 - y * y
+        return d1, -2 * y * d1
+    if kind == "Sin":
+        return tf.cos(x), -y
+    if kind == "Cos":
+        return -tf.sin(x), -y
+    if kind == "Exp":
+        return y, y
+    if kind == "Sigmoid":
+        d1 = y * (1 - y)
+        return d1, d1 * (1 - 2 * y)
+    if kind == "Log":
+        r = 1 / x
+        return r, -r * r
+    if kind == "Relu":
+        return tf.cast(x > 0, x.dtype), None
+    if kind == "Softplus":
+        s = tf.sigmoid(x)
+        return s, s * (1 - s)
+    if kind == "Square":
+        return 2 * x, 2 * tf.ones_like(x)
+    return None
+
+
+def _rebuild(op: tf.Operation, inputs: list[tf.Tensor]) -> list[tf.Tensor]:
+    """``op`` created again in the current graph on ``inputs`` (its attributes as they were)."""
+    graph = tf.compat.v1.get_default_graph()
+    attrs = dict(op.node_def.attr.items())
+    new = graph.create_op(op.type, inputs, dtypes=[o.dtype for o in op.outputs], attrs=attrs)
+    return list(new.outputs)
+
+
+def run(concrete: Any, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]
+        ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """``(y, J, L)`` of the model ``concrete`` (a ConcreteFunction of ``(u, *ctx)``) inside
+    the caller's traced function: ``J`` ``(k, *y.shape)`` along the unit tangents of ``u``
+    (``(rows, k)``), ``L`` the sum of the second derivatives along them."""
+    graph = concrete.graph
+    rows, k = int(u.shape[0]), int(u.shape[1])
+    seed = tf.broadcast_to(tf.eye(k, dtype=u.dtype)[:, None, :], (k, rows, k))
+    values: dict[Any, Any] = {}  # graph tensor -> tensor, or (tensor, J, L or None)
+    args = graph.inputs[:len(graph.inputs) - len(concrete.captured_inputs)]
+    for t, v in zip(args, [u, *ctx]):
+        values[t.ref()] = (v, seed, None) if v is u else v
+    for inner, outer in zip(graph.inputs[len(args):], concrete.captured_inputs):
+        values[inner.ref()] = outer
+    placeholders = {t.ref() for t in graph.inputs}
+    for op in graph.get_operations():
+        if op.type in _SKIP or (op.type == "Placeholder" and op.outputs[0].ref() in placeholders):
+            continue
+        outs = _apply(op, [values[t.ref()] for t in op.inputs], k)
+        for t, v in zip(op.outputs, outs):
+            values[t.ref()] = v
+    (out,) = [values[t.ref()] for t in graph.outputs]
+    if not isinstance(out, tuple):
+        return out, tf.zeros((k, *out.shape), out.dtype), tf.zeros_like(out)
+    y, jac, lap = out
+    return y, jac, tf.zeros_like(y) if lap is None else lap
+
+
+def _plus(a: tf.Tensor | None, b: tf.Tensor | None) -> tf.Tensor | None:
+    return b if a is None else a if b is None else a + b
+
+
+def _apply(op: tf.Operation, ins: list[Any], k: int) -> list[Any]:
+    vary = [i for i, a in enumerate(ins) if isinstance(a, tuple)]
+    primals = [a[0] if isinstance(a, tuple) else a for a in ins]
+    if not vary:
+        return _rebuild(op, primals)
+    kind = op.type
+    if kind == "MatMul" and vary == [0] and not op.get_attr("transpose_a"):
+        (y,) = _rebuild(op, primals)
+        _, jac, lap = ins[0]
+        w, tb = primals[1], op.get_attr("transpose_b")
+        prod = tf.linalg.matmul(tf.reshape(jac, (-1, jac.shape[-1])), w, transpose_b=tb)
+        return [(y, tf.reshape(prod, (k, *y.shape)),
+                 None if lap is None else tf.linalg.matmul(lap, w, transpose_b=tb))]
+    if kind in ("BiasAdd", "AddV2", "Add", "Sub") and len(ins) == 2:
+        if kind == "BiasAdd" and 1 in vary:
+            raise NotImplementedError("no forward-Laplacian rule for a varying bias")
+        (y,) = _rebuild(op, primals)
+        jac = lap = None
+        for i in vary:
+            _, j, lp = ins[i]
+            if kind == "Sub" and i == 1:
+                j, lp = -j, None if lp is None else -lp
+            if j.shape[1:] != y.shape:
+                j = tf.broadcast_to(j, (k, *y.shape))
+            if lp is not None and lp.shape != y.shape:
+                lp = tf.broadcast_to(lp, y.shape)
+            jac, lap = _plus(jac, j), _plus(lap, lp)
+        return [(y, jac, lap)]
+    if len(ins) == 1:
+        (y,) = _rebuild(op, primals)
+        derivs = _unary(kind, primals[0], y)
+        if derivs is not None:
+            _, jac, lap = ins[0]
+            d1, d2 = derivs
+            new_lap = None if lap is None else lap * d1
+            if d2 is not None:
+                new_lap = _plus(new_lap, d2 * tf.reduce_sum(jac * jac, 0))
+            return [(y, jac * d1, new_lap)]
+    if kind == "Mul" and vary == [0, 1]:
+        (a, ja, la), (b, jb, lb) = ins
+        (y,) = _rebuild(op, primals)
+        lap = _plus(_plus(None if lb is None else a * lb, None if la is None else b * la),
+                    2 * tf.reduce_sum(ja * jb, 0))
+        return [(y, a * jb + b * ja, lap)]
+    linear = kind in _AFFINE or (kind in _MULTILINEAR and len(vary) == 1 and
+                                 (kind != "RealDiv" or vary == [0]))
+    if not linear:
+        raise NotImplementedError(f"no forward-Laplacian rule for the operation {kind}")
+    outs = _rebuild(op, primals)
+    zeros = [i for i, a in enumerate(primals) if i not in vary and a.dtype.is_floating
+             and kind in _AFFINE]
+
+    def tangent(ts: Any) -> Any:
+        args = list(primals)
+        for i, t in zip(vary, ts):
+            args[i] = t
+        for i in zeros:
+            args[i] = tf.zeros_like(primals[i])
+        return tuple(_rebuild(op, args))
+
+    jacs = tf.vectorized_map(tangent, tuple(ins[i][1] for i in vary))
+    laps: Any = [None] * len(outs)
+    if any(ins[i][2] is not None for i in vary):
+        laps = tangent(tuple(ins[i][2] if ins[i][2] is not None else tf.zeros_like(primals[i])
+                             for i in vary))
+    return [(y, j, lp) if y.dtype.is_floating else y for y, j, lp in zip(outs, jacs, laps)]
+
+
+def traced_model(apply: Callable[..., tf.Tensor], specs: list[tf.TensorSpec]) -> Any:
+    """The model's ConcreteFunction for inputs of ``specs`` (``u`` first)."""
+    return tf.function(apply, autograph=False).get_concrete_function(*specs)

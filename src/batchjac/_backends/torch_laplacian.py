@@ -1,0 +1,226 @@
+"""A forward Laplacian for PyTorch models: the outputs, their Jacobians and their Laplacians
+over the unknowns in one forward pass, with no ``k x k`` block per output and no second pass.
+
+Each value ``x`` of the model's graph that depends on the unknowns is carried with ``J``, its
+derivatives along the ``k`` unit tangents, and ``L``, the sum of its second derivatives along
+them (:class:`Carried`). Through an operation ``z = g(x)``:
+
+    J_z = g'(x) J        L_z = g'(x) L + sum_j g''(x)[J_j, J_j]
+
+(Li et al., "A computational framework for neural network-based variational Monte Carlo with
+Forward Laplacian", 2023; the rule set of ``folx`` and ``fwdlap`` for JAX). The model is
+traced once per input shape into ATen operations (``make_fx`` of its functionalised call; a
+model whose Python branches on the values cannot be traced, and the kernel then computes by
+its order as before); each operation of the graph that depends on the unknowns is applied by
+a rule: matrix products with a constant (the weights), sums with constants and the common
+elementwise functions (tanh, sin, cos, exp, sigmoid, log, relu, silu) directly, ``J`` and ``L``
+stacked into one ``(k + 1, ...)`` tensor; any other operation by ``torch.func``: ``vmap`` of
+``jvp`` over that stack, and where it is not linear in what varies the second-order term from
+``jvp`` of ``jvp`` along each ``J_j``. A dense layer then costs ``k + 2`` matrix products,
+where forward over reverse (``vmap(jacfwd(jacrev))``, the Hessian then its trace) costs
+``2k + 2`` and ``jvp`` of ``jvp`` along each ``e_j`` ``3k + 1``.
+
+Measured side by side in one process on a loaded 2-core CPU (W7, PINN MLP 3-128-128-128-1,
+20,000 rows, medians of interleaved rounds): batchjac.laplacian with this build 0.39x the
+native trace of ``vmap(jacfwd(jacrev))``; its forward over reverse 0.88x.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+#: ATen operations linear in every argument that carries a derivative (a constant argument,
+#: such as a weight or a shape, may be anything): their second derivatives vanish
+_LINEAR = {
+    "t", "transpose", "permute", "view", "reshape", "_unsafe_view", "expand", "unsqueeze",
+    "squeeze", "slice", "select", "cat", "stack", "sum", "mean", "neg", "clone", "alias",
+    "_to_copy", "index_select", "narrow", "flatten", "constant_pad_nd", "split",
+    "split_with_sizes", "unbind", "view_as", "expand_as", "repeat", "flip", "roll", "diagonal",
+    "squeeze_copy", "unsqueeze_copy", "view_copy", "permute_copy", "t_copy", "transpose_copy",
+    "expand_copy", "slice_copy", "select_copy", "lift_fresh_copy", "copy", "cumsum", "trace",
+    "diag_embed", "tril", "triu", "gather", "index", "where",
+}
+#: ATen operations linear in each argument: linear while only one argument varies
+_MULTILINEAR = {"mul", "mm", "bmm", "matmul", "mv", "dot", "addmm", "baddbmm", "linear",
+                "einsum", "convolution", "div", "addmv", "outer", "tensordot"}
+
+
+def _unary(name: str, x: torch.Tensor, y: torch.Tensor
+           ) -> tuple[torch.Tensor | float, torch.Tensor | float] | None:
+    """``(g'(x), g''(x))`` of the elementwise functions met most, from the output ``y``
+    where it gives them; None for the others (the generic rule then)."""
+    if name == "tanh":
+        d1 = 1 - y * y
+        return d1, -2 * y * d1
+    if name == "sin":
+        return torch.cos(x), -y
+    if name == "cos":
+        return -torch.sin(x), -y
+    if name == "exp":
+        return y, y
+    if name == "sigmoid":
+        d1 = y * (1 - y)
+        return d1, d1 * (1 - 2 * y)
+    if name == "log":
+        r = 1 / x
+        return r, -r * r
+    if name == "relu":
+        return (x > 0).to(x.dtype), 0.0
+    if name == "silu":
+        s = torch.sigmoid(x)
+        return s * (1 + x * (1 - s)), s * (1 - s) * (2 + x * (1 - 2 * s))
+    return None
+
+
+@dataclass
+class Carried:
+    """A value of the graph that depends on the unknowns and its derivatives: ``d[:k]`` along
+    the ``k`` unit tangents (the Jacobian), ``d[k]`` the sum of the second derivatives along
+    them (the Laplacian), ``d`` of shape ``(k + 1, *x.shape)``."""
+
+    x: torch.Tensor
+    d: torch.Tensor
+
+
+def _name(target: Any) -> str:
+    packet = getattr(target, "overloadpacket", None)
+    return str(getattr(packet, "__name__", getattr(target, "__name__", "")))
+
+
+def trace(fn: Callable[..., torch.Tensor], *example: torch.Tensor) -> torch.fx.GraphModule:
+    """``fn`` as a graph of ATen operations, for inputs of the shapes of ``example`` (runs
+    ``fn`` once on them)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(torch.func.functionalize(fn))(*example)  # type: ignore[no-any-return]
+
+
+def run(graph: torch.fx.GraphModule, inputs: list[torch.Tensor], varying: int
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, J, L)`` of the graph's one output for ``inputs``: ``J`` ``(k, *y.shape)``, the
+    derivatives along the unit tangents of ``inputs[varying]`` (``(rows, *unknown_shape)``,
+    ``k`` unknowns a row), and ``L`` the sum of the second derivatives along them. (Forward
+    mode's decompositions must be loaded: ``batchjac._backends.torch._load_forward_ad``.)"""
+    u = inputs[varying]
+    rows, ushape = u.shape[0], tuple(u.shape[1:])
+    k = math.prod(ushape)
+    seed = torch.zeros((k + 1, rows, k), dtype=u.dtype, device=u.device)
+    seed[torch.arange(k), :, torch.arange(k)] = 1
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = iter(inputs)
+    out: Any = None
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            value = next(placeholders)
+            env[node] = Carried(u, seed.reshape(k + 1, rows, *ushape)) if value is u else value
+        elif node.op == "get_attr":
+            env[node] = getattr(graph, node.target)
+        elif node.op == "call_function":
+            args, kwargs = pytree.tree_map_only(torch.fx.Node, env.__getitem__,
+                                                (node.args, node.kwargs))
+            env[node] = _apply(node.target, args, kwargs, k)
+        elif node.op == "output":
+            out = pytree.tree_map_only(torch.fx.Node, env.__getitem__, node.args[0])
+        else:  # (make_fx graphs hold nothing else)
+            raise NotImplementedError(f"graph node {node.op!r}")
+    (result,) = pytree.tree_leaves(out, is_leaf=lambda a: isinstance(a, Carried))
+    if not isinstance(result, Carried):  # the output does not depend on the unknowns
+        zeros = torch.zeros((k, *result.shape), dtype=result.dtype, device=result.device)
+        return result, zeros, torch.zeros_like(result)
+    return result.x, result.d[:k], result.d[k]
+
+
+def _apply(target: Any, args: Any, kwargs: Any, k: int) -> Any:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    vary = [i for i, a in enumerate(leaves) if isinstance(a, Carried)]
+    if not vary:
+        return target(*args, **kwargs)
+    primals = [a.x if isinstance(a, Carried) else a for a in leaves]
+    carried: list[Carried] = [leaves[i] for i in vary]
+    name = _name(target)
+    if len(vary) == 1:
+        fast = _fast_one(name, target, primals, vary[0], carried[0], leaves, spec)
+        if fast is not None:
+            return fast
+    elif name == "mul" and len(vary) == 2 and len(leaves) == 2:
+        a, b = carried
+        y = a.x * b.x
+        d = a.x * b.d + b.x * a.d
+        d[k] += 2 * (a.d[:k] * b.d[:k]).sum(0)
+        return Carried(y, d)
+
+    def g(*xs: torch.Tensor) -> Any:
+        vals = list(primals)
+        for i, x in zip(vary, xs):
+            vals[i] = x
+        a, kw = pytree.tree_unflatten(vals, spec)
+        return target(*a, **kw)
+
+    p = tuple(c.x for c in carried)
+    def push(*t: torch.Tensor) -> tuple[Any, Any]:
+        y, d = torch.func.jvp(g, p, t)[:2]
+        return y, d
+
+    both: Any = torch.func.vmap(push, out_dims=(None, 0))  # type: ignore[arg-type]
+    y, d = both(*(c.d for c in carried))
+    linear = name in _LINEAR or (name in _MULTILINEAR and len(vary) == 1 and
+                                 (name != "div" or vary == [0]))
+    ys, ds = pytree.tree_flatten(y)[0], pytree.tree_flatten(d)[0]
+    if not linear:
+        def second(*t: torch.Tensor) -> Any:
+            return torch.func.jvp(lambda *q: torch.func.jvp(g, q, t)[1], p, t)[1]
+
+        d2 = pytree.tree_flatten(torch.func.vmap(second)(*(c.d[:k] for c in carried)))[0]
+        for i, di in enumerate(ds):
+            if isinstance(di, torch.Tensor) and di.is_floating_point():
+                di[k] += d2[i].sum(0)
+    results = [Carried(yi, di) if isinstance(yi, torch.Tensor) and yi.is_floating_point()
+               else yi for yi, di in zip(ys, ds)]
+    return pytree.tree_unflatten(results, pytree.tree_structure(y))
+
+
+def _fast_one(name: str, target: Any, primals: list[Any], at: int, c: Carried,
+              leaves: list[Any], spec: Any) -> Carried | None:
+    """The rules of the operations most models spend their time in, one argument varying:
+    matrix products with the weights, sums with constants, elementwise functions."""
+    k1 = c.d.shape[0]
+    if name in ("mm", "addmm") and at == len(leaves) - 2 and not spec_has_kwargs(spec):
+        # mm(x, W) / addmm(b, x, W): the tangents are x's, times W, in one product
+        w = primals[at + 1]
+        y = target(*pytree.tree_unflatten(primals, spec)[0])
+        d = (c.d.reshape(-1, c.d.shape[-1]) @ w).reshape(k1, *y.shape)
+        return Carried(y, d)
+    if name in ("add", "sub") and not spec_has_kwargs(spec) and len(leaves) == 2:
+        y = target(*primals)
+        sign = -1 if (name == "sub" and at == 1) else 1
+        d = c.d if sign == 1 else -c.d
+        if d.shape[1:] != y.shape:
+            d = d.expand(k1, *y.shape)
+        return Carried(y, d)
+    if len(leaves) == 1:
+        y = target(c.x)
+        derivs = _unary(name, c.x, y)
+        if derivs is not None:
+            d1, d2 = derivs
+            d = c.d * d1
+            if not (isinstance(d2, float) and d2 == 0.0):
+                # sum_j J_j^2 one tangent at a time (no (k, ...) temporary), then d2 times it
+                squares = c.d[0] * c.d[0]
+                for j in range(1, k1 - 1):
+                    squares.addcmul_(c.d[j], c.d[j])
+                d[-1].addcmul_(squares, d2 if isinstance(d2, torch.Tensor) else
+                               torch.as_tensor(d2, dtype=squares.dtype))
+            return Carried(y, d)
+    return None
+
+
+def spec_has_kwargs(spec: Any) -> bool:
+    """Whether the call had keyword arguments (``alpha=``, ``beta=``: the general rule)."""
+    kw = pytree.tree_unflatten([None] * spec.num_leaves, spec)[1]
+    return bool(kw)

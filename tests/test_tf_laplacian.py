@@ -1,0 +1,152 @@
+"""The forward Laplacian of TensorFlow models (batchjac._backends.tf_laplacian), a build of the
+TensorFlow Laplacian kernel.
+
+References: the trace of TensorFlow's own nested ``batch_jacobian`` Hessian and its
+``batch_jacobian`` Jacobian in float64, and the closed form of ``sum(sin x)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchjac
+
+from .helpers import race_now, rng
+
+tf = pytest.importorskip("tensorflow")
+
+from batchjac._bind import prepare  # noqa: E402
+from batchjac._validate import normalize  # noqa: E402
+
+
+def references(f: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(J, Laplacian)`` of the batch function ``f`` by TensorFlow's nested tapes."""
+    xt = tf.constant(x)
+    with tf.GradientTape() as outer:
+        outer.watch(xt)
+        with tf.GradientTape() as inner:
+            inner.watch(xt)
+            y = f(xt)
+        jac = inner.batch_jacobian(y, xt)
+    hess = outer.batch_jacobian(jac, xt)
+    return jac.numpy(), tf.linalg.trace(hess).numpy()
+
+
+def _kernel(model: Any, x: np.ndarray, *known: np.ndarray) -> tuple[Any, np.ndarray, tuple[np.ndarray, ...]]:
+    spec = normalize((x, *known), wrt=None, dtype=None, nan_policy="raise")
+    bound = prepare(model, spec, "tensorflow", {})
+    kernel = bound.second_kernel("laplacian", "forward-over-reverse", spec.n, True, True)
+    kernel.use("forward-laplacian")
+    u, ctx = spec.chunk(0, spec.n)
+    return kernel, u, ctx
+
+
+def test_rules_match_the_nested_tapes() -> None:
+    """Matrix products, bias additions, sums and products of two varying values, a quotient
+    by a constant, slices and a concatenation with the known columns, and the elementwise
+    functions with rules (tanh, sin, exp, sigmoid, softplus, square, log)."""
+    r = rng(1)
+    w1 = tf.constant(r.normal(size=(5, 6)) * 0.6)
+    b1 = tf.constant(r.normal(size=6) * 0.1)
+    w2 = tf.constant(r.normal(size=(6, 2)) * 0.6)
+
+    def f(xh: Any) -> Any:  # (called on concat([unknown, known]), as batchjac assembles it)
+        x, h = xh[:, :3], xh[:, 3:]
+        z = tf.nn.bias_add(tf.matmul(tf.concat([h, x], -1), w1), b1)
+        a = tf.tanh(z) * tf.sigmoid(z) + tf.square(tf.sin(z)) - tf.exp(-z * z) / 3.0
+        s = tf.matmul(tf.nn.softplus(a), w2)
+        return tf.math.log(1 + s * s) + tf.reduce_sum(s, -1, keepdims=True)
+
+    x, h = r.normal(size=(13, 3)), r.normal(size=(13, 2))
+    kernel, u, ctx = _kernel(f, x, h)
+    out = kernel(u, ctx)
+    assert "a forward Laplacian" in kernel.note
+    # the reference differentiates w.r.t. all 5 inputs: the unknowns' block of it
+    xh = np.concatenate([x, h], 1)
+    xt = tf.constant(xh)
+    with tf.GradientTape() as outer:
+        outer.watch(xt)
+        with tf.GradientTape() as inner:
+            inner.watch(xt)
+            y = f(xt)
+        jac = inner.batch_jacobian(y, xt)
+    hess = outer.batch_jacobian(jac, xt).numpy()[..., :3, :3]
+    want_lap = np.trace(hess, axis1=-2, axis2=-1)
+    np.testing.assert_allclose(out["laplacians"], want_lap, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out["jacobians"], jac.numpy()[..., :3], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out["outputs"], y.numpy(), rtol=1e-12, atol=1e-12)
+    assert np.abs(want_lap).max() > 0.1  # a curved model: the test could fail
+
+
+def test_keras_model_and_closed_form() -> None:
+    keras = pytest.importorskip("keras")
+    r = rng(2)
+    inp = keras.Input((3,), dtype="float64")
+    h = keras.layers.Dense(8, activation="tanh", dtype="float64")(inp)
+    model = keras.Model(inp, keras.layers.Dense(1, dtype="float64")(h))
+    x = r.normal(size=(11, 3))
+    kernel, u, ctx = _kernel(model, x)
+    out = kernel(u, ctx)
+    jac, lap = references(lambda z: model(z, training=False), x)
+    np.testing.assert_allclose(out["laplacians"], lap, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out["jacobians"], jac, rtol=1e-10, atol=1e-12)
+
+    def sines(z: Any) -> Any:
+        return tf.reduce_sum(tf.sin(z), -1)
+
+    kernel, u, ctx = _kernel(sines, x)
+    np.testing.assert_allclose(kernel(u, ctx)["laplacians"], -np.sin(x).sum(-1),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_an_operation_without_a_rule_keeps_the_other_builds() -> None:
+    x = rng(3).normal(size=(9, 3))
+
+    def f(z: Any) -> Any:
+        return tf.reduce_sum(tf.atan(z), -1)  # Atan: no rule
+
+    kernel, u, ctx = _kernel(f, x)
+    out = kernel(u, ctx)
+    assert kernel.variant == "graph"
+    assert "no forward-Laplacian rule for the operation Atan" in kernel.note
+    np.testing.assert_allclose(out["laplacians"], (-2 * x / (1 + x * x) ** 2).sum(-1),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_the_race_times_it(monkeypatch: Any) -> None:
+    x = rng(4).normal(size=(40, 3)) * 2
+
+    def f(z: Any) -> Any:
+        return tf.reduce_sum(tf.sin(z), -1)
+
+    race_now(monkeypatch)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        lap = batchjac.laplacian(f, x, backend="tensorflow", explain=True)
+    assert "forward-laplacian " in err.getvalue(), err.getvalue()
+    np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_a_race_choice_holds_for_other_chunk_sizes(monkeypatch: Any) -> None:
+    """A kernel of another chunk size takes the build the race chose (without racing every
+    build again), and computes the same values."""
+    x = rng(5).normal(size=(48, 3)) * 2
+
+    def f(z: Any) -> Any:
+        return tf.reduce_sum(tf.sin(z), -1)
+
+    race_now(monkeypatch)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        batchjac.laplacian(f, x, backend="tensorflow", explain=True, chunk_size=48)
+        lap = batchjac.laplacian(f, x, backend="tensorflow", explain=True, chunk_size=16)
+    notes = [line for line in err.getvalue().splitlines() if "kernel:" in line]
+    assert "timed one chunk" in notes[0], notes
+    chosen = notes[0].split("forward-over-reverse, ")[1].split(" ")[0]
+    assert f"{chosen} (as timed for another chunk size)" in notes[1], notes
+    np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
