@@ -171,10 +171,14 @@ class TFBound(BoundModel):
         return False  # the kernels read the variables: none is stale
 
     # -- model call --------------------------------------------------------------------------
-    def apply(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], twice: bool = False) -> tf.Tensor:
+    def apply(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], twice: bool = False,
+              model: Any = None) -> tf.Tensor:
         """``twice``: the inputs are assembled with ops that differentiate twice inside XLA
-        (the second-order kernels: see :func:`_matmul_concat`)."""
+        (the second-order kernels: see :func:`_matmul_concat`). ``model``: call this instead
+        of the bound model (the same computation, e.g. its Python function: threads sharing
+        the bound model keep theirs)."""
         lay = self.signature.layout
+        fn = self.model if model is None else model
         if twice:
             inputs = assemble(lay, u, ctx, concat=_matmul_concat, take=_matmul_take)
         else:
@@ -182,13 +186,13 @@ class TFBound(BoundModel):
                               take=lambda x, idx: tf.gather(x, list(idx), axis=-1))
         try:
             if lay.kind in ("single", "concat"):
-                y = self.model(inputs[0], training=False) if self.is_keras else self.model(inputs[0])
+                y = fn(inputs[0], training=False) if self.is_keras else fn(inputs[0])
             elif lay.kind == "tuple":
-                y = self.model(list(inputs), training=False) if self.is_keras else self.model(*inputs)
+                y = fn(list(inputs), training=False) if self.is_keras else fn(*inputs)
             else:
                 assert lay.keys is not None
                 d = dict(zip(lay.keys, inputs))
-                y = self.model(d, training=False) if self.is_keras else self.model(**d)
+                y = fn(d, training=False) if self.is_keras else fn(**d)
         except ModelError:
             raise
         except Exception as e:
@@ -976,17 +980,14 @@ class TFSecondKernel(Kernel):
         # trace its Python function, so that the graph holds the model's own operations
         inner = getattr(model, "python_function", None)
 
+        own = inner if inner is not None and not bound.is_keras else None
+
         def apply(flat_u: tf.Tensor, *c: tf.Tensor) -> tf.Tensor:
-            y = bound.apply(tf.reshape(flat_u, (rows, *ushape)), c)
+            y = bound.apply(tf.reshape(flat_u, (rows, *ushape)), c, model=own)
             return tf.reshape(y, (rows, m))
 
         specs = [tf.TensorSpec((rows, k), bound.tf_dtype), *self._specs[1:1 + len(ctx)]]
-        if inner is not None and not bound.is_keras:
-            bound.model = inner
-        try:
-            concrete = tf_laplacian.traced_model(apply, specs)
-        finally:
-            bound.model = model
+        concrete = tf_laplacian.traced_model(apply, specs)
         y, d, lap = tf_laplacian.run(concrete, tf.reshape(u, (rows, k)), ctx)
         return y, tf.transpose(d, (1, 2, 0)), lap
 
