@@ -442,9 +442,9 @@ def _hessian_reference(u: np.ndarray, h: np.ndarray) -> np.ndarray:
         lambda a: mlp_jacobian(layers, np.concatenate([a, h], -1))[..., :5], u)
 
 
-def _assert_same(got: Any, want: np.ndarray) -> None:
+def _assert_same(got: Any, want: np.ndarray, rtol: float = 1e-6) -> None:
     """The native path's numbers are the numpy path's (the same kernels, the same rows)."""
-    np.testing.assert_allclose(_host(got), want, rtol=1e-6, atol=1e-7 * float(np.abs(want).max()))
+    np.testing.assert_allclose(_host(got), want, rtol=rtol, atol=rtol / 10 * float(np.abs(want).max()))
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -486,7 +486,9 @@ def test_second_order_native_in_native_out_on_the_input_device(fw: str, chunk_si
         alone = fn(put(u), put(h), chunk_size=chunk_size, **extra)  # the result alone
         assert isinstance(alone, _array_type(fw)), kind
         assert device_of(alone) == dev, kind
-        _assert_same(alone, r_np)
+        # another kernel (no Jacobian asked): it may be another build (PyTorch's forward
+        # Laplacian), whose float32 sums round otherwise (measured: 1.1e-5 relative)
+        _assert_same(alone, r_np, rtol=5e-5)
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
