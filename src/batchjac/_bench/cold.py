@@ -21,6 +21,7 @@ then the native variants, then batchjac again with the same directory (warm cach
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shlex
@@ -133,6 +134,12 @@ def first_call(side: str, workload: str, backend: str, n: int, *, variant: str |
         model = workload_model(workload, backend)
         unknown, known = workload_inputs(workload, n)
     data = (unknown,) if known is None else (unknown, known)
+    # the imports' garbage collected before the timer, on both sides: CPython's first full
+    # collection after importing a framework takes 35-75 ms (the heap it built), and lands in
+    # whichever call first crosses the threshold the imports left near (measured: the native
+    # W1 JAX call ended 700 allocations short of it, batchjac's crossed it), a cost of the
+    # import history that neither side's work causes
+    gc.collect()
     setup_s = time.perf_counter() - t0
     out: dict[str, Any] = {"side": side, "workload": workload, "backend": backend, "n": n,
                            "variant": variant, "setup_s": setup_s,
@@ -512,7 +519,10 @@ def section(cold: list[dict[str, Any]]) -> list[str]:
         "fresh process's first call reads them (warm cache). \"Second call\" is a second "
         "call in the same process (the built native function called again). The error is "
         "max |J_batchjac - J_native| / max |J_native| "
-        f"over the first {CHECK_ROWS} rows. batchjac's bytecode is written before the cases "
+        f"over the first {CHECK_ROWS} rows. Each process collects its garbage (`gc.collect()`) "
+        "before the timer starts, on both sides: CPython's first full collection after a "
+        "framework's import takes 35-75 ms and falls in whichever call first crosses the "
+        "threshold the imports left near. batchjac's bytecode is written before the cases "
         "(as a wheel install writes it; the frameworks have theirs): with an editable install "
         "and PYTHONDONTWRITEBYTECODE set, each process would compile batchjac's modules inside "
         "the timed call.",
