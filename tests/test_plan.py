@@ -254,3 +254,131 @@ def test_tuned_chunks_give_the_same_jacobians(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("BATCHJAC_AUTOTUNE", "maybe")
     with pytest.raises(batchjac.InputError, match="BATCHJAC_AUTOTUNE must be 'on' or 'off'"):
         batchjac.jacobian(model, unknown[:3000], known[:3000])
+
+
+# -- second order: the order of the two differentiations, the estimate, the plan ----------------
+ORDER_CASES = [
+    # (kind, k, m, reductions_over_forward, expected order); the boundaries k == m and m == k + 1
+    ("hessian", 3, 3, True, "forward-over-reverse"),  # m <= k: m gradients along k tangents
+    ("hessian", 3, 4, True, "forward-over-forward"),  # k < m: k*k tangent pairs < m*k
+    ("hessian", 3, 4, False, "forward-over-forward"),  # the backend flag is for reductions only
+    ("hvp", 1, 5, True, "forward-over-reverse"),  # one tangent, however few the unknowns
+    ("diagonal", 5, 2, True, "forward-over-forward"),
+    ("laplacian", 5, 2, True, "forward-over-forward"),
+    ("diagonal", 3, 3, False, "forward-over-reverse"),  # dear second forward pass, m <= k
+    ("laplacian", 3, 3, False, "forward-over-reverse"),
+    ("diagonal", 3, 4, False, "forward-over-forward"),  # more outputs than unknowns
+    ("laplacian", 3, 4, False, "forward-over-forward"),
+]
+
+
+@pytest.mark.parametrize(("kind", "k", "m", "cheap_forward", "expected"), ORDER_CASES)
+def test_auto_order_follows_the_shapes(kind: str, k: int, m: int, cheap_forward: bool,
+                                       expected: str) -> None:
+    from batchjac._plan import choose_order
+
+    order, why = choose_order("auto", kind, k, m, cheap_forward)  # type: ignore[arg-type]
+    assert order == expected, why
+    if kind == "hvp":
+        assert why == "one tangent per instance pushed through the reverse-mode Jacobian"
+
+
+def test_auto_order_of_reductions_defaults_to_a_cheap_second_forward_pass() -> None:
+    """JAX's (the default backend flag): the Laplacian of one output by forward over forward."""
+    from batchjac._plan import choose_order, make_second_plan
+
+    assert choose_order("auto", "laplacian", 3, 1)[0] == "forward-over-forward"
+    got = make_second_plan(kind="laplacian", n=10, k=3, m=1, in_elems=3, dtype=np.dtype("f8"),
+                           order="auto", chunk_size=None, max_memory=10**9)
+    assert got.order == "forward-over-forward"
+
+
+@pytest.mark.parametrize("order", ["forward-over-reverse", "forward-over-forward"])
+def test_asked_order_is_kept(order: str) -> None:
+    from batchjac._plan import choose_order
+
+    # a Hessian of more outputs than unknowns would take forward over forward by itself
+    assert choose_order(order, "hessian", 2, 9) == (order, f"mode={order!r} was asked for")  # type: ignore[arg-type]
+
+
+def test_bad_second_order_mode_is_named() -> None:
+    from batchjac._plan import choose_order
+
+    with pytest.raises(batchjac.InputError, match=r"`mode` of a second-order call must be 'auto', "
+                       r"'forward-over-reverse' or 'forward-over-forward'; got 'reverse'\."):
+        choose_order("reverse", "hessian", 2, 2)  # type: ignore[arg-type]
+
+
+# The estimate of second_bytes_per_row worked by hand from its docstring for k=3 unknowns,
+# m=2 outputs, 5 input elements, 4-byte floats: activations 2*(5+2)+512 = 526 a pass;
+# results (kind's + m*k Jacobian + m outputs): hessian 18+6+2 = 26, diagonal 6+6+2 = 14,
+# laplacian 2+6+2 = 10, hvp 6+6+2 = 14; bytes = 2*4*(2*results + temporaries + passes*526).
+SECOND_ROWS = [
+    # forward over reverse: temporaries tangents*m*k, passes (1+m)*(1+tangents); tangents k (1: hvp)
+    ("hessian", "forward-over-reverse", 8 * (52 + 18 + 12 * 526)),
+    ("diagonal", "forward-over-reverse", 8 * (28 + 18 + 12 * 526)),
+    ("laplacian", "forward-over-reverse", 8 * (20 + 18 + 12 * 526)),
+    ("hvp", "forward-over-reverse", 8 * (28 + 6 + 6 * 526)),
+    # forward over forward: a Hessian k*k*m temporaries and 2*k*k+1 passes, else 2*k*m and 2*k+1
+    ("hessian", "forward-over-forward", 8 * (52 + 18 + 19 * 526)),
+    ("diagonal", "forward-over-forward", 8 * (28 + 12 + 7 * 526)),
+    ("laplacian", "forward-over-forward", 8 * (20 + 12 + 7 * 526)),
+    ("hvp", "forward-over-forward", 8 * (28 + 12 + 7 * 526)),
+]
+
+
+@pytest.mark.parametrize(("kind", "order", "expected"), SECOND_ROWS)
+def test_second_order_estimate_by_hand(kind: str, order: str, expected: int) -> None:
+    from batchjac._plan import second_bytes_per_row
+
+    assert second_bytes_per_row(kind, order, 3, 2, 5, 4) == expected  # type: ignore[arg-type]
+
+
+def test_plan_counts_k_squared_per_output() -> None:
+    """The memory estimate of a full Hessian grows with k*k per output, the diagonal's with
+    k: under one budget a Hessian chunk holds fewer rows than a Jacobian's."""
+    from batchjac._plan import second_bytes_per_row
+
+    k, m = 32, 4
+    jac = bytes_per_row(k, m, k, 8)
+    full = second_bytes_per_row("hessian", "forward-over-reverse", k, m, k, 8)
+    diag = second_bytes_per_row("diagonal", "forward-over-forward", k, m, k, 8)
+    assert full > 8 * 2 * m * k * k  # at least the result and its copy
+    assert full > 4 * jac
+    assert full > 2 * diag
+    assert second_bytes_per_row("hessian", "forward-over-reverse", 2 * k, m, 2 * k, 8) > 2 * full
+
+
+def test_second_plan_chunks_by_the_budget() -> None:
+    from batchjac._plan import make_second_plan, second_bytes_per_row
+
+    per_row = second_bytes_per_row("hessian", "forward-over-reverse", 3, 2, 5, 4)
+    assert per_row == SECOND_ROWS[0][2]
+    args = {"kind": "hessian", "k": 3, "m": 2, "in_elems": 5, "dtype": np.dtype("f4"),
+            "order": "auto"}
+    # 1,000 rows under a budget of 300 rows: 4 balanced chunks of 250
+    got = make_second_plan(n=1000, chunk_size=None, max_memory=300 * per_row + 7, **args)
+    assert (got.order, got.chunk_size, got.n_chunks, got.budget_rows) == (
+        "forward-over-reverse", 250, 4, 300)
+    assert got.memory_note == ""
+    assert got.reason.startswith("hessian: forward-over-reverse (2 outputs <= 3 unknowns")
+    assert f"memory budget 15 MB at ~{per_row} B per row" in got.reason  # 300 x 51,056 B
+    # no rows: no chunks
+    assert make_second_plan(n=0, chunk_size=None, max_memory=10**9, **args).n_chunks == 0
+    # 1,001 rows in chunks of 100 given: 11 chunks, the last short
+    given = make_second_plan(n=1001, chunk_size=100, max_memory=10**9, **args)
+    assert (given.chunk_size, given.n_chunks, given.budget_rows) == (100, 11, None)
+
+
+def test_second_plan_over_the_budget_warns_and_keeps_the_chunk() -> None:
+    from batchjac._plan import ChunkMemoryWarning, make_second_plan, second_bytes_per_row
+
+    per_row = second_bytes_per_row("diagonal", "forward-over-forward", 3, 2, 5, 4)
+    with pytest.warns(ChunkMemoryWarning, match=r"^batchjac: chunk_size=64 needs ~\d+ MB by the "
+                      rf"planner's estimate \(~{per_row} B per row\).*\(at most 10 rows\)"):
+        got = make_second_plan(kind="diagonal", n=640, k=3, m=2, in_elems=5, dtype=np.dtype("f4"),
+                               order="forward-over-forward", chunk_size=64,
+                               max_memory=10 * per_row)
+    assert (got.chunk_size, got.n_chunks) == (64, 10)
+    assert got.memory_note.startswith("chunk_size=64 needs")
+    assert got.memory_note in got.reason
