@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -375,10 +377,96 @@ def test_second_plan_over_the_budget_warns_and_keeps_the_chunk() -> None:
 
     per_row = second_bytes_per_row("diagonal", "forward-over-forward", 3, 2, 5, 4)
     with pytest.warns(ChunkMemoryWarning, match=r"^batchjac: chunk_size=64 needs ~\d+ MB by the "
-                      rf"planner's estimate \(~{per_row} B per row\).*\(at most 10 rows\)"):
+                      rf"planner's estimate \(~{per_row} B per row\).*\(at most 10 rows\)") as caught:
         got = make_second_plan(kind="diagonal", n=640, k=3, m=2, in_elems=5, dtype=np.dtype("f4"),
                                order="forward-over-forward", chunk_size=64,
                                max_memory=10 * per_row)
     assert (got.chunk_size, got.n_chunks) == (64, 10)
+    assert caught[0].filename == __file__  # points at the planner's caller
     assert got.memory_note.startswith("chunk_size=64 needs")
     assert got.memory_note in got.reason
+
+
+# -- the first-order plan at its boundaries -------------------------------------------------------
+def test_asked_mode_and_the_auto_boundary() -> None:
+    assert plan(k=784, m=10, mode="forward").mode == "forward"  # kept against the shapes
+    assert "mode='forward' was asked for" in plan(k=784, m=10, mode="forward").reason
+    assert plan(k=6, m=6).mode == "reverse"  # k == m: m backward passes, no more than k tangents
+    assert plan(k=6, m=7).mode == "forward"
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "4", True, None])
+def test_chunk_size_must_be_a_positive_integer(bad: Any) -> None:
+    from batchjac._plan import check_options
+
+    if bad is None:  # None: chosen from the budget
+        check_options("auto", None, None)
+        return
+    with pytest.raises(batchjac.InputError, match=rf"`chunk_size` must be a positive integer; got {bad!r}\."):
+        check_options("auto", bad, None)
+
+
+def test_smallest_chunk_size_is_one_row() -> None:
+    from batchjac._plan import check_options
+
+    check_options("forward", 1, "1GB")
+    check_options("reverse", np.int64(1), None)
+    assert (plan(n=3, chunk_size=1).chunk_size, plan(n=3, chunk_size=1).n_chunks) == (1, 3)
+
+
+def test_bytes_per_row_worked_by_hand() -> None:
+    """k=5 unknowns, m=4 outputs, 8 input elements, float32: activations 2*(8+4)+512 = 536 a
+    basis vector, min(k, m) = 4 of them plus the primal; 2*4*(2*4*5 + 5*536) bytes."""
+    assert bytes_per_row(5, 4, 8, 4) == 8 * (40 + 5 * 536) == 21_760
+    assert bytes_per_row(1, 1, 180, 4) == 8 * (2 + 2 * 874) == 14_000
+
+
+def test_given_chunk_size_is_capped_past_four_times_the_rows() -> None:
+    assert plan(n=10, chunk_size=40).chunk_size == 40  # 4x the rows: kept (one compiled shape)
+    capped = plan(n=10, chunk_size=41)
+    assert (capped.chunk_size, capped.n_chunks) == (10, 1)
+    assert "chunk_size was given as 41, more than 4 times the rows: capped at the 10 rows" in capped.reason
+    assert plan(n=1, chunk_size=5).chunk_size == 1
+    kept = plan(n=1000, chunk_size=100)
+    assert kept.reason.endswith("chunks of 100 rows (chunk_size was given)")
+    assert kept.budget_rows is None
+
+
+def test_chunk_size_over_the_budget_is_kept_with_a_warning_that_says_by_how_much() -> None:
+    per_row = bytes_per_row(1, 1, 180, 4)  # 14,000 B
+    exact = {"n": 1000, "k": 1, "m": 1, "in_elems": 180, "chunk_size": 250}
+    assert plan(max_memory=250 * per_row, **exact).memory_note == ""  # exactly the budget: fits
+    note = ("chunk_size=250 needs ~4 MB by the planner's estimate (~14000 B per row), more than "
+            "the memory budget (max_memory) of 2 MB: pass a smaller chunk_size (at most 107 rows), "
+            "a larger max_memory, or no chunk_size to let batchjac choose")  # 3.5 MB, 1.5 MB
+    with pytest.warns(batchjac.ChunkMemoryWarning) as got:
+        over = plan(max_memory=1_500_000, **exact)
+    assert str(got[0].message) == f"batchjac: {note}."
+    assert got[0].filename == __file__  # points at the planner's caller
+    assert over.memory_note == note
+    assert (over.chunk_size, over.n_chunks) == (250, 4)
+    assert over.reason.endswith(f"chunks of 250 rows (chunk_size was given; {note})")
+    with pytest.warns(batchjac.ChunkMemoryWarning, match=r"\(at most 1 rows\)"):
+        plan(max_memory=per_row + 1, **exact)
+
+
+def test_budget_of_one_row_and_of_exactly_the_rows() -> None:
+    per_row = bytes_per_row(1, 1, 180, 4)
+    one = plan(n=3, k=1, m=1, in_elems=180, max_memory=per_row + 1)
+    assert (one.chunk_size, one.n_chunks, one.budget_rows) == (1, 3, 1)
+    fits = plan(n=300, k=1, m=1, in_elems=180, max_memory=300 * per_row)
+    assert (fits.chunk_size, fits.n_chunks, fits.budget_rows) == (300, 1, 300)
+    assert fits.reason.endswith("(all 300 rows fit the memory budget in one chunk)")
+    balanced = plan(n=1000, k=1, m=1, in_elems=180, max_memory=1_500_000)  # 107 rows a chunk
+    assert (balanced.chunk_size, balanced.n_chunks, balanced.budget_rows) == (100, 10, 107)
+    assert balanced.reason.endswith("(memory budget 2 MB at ~14000 B per row)")  # 1.5 MB
+
+
+def test_second_order_choices_reach_the_plan() -> None:
+    from batchjac._plan import choose_order, make_second_plan
+
+    assert choose_order("auto", "hessian", 3, 4)[1] == "3 unknowns < 4 outputs: 9 tangent pairs < 12"
+    got = make_second_plan(kind="laplacian", n=10, k=3, m=3, in_elems=3, dtype=np.dtype("f8"),
+                           order="auto", chunk_size=None, max_memory=10**9,
+                           reductions_over_forward=False)
+    assert got.order == "forward-over-reverse"
