@@ -153,3 +153,58 @@ def test_repeated_calls_take_the_fast_path_with_fresh_data_and_checks() -> None:
     x[5, 6] = np.nan
     with pytest.raises(batchjac.InputError, match=r"`known` has a non-finite value \(nan\) in row 5"):
         batchjac.jacobian(model, x[:, :5], x[:, 5:])
+
+
+# -- tables (pandas DataFrames), read without a model ------------------------------------------------
+def test_dataframe_becomes_its_numbers_with_its_column_names() -> None:
+    from batchjac._validate import is_lazy, normalize, to_numpy
+
+    pd = pytest.importorskip("pandas")
+    values = np.random.default_rng(51).normal(size=(7, 4))
+    frame = pd.DataFrame(values, columns=["a", "b", 3, "d"])
+    frame["n"] = np.arange(7, dtype=np.int32)
+    frame["flag"] = np.arange(7) % 2 == 0
+    arr = to_numpy(frame, "x")
+    np.testing.assert_array_equal(arr, np.column_stack([values, np.arange(7), np.arange(7) % 2 == 0]))
+    assert arr.columns == ("a", "b", "3", "d", "n", "flag")  # type: ignore[attr-defined]
+    assert not is_lazy(frame)
+    assert not is_lazy(values)
+    # the unknowns named by column, in the order given; the rest known
+    spec = normalize((frame,), wrt=["d", "a"], dtype=None, nan_policy="raise")
+    u, _ = spec.chunk(0, 7)
+    np.testing.assert_array_equal(u, values[:, [3, 0]])
+    spec = normalize((frame,), wrt="b", dtype=None, nan_policy="raise")
+    np.testing.assert_array_equal(spec.chunk(2, 5)[0], values[2:5, [1]])
+    # a slice of the array is a plain one: no names
+    assert getattr(arr[1:], "columns", None) is None
+
+
+def test_dataframe_with_missing_values_is_float64_with_nan() -> None:
+    from batchjac._validate import normalize, to_numpy
+
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame({"a": pd.array([1, None, 3], dtype="Int64"), "b": [0.5, 1.5, 2.5]})
+    arr = to_numpy(frame, "x")
+    assert arr.dtype == np.float64
+    np.testing.assert_array_equal(arr, [[1.0, 0.5], [np.nan, 1.5], [3.0, 2.5]])
+    assert arr.columns == ("a", "b")  # type: ignore[attr-defined]
+    with pytest.raises(batchjac.InputError, match=r"`x` has a non-finite value \(nan\) in row 1"):
+        normalize((frame,), wrt=["b"], dtype=None, nan_policy="raise")
+
+
+def test_dataframe_text_columns_are_named_with_the_fix() -> None:
+    from batchjac._validate import to_numpy
+
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame({f"c{i}": ["t"] * 2 for i in range(12)} | {"ok": [1.0, 2.0]})
+    shown = [f"c{i}" for i in range(10)] + ["..."]
+    with pytest.raises(batchjac.InputTypeError) as got:
+        to_numpy(frame, "table")
+    assert str(got.value) == (
+        f"`table` is a table whose column(s) {shown} are not numeric; batchjac reads numbers only. "
+        f"Drop or encode them first, e.g. table.drop(columns={['c0', 'c1', 'c2']!r}) or "
+        f"pandas.get_dummies(table).")
+    few = pd.DataFrame({"name": ["a", "b"], "v": [1.0, 2.0]})
+    with pytest.raises(batchjac.InputTypeError, match=r"column\(s\) \['name'\] are not numeric.*"
+                       r"x.drop\(columns=\['name'\]\)"):
+        to_numpy(few, "x")
