@@ -16,6 +16,11 @@ def plan(**kw):
     args = {"n": 1000, "k": 5, "m": 4, "in_elems": 8, "dtype": np.dtype(np.float32), "mode": "auto",
             "chunk_size": None, "max_memory": 10**9}
     args.update(kw)
+    # a plan made now, not the planner's cached one from an earlier call (in `make mutate`,
+    # one made before the mutant under test was switched on, which would hide it)
+    from batchjac._plan import _make_plan
+
+    _make_plan.cache_clear()
     return make_plan(**args)
 
 
