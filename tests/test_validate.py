@@ -300,3 +300,30 @@ def test_arrays_on_disk_are_lazy_and_named_by_their_file(tmp_path: Any) -> None:
     assert str(got.value) == (f"`known ({five})` has 5 rows but `unknown` has 6; they must have one "
                               f"row per instance.")
     assert normalize((values,), wrt=None, dtype=None, nan_policy="raise").names == ("x",)
+
+
+def test_tensors_are_read_by_their_methods_and_bad_dtypes_are_named() -> None:
+    from batchjac._validate import to_numpy
+
+    torch = pytest.importorskip("torch")
+    values = np.random.default_rng(54).normal(size=(5, 3))
+    tracked = torch.tensor(values, requires_grad=True)  # .numpy() needs the detach first
+    np.testing.assert_array_equal(to_numpy(tracked, "x"), values)
+
+    class TensorLike:  # what TensorFlow's eager tensors offer: .numpy(), no .detach()
+        def __init__(self, a: np.ndarray) -> None:
+            self.a = a
+
+        def numpy(self) -> np.ndarray:
+            return self.a
+
+    np.testing.assert_array_equal(to_numpy(TensorLike(values), "x"), values)
+    with pytest.raises(batchjac.InputTypeError) as got:
+        to_numpy(np.array([["a", "b"]]), "x")
+    assert str(got.value) == ("`x` must hold real numbers; got dtype <U1. Convert it with "
+                              "np.asarray(x, dtype=np.float32) after removing non-numeric columns.")
+    with pytest.raises(batchjac.InputTypeError) as got:
+        to_numpy(np.array([[1.0], None], dtype=object), "h")
+    assert str(got.value).startswith("`h` must hold real numbers; got dtype object (ragged rows?). ")
+    assert to_numpy(np.array([[True, False]]), "x").dtype == np.bool_  # booleans are numbers here
+    assert to_numpy(np.arange(3, dtype=np.uint8)[:, None], "x").dtype == np.uint8
