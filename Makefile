@@ -32,8 +32,9 @@ test: lint
 
 # mutation testing of the core modules with their own tests ([tool.mutmut]); CPU heavy, not in
 # CI: `mutmut results` lists the survivors, `mutmut show NAME` one of them
+# (the venv's bin on PATH: mutmut runs mypy, its type_check_command, by name)
 mutate: install
-	$(VENV)/bin/mutmut run
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/mutmut run
 	$(VENV)/bin/mutmut results
 
 bench: install

@@ -184,3 +184,148 @@ def test_iter_results_keeps_the_rows_read() -> None:
     np.testing.assert_allclose(r2["jacobians"], jac(z[20:25]), rtol=1e-12)
     np.testing.assert_allclose(r0["outputs"], f(z[:10]), rtol=1e-12)
     assert r2["jacobians"].shape[0] == c2.rows == 5
+
+
+# -- the runner's checks, on fake kernels whose results the test chooses ----------------------------
+class _Kernel:
+    """A kernel as the runner sees one: ``chunk_size`` rows a call, the bound model it belongs
+    to (``_bound``), results ``(y, J)``; J zero when ``zero``; ``make`` builds the arrays (numpy
+    or a framework's)."""
+
+    def __init__(self, bound: object, chunk_size: int, *, zero: bool, k: int = D, m: int = M,
+                 make: Any = np.asarray) -> None:
+        self._bound, self.chunk_size, self.zero, self.k, self.m, self.make = (
+            bound, chunk_size, zero, k, m, make)
+        self.seen: list[Any] = []
+
+    def __call__(self, u: Any, ctx: tuple[Any, ...]) -> tuple[Any, Any]:
+        self.seen.append((u, ctx))
+        rows = u.shape[0]
+        jac = (np.zeros((rows, self.m, self.k)) if self.zero
+               else data(rows * self.m, 11)[:, : self.k].reshape(rows, self.m, self.k))
+        return self.make(data(rows, 12)[:, : self.m]), self.make(jac)
+
+
+def _bound() -> Any:
+    import types
+
+    return types.SimpleNamespace()
+
+
+def test_all_zero_jacobians_warn_once_per_bound_model_naming_the_chunk() -> None:
+    import warnings
+
+    from batchjac._runner import Chunk, call
+
+    u = data(4, 13)
+    bound = _bound()
+    with pytest.warns(batchjac.ZeroJacobianWarning, match=r"^Every Jacobian entry of chunk 0 \(rows "
+                      r"0:4\) is zero: the model's output does not seem to depend") as got:
+        out = call(_Kernel(bound, 4, zero=True), u, (), Chunk(0, 0, 4), rows=4)
+    assert len(got) == 1
+    assert not np.any(out["jacobians"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # the same bound model again, through another of its kernels: checked once only
+        call(_Kernel(bound, 8, zero=True), u, (), Chunk(1, 4, 8), rows=4)
+        # a kernel's Jacobians that are not all zero, a call that skips the check, and a
+        # wrapper that is not a kernel (no chunk_size) never warn
+        call(_Kernel(_bound(), 4, zero=False), u, (), "rows 0:4")
+        fresh = _bound()
+        call(_Kernel(fresh, 4, zero=True), u, (), "rows 0:4", zero_check=False)
+
+        def wrapper(u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[None, np.ndarray]:
+            return None, np.zeros((u.shape[0], M, D))
+
+        call(wrapper, u, (), "rows 0:4")
+        call(_Kernel(_bound(), 4, zero=True), u[:0], (), "rows 0:0")  # no entries: nothing to say
+    # the check skipped above is still owed on the first checked call
+    with pytest.warns(batchjac.ZeroJacobianWarning, match=r"Every Jacobian entry of rows 0:4 is zero"):
+        call(_Kernel(fresh, 4, zero=True), u, (), "rows 0:4")
+    # a single zero entry (one row, one output, one unknown) is all zero too
+    with pytest.warns(batchjac.ZeroJacobianWarning):
+        call(_Kernel(_bound(), 1, zero=True, k=1, m=1), u[:1, :1], (), "rows 0:1")
+
+
+def test_all_zero_framework_jacobians_are_found_where_they_live() -> None:
+    import warnings
+
+    from batchjac._runner import call
+
+    torch = pytest.importorskip("torch")
+    u = torch.as_tensor(data(4, 14))
+    with pytest.warns(batchjac.ZeroJacobianWarning):
+        call(_Kernel(_bound(), 4, zero=True, make=torch.as_tensor), u, (), "rows 0:4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(_Kernel(_bound(), 4, zero=False, make=torch.as_tensor), u, (), "rows 0:4")
+
+
+def test_run_single_gives_every_row_once_cut_to_the_rows() -> None:
+    from batchjac._bind import prepare
+    from batchjac._runner import run_single
+    from batchjac._validate import normalize
+
+    z = data(5, 15)
+    spec = normalize((z,), wrt=None, dtype=None, nan_policy="raise")
+    kernel = prepare(MODEL, spec, "numpy", {}).kernel("reverse", 8, True)  # 3 rows of padding
+    out = run_single(kernel, spec)
+    np.testing.assert_allclose(out["outputs"], f(z), rtol=1e-12)
+    np.testing.assert_allclose(out["jacobians"], jac(z), rtol=1e-12)
+
+    class Broken:
+        chunk_size = 8
+
+        def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> Any:
+            raise FloatingPointError("overflow in the model")
+
+    with pytest.raises(batchjac.ModelError, match=r"^The model failed on rows 0:5: "
+                       r"FloatingPointError: overflow in the model$"):
+        run_single(Broken(), spec)
+
+
+def test_iter_results_gives_no_rows_unless_asked_and_names_the_chunk_it_cannot_read() -> None:
+    from batchjac._runner import iter_results
+    from batchjac._xp import NUMPY
+
+    z = data(10, 16)
+    kernel = _Kernel(_bound(), 4, zero=False)
+
+    class Unreadable:
+        """Inputs read by rows (a file), whose rows 4: cannot be read."""
+
+        n, xp = 10, NUMPY
+
+        def chunk(self, lo: int, hi: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+            if lo >= 4:
+                raise batchjac.InputError("rows cannot be read")
+            return z[lo:hi], ()
+
+    results = iter_results(kernel, Unreadable())  # type: ignore[arg-type]
+    chunk, _, rows = next(results)
+    assert (chunk.lo, chunk.hi, rows) == (0, 4, None)
+    np.testing.assert_array_equal(kernel.seen[0][0], z[:4])
+    with pytest.raises(batchjac.InputError, match=r"^rows cannot be read\n  \[chunk 1 \(rows 4:8\)\]$"):
+        next(results)
+
+
+def test_the_runner_pads_framework_arrays_with_their_own_ops() -> None:
+    """Inputs that are a framework's arrays are read, padded and passed as that framework's
+    arrays (the last row repeated), in the chunk loop and the one-chunk path alike."""
+    from batchjac._arrays import ops_of
+    from batchjac._runner import iter_results, run_single
+    from batchjac._validate import normalize
+
+    torch = pytest.importorskip("torch")
+    u, h = data(6, 17)[:, :4], data(6, 18)[:, :2]
+    ut, ht = torch.as_tensor(u), torch.as_tensor(h)
+    spec = normalize((ut, ht), wrt=None, dtype=None, nan_policy="raise", xp=ops_of(ut))
+    kernel = _Kernel(_bound(), 4, zero=False, k=4, make=torch.as_tensor)
+    list(iter_results(kernel, spec))
+    run_single(_Kernel(_bound(), 8, zero=False, k=4, make=torch.as_tensor), spec)
+    assert len(kernel.seen) == 2
+    last_u, last_ctx = kernel.seen[1]  # rows 4:6, padded to 4
+    assert isinstance(last_u, torch.Tensor)
+    assert all(isinstance(c, torch.Tensor) for c in last_ctx)
+    np.testing.assert_array_equal(last_u.numpy(), u[[4, 5, 5, 5]])
+    np.testing.assert_array_equal(last_ctx[0].numpy(), h[[4, 5, 5, 5]])

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import batchjac
-from batchjac._plan import bytes_per_row, second_bytes_per_row
+from batchjac._plan import second_bytes_per_row
 from batchjac.examples import mlp_jacobian, mlp_weights
 
 from .helpers import assert_jac_close, central_differences, rng
@@ -252,19 +252,6 @@ def test_multi_input_model_and_float32() -> None:
 
 # -- planning, options and errors --------------------------------------------------------------
 
-def test_plan_counts_k_squared_per_output() -> None:
-    """The memory estimate of a full Hessian grows with k*k per output, the diagonal's with
-    k: under one budget a Hessian chunk holds fewer rows than a Jacobian's."""
-    k, m = 32, 4
-    jac = bytes_per_row(k, m, k, 8)
-    full = second_bytes_per_row("hessian", "forward-over-reverse", k, m, k, 8)
-    diag = second_bytes_per_row("diagonal", "forward-over-forward", k, m, k, 8)
-    assert full > 8 * 2 * m * k * k  # at least the result and its copy
-    assert full > 4 * jac
-    assert full > 2 * diag
-    assert second_bytes_per_row("hessian", "forward-over-reverse", 2 * k, m, 2 * k, 8) > 2 * full
-
-
 def test_max_memory_chunks_and_explain() -> None:
     pytest.importorskip("torch")
     layers = mlp_weights(SIZES, seed=14)
@@ -280,18 +267,6 @@ def test_max_memory_chunks_and_explain() -> None:
     size = int(text.split("chunks of ")[1].split(" rows")[0])
     assert size <= 100
     assert_jac_close(hess, native_hessian("torch", f, x), factor=0.1)
-
-
-def test_auto_order_follows_the_shapes() -> None:
-    from batchjac._plan import choose_order
-
-    assert choose_order("auto", "hessian", 5, 4)[0] == "forward-over-reverse"
-    assert choose_order("auto", "hessian", 3, 50)[0] == "forward-over-forward"
-    assert choose_order("auto", "laplacian", 3, 1)[0] == "forward-over-forward"
-    assert choose_order("auto", "hvp", 30, 1)[0] == "forward-over-reverse"
-    # backends whose second forward pass is dear (PyTorch, TensorFlow): few outputs, reverse
-    assert choose_order("auto", "laplacian", 3, 1, False)[0] == "forward-over-reverse"
-    assert choose_order("auto", "laplacian", 3, 50, False)[0] == "forward-over-forward"
 
 
 def test_bad_options_are_named() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,11 @@ def plan(**kw):
     args = {"n": 1000, "k": 5, "m": 4, "in_elems": 8, "dtype": np.dtype(np.float32), "mode": "auto",
             "chunk_size": None, "max_memory": 10**9}
     args.update(kw)
+    # a plan made now, not the planner's cached one from an earlier call (in `make mutate`,
+    # one made before the mutant under test was switched on, which would hide it)
+    from batchjac._plan import _make_plan
+
+    _make_plan.cache_clear()
     return make_plan(**args)
 
 
@@ -259,3 +266,215 @@ def test_tuned_chunks_give_the_same_jacobians(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("BATCHJAC_AUTOTUNE", "maybe")
     with pytest.raises(batchjac.InputError, match="BATCHJAC_AUTOTUNE must be 'on' or 'off'"):
         batchjac.jacobian(model, unknown[:3000], known[:3000])
+
+
+# -- second order: the order of the two differentiations, the estimate, the plan ----------------
+ORDER_CASES = [
+    # (kind, k, m, reductions_over_forward, expected order); the boundaries k == m and m == k + 1
+    ("hessian", 3, 3, True, "forward-over-reverse"),  # m <= k: m gradients along k tangents
+    ("hessian", 3, 4, True, "forward-over-forward"),  # k < m: k*k tangent pairs < m*k
+    ("hessian", 3, 4, False, "forward-over-forward"),  # the backend flag is for reductions only
+    ("hvp", 1, 5, True, "forward-over-reverse"),  # one tangent, however few the unknowns
+    ("diagonal", 5, 2, True, "forward-over-forward"),
+    ("laplacian", 5, 2, True, "forward-over-forward"),
+    ("diagonal", 3, 3, False, "forward-over-reverse"),  # dear second forward pass, m <= k
+    ("laplacian", 3, 3, False, "forward-over-reverse"),
+    ("diagonal", 3, 4, False, "forward-over-forward"),  # more outputs than unknowns
+    ("laplacian", 3, 4, False, "forward-over-forward"),
+]
+
+
+@pytest.mark.parametrize(("kind", "k", "m", "cheap_forward", "expected"), ORDER_CASES)
+def test_auto_order_follows_the_shapes(kind: str, k: int, m: int, cheap_forward: bool,
+                                       expected: str) -> None:
+    from batchjac._plan import choose_order
+
+    order, why = choose_order("auto", kind, k, m, cheap_forward)  # type: ignore[arg-type]
+    assert order == expected, why
+    if kind == "hvp":
+        assert why == "one tangent per instance pushed through the reverse-mode Jacobian"
+
+
+def test_auto_order_of_reductions_defaults_to_a_cheap_second_forward_pass() -> None:
+    """JAX's (the default backend flag): the Laplacian of one output by forward over forward."""
+    from batchjac._plan import choose_order, make_second_plan
+
+    assert choose_order("auto", "laplacian", 3, 1)[0] == "forward-over-forward"
+    got = make_second_plan(kind="laplacian", n=10, k=3, m=1, in_elems=3, dtype=np.dtype("f8"),
+                           order="auto", chunk_size=None, max_memory=10**9)
+    assert got.order == "forward-over-forward"
+
+
+@pytest.mark.parametrize("order", ["forward-over-reverse", "forward-over-forward"])
+def test_asked_order_is_kept(order: str) -> None:
+    from batchjac._plan import choose_order
+
+    # a Hessian of more outputs than unknowns would take forward over forward by itself
+    assert choose_order(order, "hessian", 2, 9) == (order, f"mode={order!r} was asked for")  # type: ignore[arg-type]
+
+
+def test_bad_second_order_mode_is_named() -> None:
+    from batchjac._plan import choose_order
+
+    with pytest.raises(batchjac.InputError, match=r"`mode` of a second-order call must be 'auto', "
+                       r"'forward-over-reverse' or 'forward-over-forward'; got 'reverse'\."):
+        choose_order("reverse", "hessian", 2, 2)  # type: ignore[arg-type]
+
+
+# The estimate of second_bytes_per_row worked by hand from its docstring for k=3 unknowns,
+# m=2 outputs, 5 input elements, 4-byte floats: activations 2*(5+2)+512 = 526 a pass;
+# results (kind's + m*k Jacobian + m outputs): hessian 18+6+2 = 26, diagonal 6+6+2 = 14,
+# laplacian 2+6+2 = 10, hvp 6+6+2 = 14; bytes = 2*4*(2*results + temporaries + passes*526).
+SECOND_ROWS = [
+    # forward over reverse: temporaries tangents*m*k, passes (1+m)*(1+tangents); tangents k (1: hvp)
+    ("hessian", "forward-over-reverse", 8 * (52 + 18 + 12 * 526)),
+    ("diagonal", "forward-over-reverse", 8 * (28 + 18 + 12 * 526)),
+    ("laplacian", "forward-over-reverse", 8 * (20 + 18 + 12 * 526)),
+    ("hvp", "forward-over-reverse", 8 * (28 + 6 + 6 * 526)),
+    # forward over forward: a Hessian k*k*m temporaries and 2*k*k+1 passes, else 2*k*m and 2*k+1
+    ("hessian", "forward-over-forward", 8 * (52 + 18 + 19 * 526)),
+    ("diagonal", "forward-over-forward", 8 * (28 + 12 + 7 * 526)),
+    ("laplacian", "forward-over-forward", 8 * (20 + 12 + 7 * 526)),
+    ("hvp", "forward-over-forward", 8 * (28 + 12 + 7 * 526)),
+]
+
+
+@pytest.mark.parametrize(("kind", "order", "expected"), SECOND_ROWS)
+def test_second_order_estimate_by_hand(kind: str, order: str, expected: int) -> None:
+    from batchjac._plan import second_bytes_per_row
+
+    assert second_bytes_per_row(kind, order, 3, 2, 5, 4) == expected  # type: ignore[arg-type]
+
+
+def test_plan_counts_k_squared_per_output() -> None:
+    """The memory estimate of a full Hessian grows with k*k per output, the diagonal's with
+    k: under one budget a Hessian chunk holds fewer rows than a Jacobian's."""
+    from batchjac._plan import second_bytes_per_row
+
+    k, m = 32, 4
+    jac = bytes_per_row(k, m, k, 8)
+    full = second_bytes_per_row("hessian", "forward-over-reverse", k, m, k, 8)
+    diag = second_bytes_per_row("diagonal", "forward-over-forward", k, m, k, 8)
+    assert full > 8 * 2 * m * k * k  # at least the result and its copy
+    assert full > 4 * jac
+    assert full > 2 * diag
+    assert second_bytes_per_row("hessian", "forward-over-reverse", 2 * k, m, 2 * k, 8) > 2 * full
+
+
+def test_second_plan_chunks_by_the_budget() -> None:
+    from batchjac._plan import make_second_plan, second_bytes_per_row
+
+    per_row = second_bytes_per_row("hessian", "forward-over-reverse", 3, 2, 5, 4)
+    assert per_row == SECOND_ROWS[0][2]
+    args = {"kind": "hessian", "k": 3, "m": 2, "in_elems": 5, "dtype": np.dtype("f4"),
+            "order": "auto"}
+    # 1,000 rows under a budget of 300 rows: 4 balanced chunks of 250
+    got = make_second_plan(n=1000, chunk_size=None, max_memory=300 * per_row + 7, **args)
+    assert (got.order, got.chunk_size, got.n_chunks, got.budget_rows) == (
+        "forward-over-reverse", 250, 4, 300)
+    assert got.memory_note == ""
+    assert got.reason.startswith("hessian: forward-over-reverse (2 outputs <= 3 unknowns")
+    assert f"memory budget 15 MB at ~{per_row} B per row" in got.reason  # 300 x 51,056 B
+    # no rows: no chunks
+    assert make_second_plan(n=0, chunk_size=None, max_memory=10**9, **args).n_chunks == 0
+    # 1,001 rows in chunks of 100 given: 11 chunks, the last short
+    given = make_second_plan(n=1001, chunk_size=100, max_memory=10**9, **args)
+    assert (given.chunk_size, given.n_chunks, given.budget_rows) == (100, 11, None)
+
+
+def test_second_plan_over_the_budget_warns_and_keeps_the_chunk() -> None:
+    from batchjac._plan import ChunkMemoryWarning, make_second_plan, second_bytes_per_row
+
+    per_row = second_bytes_per_row("diagonal", "forward-over-forward", 3, 2, 5, 4)
+    with pytest.warns(ChunkMemoryWarning, match=r"^batchjac: chunk_size=64 needs ~\d+ MB by the "
+                      rf"planner's estimate \(~{per_row} B per row\).*\(at most 10 rows\)"):
+        got = make_second_plan(kind="diagonal", n=640, k=3, m=2, in_elems=5, dtype=np.dtype("f4"),
+                               order="forward-over-forward", chunk_size=64,
+                               max_memory=10 * per_row)
+    assert (got.chunk_size, got.n_chunks) == (64, 10)
+    assert got.memory_note.startswith("chunk_size=64 needs")
+    assert got.memory_note in got.reason
+
+
+# -- the first-order plan at its boundaries -------------------------------------------------------
+def test_asked_mode_and_the_auto_boundary() -> None:
+    assert plan(k=784, m=10, mode="forward").mode == "forward"  # kept against the shapes
+    assert "mode='forward' was asked for" in plan(k=784, m=10, mode="forward").reason
+    assert plan(k=6, m=6).mode == "reverse"  # k == m: m backward passes, no more than k tangents
+    assert plan(k=6, m=7).mode == "forward"
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "4", True, None])
+def test_chunk_size_must_be_a_positive_integer(bad: Any) -> None:
+    from batchjac._plan import check_options
+
+    if bad is None:  # None: chosen from the budget
+        check_options("auto", None, None)
+        return
+    with pytest.raises(batchjac.InputError, match=rf"`chunk_size` must be a positive integer; got {bad!r}\."):
+        check_options("auto", bad, None)
+
+
+def test_smallest_chunk_size_is_one_row() -> None:
+    from batchjac._plan import check_options
+
+    check_options("forward", 1, "1GB")
+    check_options("reverse", np.int64(1), None)
+    assert (plan(n=3, chunk_size=1).chunk_size, plan(n=3, chunk_size=1).n_chunks) == (1, 3)
+
+
+def test_bytes_per_row_worked_by_hand() -> None:
+    """k=5 unknowns, m=4 outputs, 8 input elements, float32: activations 2*(8+4)+512 = 536 a
+    basis vector, min(k, m) = 4 of them plus the primal; 2*4*(2*4*5 + 5*536) bytes."""
+    assert bytes_per_row(5, 4, 8, 4) == 8 * (40 + 5 * 536) == 21_760
+    assert bytes_per_row(1, 1, 180, 4) == 8 * (2 + 2 * 874) == 14_000
+
+
+def test_given_chunk_size_is_capped_past_four_times_the_rows() -> None:
+    assert plan(n=10, chunk_size=40).chunk_size == 40  # 4x the rows: kept (one compiled shape)
+    capped = plan(n=10, chunk_size=41)
+    assert (capped.chunk_size, capped.n_chunks) == (10, 1)
+    assert "chunk_size was given as 41, more than 4 times the rows: capped at the 10 rows" in capped.reason
+    assert plan(n=1, chunk_size=5).chunk_size == 1
+    kept = plan(n=1000, chunk_size=100)
+    assert kept.reason.endswith("chunks of 100 rows (chunk_size was given)")
+    assert kept.budget_rows is None
+
+
+def test_chunk_size_over_the_budget_is_kept_with_a_warning_that_says_by_how_much() -> None:
+    per_row = bytes_per_row(1, 1, 180, 4)  # 14,000 B
+    exact = {"n": 1000, "k": 1, "m": 1, "in_elems": 180, "chunk_size": 250}
+    assert plan(max_memory=250 * per_row, **exact).memory_note == ""  # exactly the budget: fits
+    note = ("chunk_size=250 needs ~4 MB by the planner's estimate (~14000 B per row), more than "
+            "the memory budget (max_memory) of 2 MB: pass a smaller chunk_size (at most 107 rows), "
+            "a larger max_memory, or no chunk_size to let batchjac choose")  # 3.5 MB, 1.5 MB
+    with pytest.warns(batchjac.ChunkMemoryWarning) as got:
+        over = plan(max_memory=1_500_000, **exact)
+    assert str(got[0].message) == f"batchjac: {note}."
+    assert over.memory_note == note
+    assert (over.chunk_size, over.n_chunks) == (250, 4)
+    assert over.reason.endswith(f"chunks of 250 rows (chunk_size was given; {note})")
+    with pytest.warns(batchjac.ChunkMemoryWarning, match=r"\(at most 1 rows\)"):
+        plan(max_memory=per_row + 1, **exact)
+
+
+def test_budget_of_one_row_and_of_exactly_the_rows() -> None:
+    per_row = bytes_per_row(1, 1, 180, 4)
+    one = plan(n=3, k=1, m=1, in_elems=180, max_memory=per_row + 1)
+    assert (one.chunk_size, one.n_chunks, one.budget_rows) == (1, 3, 1)
+    fits = plan(n=300, k=1, m=1, in_elems=180, max_memory=300 * per_row)
+    assert (fits.chunk_size, fits.n_chunks, fits.budget_rows) == (300, 1, 300)
+    assert fits.reason.endswith("(all 300 rows fit the memory budget in one chunk)")
+    balanced = plan(n=1000, k=1, m=1, in_elems=180, max_memory=1_500_000)  # 107 rows a chunk
+    assert (balanced.chunk_size, balanced.n_chunks, balanced.budget_rows) == (100, 10, 107)
+    assert balanced.reason.endswith("(memory budget 2 MB at ~14000 B per row)")  # 1.5 MB
+
+
+def test_second_order_choices_reach_the_plan() -> None:
+    from batchjac._plan import choose_order, make_second_plan
+
+    assert choose_order("auto", "hessian", 3, 4)[1] == "3 unknowns < 4 outputs: 9 tangent pairs < 12"
+    got = make_second_plan(kind="laplacian", n=10, k=3, m=3, in_elems=3, dtype=np.dtype("f8"),
+                           order="auto", chunk_size=None, max_memory=10**9,
+                           reductions_over_forward=False)
+    assert got.order == "forward-over-reverse"

@@ -178,3 +178,54 @@ class TestHessianZarr(HessianConformance):
 class TestHessianHDF5(HessianConformance):
     suffix = ".h5"
     writer = "StagedWriter"
+
+
+def test_refusals_name_the_output_its_work_directory_and_the_problem(tmp_path: Path) -> None:
+    """Each refusal of the protocol by its whole message (the promise: what exists where, why
+    it is not this job's, and the fix); overwriting then replaces what was refused."""
+    import json
+
+    from batchjac._errors import StoreMismatchError
+    from batchjac._stores.workdir import WorkDir
+
+    out = tmp_path / "hess.npy"
+    work = os.fspath(out) + ".partial"
+    with pytest.raises(Stop):
+        HessianKind(fail_after=2).run(out)
+    unfinished = json.loads(WorkDir(out).manifest_path.read_text())
+    assert unfinished["complete"] is False
+    assert "digests" not in unfinished
+    with pytest.raises(StoreMismatchError) as got:
+        HessianKind().run(out, scale=2.0)
+    assert str(got.value) == (
+        f"{os.fspath(out)!r} has an unfinished store in {work!r} made by a different job "
+        f"(scale: the store has 1.0, this call 2.0). Pass overwrite=True "
+        f"(--overwrite) to discard it and start again, or choose another output path.")
+    edited = HessianKind()
+    edited.edit(10)  # unit 1's rows
+    with pytest.raises(StoreMismatchError) as got:
+        edited.run(out)
+    assert str(got.value) == (
+        f"{os.fspath(out)!r} has an unfinished store in {work!r} made from other inputs (rows "
+        f"8:16 of the inputs differ from those chunk 1 was computed from). Pass overwrite=True "
+        f"(--overwrite) to discard it and start again, or choose another output path.")
+    # overwriting discards the other job's units: all 7 computed, with its scale
+    doubled = HessianKind()
+    assert doubled.run(out, overwrite=True, scale=2.0) == (7, 0)
+    np.testing.assert_array_equal(np.asarray(doubled.open(out)[:]), hessians(doubled.x, 2.0))
+    manifest = doubled.format(out).read_manifest(out)
+    assert manifest is not None
+    assert manifest["complete"] is True
+    assert sorted(manifest["digests"]) == ["inputs", "results"]
+    with pytest.raises(StoreMismatchError) as got:
+        HessianKind().run(out)  # the finished output is of scale 2.0
+    assert str(got.value) == (
+        f"The output {os.fspath(out)!r} exists and was made by a different job "
+        f"(scale: the store has 2.0, this call 1.0). Choose another output path, or pass "
+        f"overwrite=True (--overwrite) to replace it.")
+    edited = HessianKind()
+    edited.edit(45)
+    with pytest.raises(StoreMismatchError, match=r"\(the input rows differ from those the output "
+                                                 r"was computed from\)"):
+        edited.run(out, scale=2.0)
+    assert HessianKind().run(out, scale=2.0) == (0, 7)  # unchanged: found finished

@@ -153,3 +153,177 @@ def test_repeated_calls_take_the_fast_path_with_fresh_data_and_checks() -> None:
     x[5, 6] = np.nan
     with pytest.raises(batchjac.InputError, match=r"`known` has a non-finite value \(nan\) in row 5"):
         batchjac.jacobian(model, x[:, :5], x[:, 5:])
+
+
+# -- tables (pandas DataFrames), read without a model ------------------------------------------------
+def test_dataframe_becomes_its_numbers_with_its_column_names() -> None:
+    from batchjac._validate import is_lazy, normalize, to_numpy
+
+    pd = pytest.importorskip("pandas")
+    values = np.random.default_rng(51).normal(size=(7, 4))
+    frame = pd.DataFrame(values, columns=["a", "b", 3, "d"])
+    frame["n"] = np.arange(7, dtype=np.int32)
+    frame["flag"] = np.arange(7) % 2 == 0
+    arr = to_numpy(frame, "x")
+    np.testing.assert_array_equal(arr, np.column_stack([values, np.arange(7), np.arange(7) % 2 == 0]))
+    assert arr.columns == ("a", "b", "3", "d", "n", "flag")  # type: ignore[attr-defined]
+    assert not is_lazy(frame)
+    assert not is_lazy(values)
+    # the unknowns named by column, in the order given; the rest known
+    spec = normalize((frame,), wrt=["d", "a"], dtype=None, nan_policy="raise")
+    u, _ = spec.chunk(0, 7)
+    np.testing.assert_array_equal(u, values[:, [3, 0]])
+    spec = normalize((frame,), wrt="b", dtype=None, nan_policy="raise")
+    np.testing.assert_array_equal(spec.chunk(2, 5)[0], values[2:5, [1]])
+    # a slice of the array is a plain one: no names
+    assert getattr(arr[1:], "columns", None) is None
+
+
+def test_dataframe_with_missing_values_is_float64_with_nan() -> None:
+    from batchjac._validate import normalize, to_numpy
+
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame({"a": pd.array([1, None, 3], dtype="Int64"), "b": [0.5, 1.5, 2.5]})
+    arr = to_numpy(frame, "x")
+    assert arr.dtype == np.float64
+    np.testing.assert_array_equal(arr, [[1.0, 0.5], [np.nan, 1.5], [3.0, 2.5]])
+    assert arr.columns == ("a", "b")  # type: ignore[attr-defined]
+    with pytest.raises(batchjac.InputError, match=r"`x` has a non-finite value \(nan\) in row 1"):
+        normalize((frame,), wrt=["b"], dtype=None, nan_policy="raise")
+
+
+def test_dataframe_text_columns_are_named_with_the_fix() -> None:
+    from batchjac._validate import to_numpy
+
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame({f"c{i}": ["t"] * 2 for i in range(12)} | {"ok": [1.0, 2.0]})
+    shown = [f"c{i}" for i in range(10)] + ["..."]
+    with pytest.raises(batchjac.InputTypeError) as got:
+        to_numpy(frame, "table")
+    assert str(got.value) == (
+        f"`table` is a table whose column(s) {shown} are not numeric; batchjac reads numbers only. "
+        f"Drop or encode them first, e.g. table.drop(columns={['c0', 'c1', 'c2']!r}) or "
+        f"pandas.get_dummies(table).")
+    few = pd.DataFrame({"name": ["a", "b"], "v": [1.0, 2.0]})
+    with pytest.raises(batchjac.InputTypeError, match=r"column\(s\) \['name'\] are not numeric.*"
+                       r"x.drop\(columns=\['name'\]\)"):
+        to_numpy(few, "x")
+
+
+# -- the call forms' errors by their whole messages; inputs read from disk by rows ------------------
+def test_call_form_errors_say_what_was_given_and_the_forms_that_work(x: np.ndarray) -> None:
+    from batchjac._validate import normalize
+
+    def spec(*inputs: Any, wrt: Any = None) -> Any:
+        return normalize(inputs, wrt=wrt, dtype=None, nan_policy="raise")
+
+    with pytest.raises(batchjac.InputError) as got:
+        spec()
+    assert str(got.value) == ("jacobian() needs the model's inputs: jacobian(model, x), jacobian("
+                              "model, unknown, known), or jacobian(model, {'x': X, 'h': H}, wrt='x').")
+    with pytest.raises(batchjac.InputError, match=r"^jacobian\(\) got 3 input arrays; it takes one"):
+        spec(x, x, x)
+    with pytest.raises(batchjac.InputError) as got:
+        spec({})
+    assert str(got.value) == "`inputs` is an empty dict; give one array per model input."
+    with pytest.raises(batchjac.InputError) as got:
+        spec(())
+    assert str(got.value) == "`inputs` is an empty tuple; give one array per model input."
+    with pytest.raises(batchjac.InputTypeError) as got:
+        spec({"x": x, 3: x})
+    assert str(got.value) == "dict inputs need string keys; got key 3."
+    with pytest.raises(batchjac.InputError) as got:
+        spec(x[:, :5], x[:, 5:], wrt=[0])
+    assert str(got.value) == (
+        "`wrt` cannot be combined with the (unknown, known) call form: there every column of "
+        "`unknown` is unknown. Either drop `wrt`, or pass one array with jacobian(model, x, wrt=[...]).")
+    # a list of arrays is a multi-input model; a list of rows is one array
+    assert spec([x[:, :5], x[:, 5:]], wrt=1).layout.kind == "tuple"
+    assert spec(x.tolist()).layout.kind == "single"
+
+
+def test_unknown_and_known_need_equal_middle_axes() -> None:
+    from batchjac._validate import normalize
+
+    rng = np.random.default_rng(52)
+    u, h = rng.normal(size=(4, 2, 3)), rng.normal(size=(4, 2, 5))
+    spec = normalize((u, h), wrt=None, dtype=None, nan_policy="raise")
+    assert spec.unknown_shape == (2, 3)
+    assert (spec.layout.kind, spec.layout.n_inputs) == ("concat", 1)
+    for bad_h in (rng.normal(size=(4, 3, 5)), rng.normal(size=(4, 5)), rng.normal(size=(4, 2, 1, 5))):
+        with pytest.raises(batchjac.InputError) as got:
+            normalize((u, bad_h), wrt=None, dtype=None, nan_policy="raise")
+        assert str(got.value) == (
+            f"`unknown` {u.shape} and `known` {bad_h.shape} must both be (N, ..., features) with "
+            f"equal middle axes, since the model takes concat([unknown, known], axis=-1).")
+    with pytest.raises(batchjac.InputError, match=r"^`unknown` \(4, 3\) and `known` \(4, 2, 5\)"):
+        normalize((u[:, 0], h), wrt=None, dtype=None, nan_policy="raise")
+    with pytest.raises(batchjac.InputError, match=r"^`unknown` \(4,\) and `known` \(4, 2\)"):
+        normalize((u[:, 0, 0], h[:, 0, :2]), wrt=None, dtype=None, nan_policy="raise")
+
+
+def test_arrays_on_disk_are_lazy_and_named_by_their_file(tmp_path: Any) -> None:
+    from batchjac._validate import is_lazy, normalize
+
+    h5py = pytest.importorskip("h5py")
+    zarr = pytest.importorskip("zarr")
+    values = np.random.default_rng(53).normal(size=(6, 3))
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["d"] = values
+    with h5py.File(tmp_path / "a.h5", "r") as f:
+        assert is_lazy(f["d"])
+        assert not is_lazy(f)  # a file holds datasets; it has no shape
+    z = zarr.open_array(str(tmp_path / "a.zarr"), mode="w", shape=values.shape, dtype="f8")
+    z[:] = values
+    assert is_lazy(z)
+    np.save(tmp_path / "a.npy", values)
+    assert is_lazy(np.load(tmp_path / "a.npy", mmap_mode="r"))
+    assert not is_lazy(values)
+    assert not is_lazy(values.tolist())
+
+    class Lookalike:  # shape and dtype, but from neither h5py nor zarr
+        shape, dtype = (6, 3), np.dtype("f8")
+
+    assert not is_lazy(Lookalike())
+    # a file's rows read as they are needed, its name in every message
+    bad = values.copy()
+    bad[4, 1] = np.nan
+    np.save(tmp_path / "bad.npy", bad)
+    path = str(tmp_path / "bad.npy")
+    spec = normalize((path,), wrt=None, dtype=None, nan_policy="propagate")
+    assert spec.names == (f"x ({path})",)
+    np.testing.assert_array_equal(spec.chunk(0, 3)[0], bad[:3])
+    np.save(tmp_path / "five.npy", values[:5])
+    five = str(tmp_path / "five.npy")
+    with pytest.raises(batchjac.InputError) as got:
+        normalize((np.zeros((6, 2)), five), wrt=None, dtype=None, nan_policy="raise")
+    assert str(got.value) == (f"`known ({five})` has 5 rows but `unknown` has 6; they must have one "
+                              f"row per instance.")
+    assert normalize((values,), wrt=None, dtype=None, nan_policy="raise").names == ("x",)
+
+
+def test_tensors_are_read_by_their_methods_and_bad_dtypes_are_named() -> None:
+    from batchjac._validate import to_numpy
+
+    torch = pytest.importorskip("torch")
+    values = np.random.default_rng(54).normal(size=(5, 3))
+    tracked = torch.tensor(values, requires_grad=True)  # .numpy() needs the detach first
+    np.testing.assert_array_equal(to_numpy(tracked, "x"), values)
+
+    class TensorLike:  # what TensorFlow's eager tensors offer: .numpy(), no .detach()
+        def __init__(self, a: np.ndarray) -> None:
+            self.a = a
+
+        def numpy(self) -> np.ndarray:
+            return self.a
+
+    np.testing.assert_array_equal(to_numpy(TensorLike(values), "x"), values)
+    with pytest.raises(batchjac.InputTypeError) as got:
+        to_numpy(np.array([["a", "b"]]), "x")
+    assert str(got.value) == ("`x` must hold real numbers; got dtype <U1. Convert it with "
+                              "np.asarray(x, dtype=np.float32) after removing non-numeric columns.")
+    with pytest.raises(batchjac.InputTypeError) as got:
+        to_numpy(np.array([[1.0], None], dtype=object), "h")
+    assert str(got.value).startswith("`h` must hold real numbers; got dtype object (ragged rows?). ")
+    assert to_numpy(np.array([[True, False]]), "x").dtype == np.bool_  # booleans are numbers here
+    assert to_numpy(np.arange(3, dtype=np.uint8)[:, None], "x").dtype == np.uint8

@@ -27,7 +27,10 @@ MODEL_HELP = ("MODEL is a Keras .keras/.h5 file, a TensorFlow SavedModel directo
               "module:attr or file.py:attr (append '()' to call a factory).")
 
 
-def _compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:
+# The decorator factories below carry `# pragma: no mutate block` (see `make mutate`): they
+# run once, when the command modules are imported, before mutmut picks a mutant, so no test
+# can execute a mutant of them. What they build is tested through --help and the commands.
+def _compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:  # pragma: no mutate block
     def apply(fn: F) -> F:
         for decorator in reversed(decorators):
             fn = decorator(fn)
@@ -36,7 +39,7 @@ def _compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:
     return apply
 
 
-def model_argument(*, required: bool = True) -> Callable[[F], F]:
+def model_argument(*, required: bool = True) -> Callable[[F], F]:  # pragma: no mutate block
     """MODEL, loaded by :func:`batchjac.cli.common.load_model` (honours --trust-model); its
     description is appended to the command's help (put this below ``@click.command``)."""
     argument = click.argument("model", metavar="MODEL" if required else "[MODEL]",
@@ -49,7 +52,7 @@ def model_argument(*, required: bool = True) -> Callable[[F], F]:
     return apply
 
 
-def input_options(*, several: bool) -> Callable[[F], F]:
+def input_options(*, several: bool) -> Callable[[F], F]:  # pragma: no mutate block
     """``--inputs``, ``--known`` and ``--wrt`` (and ``--wrt-input`` when ``several``: a model
     with several inputs, one --inputs file each). Commands with one input file require it."""
     inputs = click.option(
@@ -108,11 +111,11 @@ output_options = _compose(quiet_option, verbose_option)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 
 
-def explain_option(what: str) -> Callable[[F], F]:
+def explain_option(what: str) -> Callable[[F], F]:  # pragma: no mutate block
     return click.option("--explain", is_flag=True, help=f"Print {what}, and why.")
 
 
-def mode_option(help: str) -> Callable[[F], F]:
+def mode_option(help: str) -> Callable[[F], F]:  # pragma: no mutate block
     return click.option("--mode", type=click.Choice(["auto", "forward", "reverse"]), default="auto",
                         show_default=True, help=help)
 
