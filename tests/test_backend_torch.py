@@ -794,3 +794,46 @@ def test_a_large_first_reverse_call_runs_looped_without_loading_torch_dynamo(tmp
     words = proc.stdout.split()
     assert words[:6] == ["DYNAMO", "False", "VARIANT", "looped", "UNTIMED", "True"], proc.stdout
     assert float(words[7]) < 1e-5
+
+
+def test_a_remembered_plain_build_runs_without_loading_torch_dynamo(tmp_path: Any) -> None:
+    """A warm cache that remembers the looped pass (an earlier race chose it: W2 in the
+    bench) makes the next process's first call run it directly, with no torch.func pass first
+    (which imported torch._dynamo: the warm W2 call took 1.0 s against the cold one's 0.45 s);
+    the Jacobians are the closed form's."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = """
+        import sys, numpy as np, batchjac
+        from batchjac import _backends, _tuning
+        from batchjac.examples import workload_model, workload_inputs, mlp_jacobian, mlp_weights
+        model = workload_model("W2", "torch")
+        (unknown, _) = workload_inputs("W2", 300, seed=41)
+        ref = mlp_jacobian(mlp_weights((784, 256, 256, 10)), unknown)
+        jac = batchjac.jacobian(model, unknown)
+        (bound,) = _backends._bound[model].values()
+        (kernel,) = bound._kernels.values()
+        if sys.argv[1] == "write":  # what a process whose race chose the looped pass leaves
+            kernel.variant, kernel.raced, kernel.note = "looped", True, "looped (timed one chunk)"
+            _tuning.persist(bound, "torch", kernel)
+            sys.exit(0)
+        print("VARIANT", kernel.variant, "DYNAMO", "torch._dynamo" in sys.modules,
+              "ERR", float(np.abs(jac - ref).max() / np.abs(ref).max()))
+    """
+    src = str(Path(batchjac.__file__).resolve().parents[1])
+
+    def run(step: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code), step],
+                              env={**os.environ, "PYTHONPATH": src, "BATCHJAC_CACHE_DIR": str(tmp_path)},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split()
+
+    run("write")
+    words = run("read")
+    assert words[:4] == ["VARIANT", "looped", "DYNAMO", "False"], words
+    assert float(words[5]) < 1e-5

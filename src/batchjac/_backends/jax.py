@@ -705,6 +705,11 @@ class JaxKernel(Kernel):
         self._bound.hint = (winner.split("/")[0], "/" in winner)
         timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in times.items())
         self._select(winner, f"{winner} (timed one chunk: {timed})")
+        from .jax_executables import release
+
+        # the race's executables are written now: a process that stops calling after its
+        # race (the bench's settle loop) left them unwritten, and the warm process compiled
+        release()
 
 
 # -- values a traced function bakes in -------------------------------------------------------

@@ -661,8 +661,10 @@ class TorchKernel(Kernel):
 
     #: the replicated pass is a reverse-mode first call's build while it holds at most this
     #: many rows (the chunk times the outputs) and torch.func has not loaded torch._dynamo;
-    #: past it the looped pass is
-    REPLICATED_FIRST_ROWS = 16384
+    #: past it the looped pass is. (At 16,384 a remembered chunk of 625 W2 rows took the
+    #: replicated pass, which runs the 784-wide forward pass 10 times: the bench's warm W2
+    #: first call 1.10x native against the cold one's 0.50x.)
+    REPLICATED_FIRST_ROWS = 2048
 
     def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -740,8 +742,12 @@ class TorchKernel(Kernel):
         from .._config import autotune_enabled
         from ._base import race_allowed, untimed_note
 
-        build = self._plain_first()
-        if self._forced is not None or race_allowed() or not autotune_enabled() or build is None:
+        forced = self._forced in ("replicated", "looped") and self.mode == "reverse" \
+            and self._bound.reverse_engine in (None, "func")
+        build = self._forced if forced else self._plain_first()
+        if not forced and (self._forced is not None or race_allowed() or not autotune_enabled()):
+            return None
+        if build is None:
             return None
         engine = _VARIANT_ENGINE[build]
         try:
@@ -750,7 +756,11 @@ class TorchKernel(Kernel):
             raise
         except Exception:  # e.g. a model that keeps state across rows: the usual first call
             return None
-        self._path, self.variant, self.untimed = ("reverse", engine), build, True
+        self._path, self.variant = ("reverse", engine), build
+        if forced:  # a plain-autograd build fixed (remembered, a store's record): no vmap first
+            self.note = f"{build} ({self._forced_why})"
+            return out
+        self.untimed = True
         self.note = (f"{build} (plain autograd: torch.func's reverse mode would load "
                      f"torch._dynamo first; {untimed_note()})")
         return out
