@@ -659,11 +659,6 @@ def test_a_reverse_mode_first_call_does_not_load_torch_dynamo(tmp_path: Any) -> 
     """torch.func's reverse mode imports torch._dynamo on its first pullback (0.5 s here, on
     a job that computes in milliseconds): a fresh process's first call of a small reverse-mode
     job runs on plain autograd instead, untimed, and gives the closed form's Jacobians."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
 
     code = """
         import sys, numpy as np, batchjac
@@ -678,13 +673,8 @@ def test_a_reverse_mode_first_call_does_not_load_torch_dynamo(tmp_path: Any) -> 
         print("DYNAMO", "torch._dynamo" in sys.modules, "VARIANT", kernel.variant,
               "UNTIMED", kernel.untimed, "ERR", float(np.abs(jac - ref).max() / np.abs(ref).max()))
     """
-    src = str(Path(batchjac.__file__).resolve().parents[1])
-    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
-                          env={**os.environ, "PYTHONPATH": src, "BATCHJAC_CACHE_DIR": str(tmp_path)},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    words = proc.stdout.split()
-    assert words[:6] == ["DYNAMO", "False", "VARIANT", "replicated", "UNTIMED", "True"], proc.stdout
+    words = _in_fresh_process(code, tmp_path)
+    assert words[:6] == ["DYNAMO", "False", "VARIANT", "replicated", "UNTIMED", "True"], words
     assert float(words[7]) < 1e-5
 
 
@@ -695,11 +685,6 @@ def test_a_remembered_vmap_build_waits_until_the_work_repays_loading_torch_dynam
     (0.6 s against 25 ms for the cold cache's first call, in the bench's warm W1 case): the
     first call runs on plain autograd, and the remembered build is taken once the work repays
     it, without a race."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
 
     code = """
         import sys, numpy as np, batchjac
@@ -723,17 +708,8 @@ def test_a_remembered_vmap_build_waits_until_the_work_repays_loading_torch_dynam
         print("FIRST", *first, "THEN", kernel.variant, kernel.raced,
               "ERR", float(max(np.abs(j - ref).max() for j in (jac, again)) / np.abs(ref).max()))
     """
-    src = str(Path(batchjac.__file__).resolve().parents[1])
-
-    def run(step: str) -> list[str]:
-        proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code), step],
-                              env={**os.environ, "PYTHONPATH": src, "BATCHJAC_CACHE_DIR": str(tmp_path)},
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return proc.stdout.split()
-
-    run("write")
-    words = run("read")
+    _in_fresh_process(code, tmp_path, "write")
+    words = _in_fresh_process(code, tmp_path, "read")
     assert words[:4] == ["FIRST", "replicated", "False", "True"], words
     assert words[4:7] == ["THEN", "vmap", "False"], words  # remembered, not raced
     assert float(words[8]) < 1e-5
@@ -765,11 +741,6 @@ def test_a_large_first_reverse_call_runs_looped_without_loading_torch_dynamo(tmp
     REPLICATED_FIRST_ROWS: here 2,000 rows x 10 outputs of a 784-input MLP, W2's shape) runs
     the looped pass on plain autograd, untimed, without importing torch._dynamo, and gives the
     closed form's Jacobians; a later call of the same kernel still does."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
 
     code = """
         import sys, numpy as np, batchjac
@@ -786,13 +757,8 @@ def test_a_large_first_reverse_call_runs_looped_without_loading_torch_dynamo(tmp
               "UNTIMED", kernel.untimed, "ERR",
               float(max(np.abs(j - ref).max() for j in (jac, again)) / np.abs(ref).max()))
     """
-    src = str(Path(batchjac.__file__).resolve().parents[1])
-    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
-                          env={**os.environ, "PYTHONPATH": src, "BATCHJAC_CACHE_DIR": str(tmp_path)},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    words = proc.stdout.split()
-    assert words[:6] == ["DYNAMO", "False", "VARIANT", "looped", "UNTIMED", "True"], proc.stdout
+    words = _in_fresh_process(code, tmp_path)
+    assert words[:6] == ["DYNAMO", "False", "VARIANT", "looped", "UNTIMED", "True"], words
     assert float(words[7]) < 1e-5
 
 
@@ -801,11 +767,6 @@ def test_a_remembered_plain_build_runs_without_loading_torch_dynamo(tmp_path: An
     bench) makes the next process's first call run it directly, with no torch.func pass first
     (which imported torch._dynamo: the warm W2 call took 1.0 s against the cold one's 0.45 s);
     the Jacobians are the closed form's."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
 
     code = """
         import sys, numpy as np, batchjac
@@ -824,16 +785,24 @@ def test_a_remembered_plain_build_runs_without_loading_torch_dynamo(tmp_path: An
         print("VARIANT", kernel.variant, "DYNAMO", "torch._dynamo" in sys.modules,
               "ERR", float(np.abs(jac - ref).max() / np.abs(ref).max()))
     """
-    src = str(Path(batchjac.__file__).resolve().parents[1])
-
-    def run(step: str) -> list[str]:
-        proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code), step],
-                              env={**os.environ, "PYTHONPATH": src, "BATCHJAC_CACHE_DIR": str(tmp_path)},
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return proc.stdout.split()
-
-    run("write")
-    words = run("read")
+    _in_fresh_process(code, tmp_path, "write")
+    words = _in_fresh_process(code, tmp_path, "read")
     assert words[:4] == ["VARIANT", "looped", "DYNAMO", "False"], words
     assert float(words[5]) < 1e-5
+
+
+def _in_fresh_process(code: str, cache: Any, *args: str) -> list[str]:
+    """``code`` run in a fresh Python (warnings as errors, this source tree, ``cache`` as the
+    tuning cache, ``args`` as sys.argv[1:]): its stdout's words."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    src = str(Path(batchjac.__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code), *args],
+                          env={**os.environ, "PYTHONPATH": src, "BATCHJAC_CACHE_DIR": str(cache)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.split()
