@@ -707,3 +707,91 @@ def test_rows_apart_follows_the_primitives_it_knows() -> None:
                lambda x: x * jax.random.normal(jax.random.key(0), x.shape),
                lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)):
         assert not jax_rows.rows_apart(jax.make_jaxpr(fn)(x), [True])
+
+
+# -- the quick first build (XLA at optimization level 0 for a small chunk) ---------------------------
+
+def test_a_small_first_chunk_compiles_the_quick_build_and_a_due_race_replaces_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first call whose chunk computes a few million flops compiles one build, "quick", and
+    runs it untimed; once the work repays a race, the race times the full builds and keeps one
+    of them, never "quick"; every build gives the Jacobians finite differences give."""
+    w = data((4, 6), seed=41)
+    x = data((64, 4), seed=42)
+
+    def model(v: Any) -> Any:
+        return _smooth(v, jnp.asarray(w), jnp)
+
+    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    jac = batchjac.jacobian(model, x, mode="reverse")
+    assert_jac_close(jac, ref)
+    bound = bound_of(model)
+    kernel = bound.kernel("reverse", 64, False)
+    assert kernel.variant == "quick"
+    assert kernel.cheap_first == "quick"
+    assert "optimization level 0" in kernel.note
+    assert set(kernel._compiled) == {"quick"}  # one compilation, the quick one
+    assert kernel.flops is not None
+    assert 0 < kernel.flops <= kernel.QUICK_FLOPS
+    assert kernel.untimed
+    assert "quick" not in kernel.variants
+    with monkeypatch.context() as patch:
+        race_now(patch)  # the work seen now repays the race
+        jac = batchjac.jacobian(model, x, mode="reverse")
+        jac = batchjac.jacobian(model, x, mode="reverse")
+    assert kernel.variant in kernel.variants
+    assert "timed one chunk" in kernel.note
+    assert not kernel.untimed
+    assert_jac_close(jac, ref)
+
+
+def test_a_chunk_over_the_quick_limit_and_autotune_off_compile_the_default_build(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = data((4, 6), seed=43)
+    x = data((50, 4), seed=44)
+
+    def model(v: Any) -> Any:
+        return _smooth(v, jnp.asarray(w), jnp)
+
+    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    from batchjac._backends.jax import JaxKernel
+
+    with monkeypatch.context() as patch:
+        patch.setattr(JaxKernel, "QUICK_FLOPS", 1.0)  # every chunk is "too large"
+        assert_jac_close(batchjac.jacobian(model, x, mode="forward"), ref)
+    kernel = bound_of(model).kernel("forward", 50, False)
+    assert set(kernel._compiled) == {"default"}
+    assert kernel.cheap_first is None
+    monkeypatch.setenv("BATCHJAC_AUTOTUNE", "off")
+    assert_jac_close(batchjac.jacobian(model, x[:30], mode="forward"), ref[:30])
+    assert set(bound_of(model).kernel("forward", 30, False)._compiled) == {"default"}
+
+
+def test_the_flop_count_matches_xlas_cost_analysis() -> None:
+    """batchjac._backends.jax_cost counts from the jaxpr what XLA's cost analysis counts from
+    the lowered module (within 15%): matrix products, a convolution; and a scan at its trip
+    count (XLA counts a loop's body once: 5 trips are 5 times its count)."""
+    from batchjac._backends import jax_cost
+
+    rng = np.random.default_rng(45)
+    w1, w2 = rng.normal(size=(8, 64)).astype(np.float32), rng.normal(size=(64, 4)).astype(np.float32)
+    kernel = rng.normal(size=(3, 3, 2, 5)).astype(np.float32)  # HWIO
+
+    def mlp(x: Any) -> Any:
+        return jnp.tanh(x @ w1) @ w2
+
+    def conv(x: Any) -> Any:
+        return jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def looped(x: Any) -> Any:
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w1[:, :8].T @ w1[:, :8]), None), x,
+                            None, length=5)[0]
+
+    for fn, shape, trips in ((jax.vmap(jax.jacrev(mlp)), (100, 8), 1),
+                             (conv, (4, 12, 12, 2), 1), (looped, (50, 8), 5)):
+        arg = rng.normal(size=shape).astype(np.float32)
+        staged = jax.jit(fn).trace(arg)
+        ours = jax_cost.flops(staged.jaxpr)
+        xla = staged.lower().cost_analysis()["flops"]
+        assert ours == pytest.approx(trips * xla, rel=0.15), fn

@@ -429,10 +429,23 @@ class JaxKernel(Kernel):
     of those by ``BLOCK_MARGIN``. Unless a variant was fixed with :meth:`use` (stores,
     reproducible solves) or ``BATCHJAC_AUTOTUNE=off``: then "default". On a GPU, or a JAX
     without that option, there is only "default".
+
+    *The quick build* ("quick": XLA at optimization level 0, on the CPU) is a first call's
+    build when the chunk computes at most :data:`QUICK_FLOPS` (counted from the traced
+    equations, :mod:`batchjac._backends.jax_cost`): it compiles in about two thirds of the
+    time and runs several times slower (W1, CPU seconds: 94 against 139 ms to compile, 1.9
+    against 0.5 ms a 1,000-row chunk; 8,000 rows 15 against 4 ms; 30,000 rows 94 against 50
+    ms, where it no longer pays). It is never raced and never a store's build: the race the
+    first call skipped, once the work repays it (:mod:`batchjac._tuning`), replaces it with
+    the fastest of the others.
     """
 
     _OPTIONS: ClassVar[dict[str, dict[str, str]]] = {
-        "default": {}, "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""}}
+        "default": {}, "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""},
+        "quick": {"xla_backend_optimization_level": "0"}}
+    #: chunks computing at most this many floating-point operations compile "quick" first
+    #: (W1: 55 million per 1,000 rows; the quick build stopped paying near 20,000 rows)
+    QUICK_FLOPS = 3e8
     #: below this ratio of times, "no-ynnpack" is chosen
     MARGIN = 0.97
     #: block sizes tried (each made even over the chunk: 1,000 rows in blocks of 125)
@@ -455,12 +468,15 @@ class JaxKernel(Kernel):
         #: and the call did not ask for it (see :meth:`_compile_default`)
         self._computes: Mode = mode
         self.failure = ""  # why ``mode`` failed, when ``computes`` is the other mode
+        self._jaxpr: Any = None  # the chunk's traced equations (the quick build's count)
+        #: the build compiled first: "quick" for a small chunk on the CPU, else "default"
+        self._first = "default"
         self._compile_default()
         self._builds: tuple[str, ...] = ("default",)
         if jax.default_backend() == "cpu":
             self._builds = ("default", "no-ynnpack")
         self._variants: tuple[str, ...] | None = None
-        self._fn = self._compiled["default"]
+        self._fn = self._compiled[self._first]
         self.variant, self.note = None, ""
 
     @property
@@ -505,7 +521,10 @@ class JaxKernel(Kernel):
             self._computes = mode
             self._lowered.clear()
             try:  # each build of one blocking compiles the same lowering
-                self._compiled["default"] = self._load_or_compile(self._lowering(self.chunk_size), {})
+                lowered = self._lowering(self.chunk_size)
+                self._first = self._first_build()
+                self._compiled[self._first] = self._load_or_compile(lowered,
+                                                                    self._OPTIONS[self._first])
             except InputError:
                 raise
             except Exception as e:
@@ -525,6 +544,25 @@ class JaxKernel(Kernel):
             return
         assert failed is not None
         raise failed
+
+    def _first_build(self) -> str:
+        """"quick" where the chunk's work is too small to repay XLA's full optimisation
+        (:data:`QUICK_FLOPS`), on the CPU, with tuning on (it waits for the race that replaces
+        it; with ``BATCHJAC_AUTOTUNE=off`` every kernel is "default"); else "default"."""
+        from .._config import autotune_enabled
+        from . import jax_cost
+
+        if jax.default_backend() != "cpu" or not autotune_enabled() or self._jaxpr is None:
+            return "default"
+        self.flops = jax_cost.flops(self._jaxpr)
+        return "quick" if self.flops <= self.QUICK_FLOPS else "default"
+
+    #: the chunk's estimated floating-point operations, where counted
+    flops: float | None = None
+
+    @property
+    def cheap_first(self) -> str | None:
+        return "quick" if self._first == "quick" else None
 
     def _warn_fallback(self) -> None:
         bound = self._bound
@@ -546,8 +584,9 @@ class JaxKernel(Kernel):
         BLOCK_MAX_BYTES (W1: 0.3 MB, W2: 2.8 MB; W4's convolutions: 29 MB, not tried)."""
         if jax.default_backend() != "cpu":
             return []
-        try:
-            temp = self._compiled["default"].memory_analysis().temp_size_in_bytes
+        try:  # (the quick build's, before the default build exists)
+            temp = self._compiled.get("default", self._compiled[self._first]) \
+                .memory_analysis().temp_size_in_bytes
         except Exception:  # no memory analysis in this JAX: no blocks
             return []
         sizes = []
@@ -589,7 +628,10 @@ class JaxKernel(Kernel):
             return jax.tree_util.tree_map(lambda o: o.reshape((padded, *o.shape[2:]))[:size], out)
 
         u_spec, ctx_spec = bound._specs(size)
-        self._lowered[rows] = jax.jit(traced).lower(bound.args, u_spec, ctx_spec)
+        staged = jax.jit(traced).trace(bound.args, u_spec, ctx_spec)
+        if rows >= size:
+            self._jaxpr = staged.jaxpr
+        self._lowered[rows] = staged.lower()
         return self._lowered[rows]
 
     def _compile(self, variant: str) -> Any:
@@ -626,7 +668,7 @@ class JaxKernel(Kernel):
         build, in blocks if this chunk has them), else the default; nothing is timed."""
         self._check_asked()
         fn = self._fn
-        if self.variant is None:
+        if self.variant is None and self._first != "quick":
             fn = self._compile(self._hinted(*self._bound.hint))
         return self._result(fn(self._bound.args, u, tuple(ctx)), isinstance(u, jax.Array))()
 
@@ -668,6 +710,11 @@ class JaxKernel(Kernel):
             return
         if len(self._builds) == 1 and len(self.variants) == 1:
             self._select("default", "")
+            return
+        if not race_allowed() and self._first == "quick":
+            self._select("quick", f"quick (XLA at optimization level 0: {self.flops:.2g} "
+                                  f"flops a chunk, too few to repay a full build; {untimed_note()})")
+            self.untimed = True
             return
         if not race_allowed():
             # what an earlier kernel of this model chose by timing (none with autotune off)
