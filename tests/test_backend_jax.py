@@ -693,6 +693,8 @@ def test_rows_apart_follows_the_primitives_it_knows() -> None:
         "reshape and slices": lambda x: jnp.concatenate([x[:, :2], x[:, 1:]], axis=1).reshape(4, 2, 2),
         "a jitted inner function": jax.jit(lambda x: jnp.sin(x) @ w),
         "arange and eye": lambda x: x @ jnp.eye(3) + jnp.arange(3.0),
+        "beside a broadcast constant": lambda x: jnp.concatenate(
+            [x, jnp.broadcast_to(jnp.arange(2.0), (x.shape[0], 2))], axis=1),
     }
     for name, fn in apart.items():
         assert jax_rows.rows_apart(jax.make_jaxpr(fn)(x), [True]), name
@@ -702,8 +704,10 @@ def test_rows_apart_follows_the_primitives_it_knows() -> None:
                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
     assert jax_rows.rows_apart(jax.make_jaxpr(conv)(images), [True])
-    # an output that does not depend on the rows, a random draw, a host callback: cannot tell
+    # an output that does not depend on the rows, a random draw, a host callback, a constant of
+    # one value per row beside the rows: cannot tell
     for fn in (lambda x: jnp.ones((x.shape[0], 3)),
+               lambda x: jnp.concatenate([x, jnp.arange(x.shape[0] * 2.0).reshape(-1, 2)], axis=1),
                lambda x: x * jax.random.normal(jax.random.key(0), x.shape),
                lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)):
         assert not jax_rows.rows_apart(jax.make_jaxpr(fn)(x), [True])
@@ -795,3 +799,32 @@ def test_the_flop_count_matches_xlas_cost_analysis() -> None:
         ours = jax_cost.flops(staged.jaxpr)
         xla = staged.lower().cost_analysis()["flops"]
         assert ours == pytest.approx(trips * xla, rel=0.15), fn
+
+
+@pytest.mark.parametrize("workload", ["W1", "W2"])
+def test_the_probes_read_one_trace_of_the_forward_derivative(workload: str) -> None:
+    """The abstract probes (rows apart, connected, the output shape) read one jaxpr, of the
+    model's forward derivative: a first call runs the model's Python three times (the output
+    shape for the plan, that jaxpr, the kernel's trace), not five; the zero tangent of the
+    known inputs concatenated inside W1 is proven to stand beside the rows."""
+    inner = workload_model(workload, "jax")
+    calls: list[int] = []
+
+    def model(z: Any) -> Any:
+        calls.append(1)
+        return inner(z)
+
+    unknown, known = workload_inputs(workload, 12, seed=49)
+    data_ = (unknown,) if known is None else (unknown, known)
+    jac = batchjac.jacobian(model, *data_)
+    bound = bound_of(model)
+    assert bound.probed
+    assert bound.output_shape == (jac.shape[1],)
+    assert len(calls) == 3
+
+    def one(u: Any, h: Any) -> Any:
+        x = u if h is None else jnp.concatenate([u, h], axis=-1)
+        return inner(x[None])[0]
+
+    ref = jax.vmap(jax.jacrev(one), in_axes=(0, None if known is None else 0))(unknown, known)
+    np.testing.assert_allclose(jac, np.asarray(ref), rtol=1e-4, atol=1e-6)

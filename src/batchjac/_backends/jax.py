@@ -156,6 +156,8 @@ class JaxBound(BoundModel):
         self._params = params if self.has_params else None
         self._params_split = _Split(self._params, device)
         self._forward: Any = None
+        #: the probes' one trace: ((u, ctx), the jaxpr of (y, dy) or the error tracing it)
+        self._tangent: tuple[tuple[Any, tuple[Any, ...]], Any] | None = None
         #: XLA compilations of kernels (an executable loaded from the disk cache is none)
         self.compile_count = 0
         #: what the last kernel that timed its variants chose (see JaxKernel): its build,
@@ -342,28 +344,62 @@ class JaxBound(BoundModel):
         return _free_bytes(self.device if self.device is not None else _default_device())
 
     def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:
-        try:
-            out = jax.eval_shape(self._batch, self.args, u, tuple(ctx))
-        except Exception:  # the probes, run in full, will explain it
-            return None
-        shape = getattr(out, "shape", None)
+        closed = self._traced_tangent(u, ctx, trace=False)
+        if closed is not None and not isinstance(closed, Exception):  # the probes' trace
+            shape = closed.out_avals[0].shape
+        else:
+            try:
+                shape = getattr(jax.eval_shape(self._batch, self.args, u, tuple(ctx)), "shape", None)
+            except Exception:  # the probes, run in full, will explain it
+                return None
         if shape is None or len(shape) < 1 or shape[0] != u.shape[0]:
             return None
         return tuple(int(s) for s in shape[1:])
 
+    def _traced_tangent(self, u: Any, ctx: tuple[Any, ...], *, trace: bool = True) -> Any:
+        """The jaxpr of ``(args, u, ctx, t) -> (y, dy)`` (the batch function and its forward
+        derivative along ``t``), or the exception tracing it raised: the one trace the abstract
+        probes read (rows kept apart, the connection, the output shape), made once for the
+        probes' rows (``trace=False``: only if made already)."""
+        found = self._tangent
+        if found is not None and found[0][0] is u and len(found[0][1]) == len(ctx) \
+                and all(a is b for a, b in zip(found[0][1], ctx)):
+            return found[1]
+        if not trace:
+            return None
+
+        def both(args: Any, u: Any, ctx: Any, t: Any) -> Any:
+            return jax.jvp(lambda v: self._batch(args, v, ctx), (u,), (t,))
+
+        try:
+            closed: Any = jax.make_jaxpr(both)(self.args, u, tuple(ctx), u)
+        except (ModelError, InputError):
+            raise
+        except Exception as e:
+            closed = e
+        self._tangent = ((u, tuple(ctx)), closed)
+        return closed
+
     def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
-        """Read from the jaxpr of the batch function (:mod:`batchjac._backends.jax_rows`):
-        a trace, no compilation (the forward passes the probes would run otherwise cost a
-        compilation of the forward, as much as the first kernel's on small models)."""
+        """Read from a jaxpr (:mod:`batchjac._backends.jax_rows`): a trace, no compilation (the
+        forward passes the probes would run otherwise cost a compilation of the forward, as
+        much as the first kernel's on small models). The jaxpr of the forward derivative
+        (:meth:`_traced_tangent`, which :meth:`connected` and :meth:`output_shape_of` read
+        too) keeps the rows apart only if the function does; where it cannot tell (or forward
+        mode fails for the model), the forward's own jaxpr is read."""
         from . import jax_rows
 
+        n_args = len(jax.tree_util.tree_leaves(self.args))
+        n_ctx = len(jax.tree_util.tree_leaves(tuple(ctx)))
+        batched = [False] * n_args + [True] * (1 + n_ctx)
+        closed = self._traced_tangent(u, ctx)
+        if not isinstance(closed, Exception) and jax_rows.rows_apart(closed, [*batched, True]):
+            return True
         try:
             closed = jax.make_jaxpr(self._batch)(self.args, u, tuple(ctx))
         except Exception:  # the probes' forward pass will explain it
             return False
-        n_args = len(jax.tree_util.tree_leaves(self.args))
-        n_ctx = len(jax.tree_util.tree_leaves(tuple(ctx)))
-        return jax_rows.rows_apart(closed, [False] * n_args + [True] * (1 + n_ctx))
+        return jax_rows.rows_apart(closed, batched)
 
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
         if self._forward is None:
@@ -376,25 +412,20 @@ class JaxBound(BoundModel):
             raise self._explain(e) from e
 
     def connected(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
-        """Trace the forward-mode derivative and walk its jaxpr: JAX drops symbolic-zero
-        tangents, so when no path leads from the unknowns to the output, the tangent output
-        does not depend on the tangent input. Conservative: any equation that reads a
-        dependent value is taken to depend on it."""
-        def tangent_out(args: Any, u: Any, ctx: Any, t: Any) -> Any:
-            return jax.jvp(lambda v: self._batch(args, v, ctx), (u,), (t,))[1]
-
-        try:
-            closed = jax.make_jaxpr(tangent_out)(self.args, u, tuple(ctx), u)
-        except (ModelError, InputError):
-            raise
-        except Exception as e:
-            raise self._explain(e) from e
+        """Walk the jaxpr of the forward-mode derivative (:meth:`_traced_tangent`): JAX drops
+        symbolic-zero tangents, so when no path leads from the unknowns to the output, the
+        tangent output does not depend on the tangent input. Conservative: any equation that
+        reads a dependent value is taken to depend on it."""
+        closed = self._traced_tangent(u, ctx)
+        if isinstance(closed, Exception):
+            raise self._explain(closed) from closed
         jaxpr = closed.jaxpr
         dependent = {id(jaxpr.invars[-1])}  # the tangent t is the last flat argument
         for eqn in jaxpr.eqns:
             if any(id(v) in dependent for v in eqn.invars):
                 dependent.update(id(v) for v in eqn.outvars)
-        return any(id(v) in dependent for v in jaxpr.outvars)
+        tangents = jaxpr.outvars[len(jaxpr.outvars) // 2:]  # (y's leaves, then dy's)
+        return any(id(v) in dependent for v in tangents)
 
     # -- kernels -----------------------------------------------------------------------------
     def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:

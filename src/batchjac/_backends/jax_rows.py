@@ -46,6 +46,9 @@ CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_cal
 
 ROWS = 0  # a value with the batch at axis 0
 NONE = None  # a value that does not depend on the inputs' rows
+#: a constant the same at every index of its axis 0 (a scalar broadcast: the zero tangent of a
+#: known input, in the jaxpr of a forward derivative), which may stand beside a row's values
+UNIFORM = -1
 
 
 class _Unknown(Exception):
@@ -74,7 +77,12 @@ def _walk(jaxpr: Any, inputs: list[int | None]) -> list[int | None]:
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        outs = _rule(eqn, ins) if any(s == ROWS for s in ins) else _constant(eqn)
+        if any(s == ROWS for s in ins):
+            outs = _rule(eqn, ins)
+        elif eqn.primitive.name == "broadcast_in_dim" and 0 not in eqn.params["broadcast_dimensions"]:
+            outs = [UNIFORM]  # (axis 0 is new: every index along it holds the same values)
+        else:
+            outs = _constant(eqn)
         for v, s in zip(eqn.outvars, outs):
             env[v] = s
     return [read(v) for v in jaxpr.outvars]
@@ -119,6 +127,8 @@ def _rule(eqn: Any, ins: list[int | None]) -> list[int | None]:
             if s is NONE and len(shape) == len(out) and out and shape[0] != 1 and out[0] != 1:
                 raise _Unknown  # a constant of one value per row: row-specific
         return [ROWS]
+    if name != "concatenate":  # (beside a row's values there, as in elementwise maths)
+        ins = [NONE if s == UNIFORM else s for s in ins]  # elsewhere a constant like any other
     if name in REDUCTIONS:
         if 0 in tuple(p.get("axes", ())):
             raise _Unknown
@@ -164,7 +174,7 @@ def _transpose(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
 
 
 def _concatenate(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
-    return eqn.params["dimension"] != 0 and all(s == ROWS for s in ins)
+    return eqn.params["dimension"] != 0 and all(s in (ROWS, UNIFORM) for s in ins)
 
 
 def _slice(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
