@@ -232,7 +232,62 @@ def test_both_reverse_implementations_agree_with_finite_differences(
     assert fresh.variant == "vmap"
     assert "not timed" in fresh.note
     forward = bound.kernel("forward", 12, False)
-    assert forward.variants == ("vmap",)
+    assert forward.variants == ("vmap", "transposed")
+
+
+def test_both_forward_implementations_agree_with_finite_differences(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.func's vmap of jvp and the transposed reverse pass (a double-backward pass over
+    the unit tangents) give the same Jacobians, outputs included; a race times both and keeps
+    one, a fixed variant is kept."""
+    model = _smooth_module(torch.float64)
+    x = data((9, 4), seed=17, dtype="float64")
+    ref = central_differences(float64_forward(model), x)
+    with monkeypatch.context() as patch:
+        race_now(patch)
+        jac = batchjac.jacobian(model, x[:, :2], x[:, 2:], mode="forward")
+    assert_jac_close(jac, ref[..., :2])
+    kernel = bound_of(model, np.float64).kernel("forward", 9, False)
+    assert kernel.variants == ("vmap", "transposed")
+    assert "timed one chunk" in kernel.note
+    assert all(f"{v} " in kernel.note for v in kernel.variants)
+    for variant in kernel.variants:
+        kernel.use(variant)
+        assert kernel.variant == variant
+        _, j = kernel(x[:, :2], (x[:, 2:],))
+        assert_jac_close(j, ref[..., :2])
+    with_y = bound_of(model, np.float64).kernel("forward", 9, True)
+    with_y.use("transposed")
+    y, j = with_y(x[:, :2], (x[:, 2:],))
+    assert_jac_close(j, ref[..., :2])
+    np.testing.assert_allclose(y, float64_forward(model)(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_first_forward_call_runs_transposed_without_loading_torch_dynamo(tmp_path: Any) -> None:
+    """A first forward-mode call (W3's shape: 4 unknowns, 512 outputs) runs the transposed
+    reverse pass on plain autograd, untimed, without importing torch._dynamo or the
+    forward-mode decompositions (torch.func's forward mode imports both), and gives the closed
+    form's Jacobians."""
+
+    code = """
+        import sys, numpy as np, batchjac
+        from batchjac import _backends
+        from batchjac.examples import workload_model, workload_inputs, mlp_jacobian, mlp_weights
+        model = workload_model("W3", "torch")
+        (unknown, known) = workload_inputs("W3", 300, seed=38)
+        ref = mlp_jacobian(mlp_weights((8, 256, 256, 512)), np.concatenate([unknown, known], 1))
+        jac = batchjac.jacobian(model, unknown, known)
+        (bound,) = _backends._bound[model].values()
+        (kernel,) = bound._kernels.values()
+        print("DYNAMO", "torch._dynamo" in sys.modules,
+              "DECOMP", "torch._decomp.decompositions_for_jvp" in sys.modules,
+              "VARIANT", kernel.variant, "UNTIMED", kernel.untimed, "ERR",
+              float(np.abs(jac - ref[:, :, :4]).max() / np.abs(ref).max()))
+    """
+    words = _in_fresh_process(code, tmp_path)
+    assert words[:8] == ["DYNAMO", "False", "DECOMP", "False", "VARIANT", "transposed",
+                         "UNTIMED", "True"], words
+    assert float(words[9]) < 1e-5
 
 
 # ---- call forms -------------------------------------------------------------------------------
