@@ -113,12 +113,12 @@ def test_framework_arrays_with_client_come_back_in_their_kind(client: Any) -> No
     np.testing.assert_array_equal(as_numpy, jac.numpy())
     dev = jax.devices("cpu")[0]
     jj = batchjac.jacobian(model, jax.device_put(unknown, dev), jax.device_put(known, dev),
-                           client=client, rows_per_task=450)
+                           client=client, rows_per_task=300)
     assert isinstance(jj, jax.Array)
     assert jj.committed
     assert jj.devices() == {dev}
     np.testing.assert_array_equal(np.asarray(jj), jac.numpy())
-    asked = batchjac.jacobian(model, unknown, known, client=client, rows_per_task=450,
+    asked = batchjac.jacobian(model, unknown, known, client=client, rows_per_task=300,
                               output="torch")
     assert isinstance(asked, torch.Tensor)
     np.testing.assert_array_equal(asked.numpy(), jac.numpy())
