@@ -703,8 +703,8 @@ class _Seen:
         ops = type(_backends.array_ops(fw))
         buffer, sealed, concat = ops.buffer, ops.sealed, ops.concat
 
-        def spy_buffer(xp: Any, like: Any, shape: tuple[int, ...]) -> Any:
-            made = buffer(xp, like, shape)
+        def spy_buffer(xp: Any, like: Any, shape: tuple[int, ...], host: Any) -> Any:
+            made = buffer(xp, like, shape, host)
             self.buffers.append(made)
             return made
 
@@ -771,7 +771,7 @@ def test_a_kind_without_a_buffer_is_joined_once() -> None:
         def __init__(self) -> None:
             self.joins = 0
 
-        def buffer(self, like: Any, shape: tuple[int, ...]) -> Any:
+        def buffer(self, like: Any, shape: tuple[int, ...], host: Any) -> Any:
             return None
 
         def concat(self, parts: list[Any]) -> Any:
@@ -797,13 +797,30 @@ def test_a_kind_without_a_buffer_is_joined_once() -> None:
     np.testing.assert_array_equal(written.finish("jacobians"), whole)
 
 
-def test_jax_host_buffer_is_aligned_and_taken_without_a_copy() -> None:
+def _misaligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A host allocation 16 bytes off the buffer's alignment."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 256, np.uint8)
+    start = (-raw.ctypes.data % 128) + 16
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("alloc", ["empty", "mapping", "misaligned"])
+def test_jax_host_buffer_is_aligned_and_taken_without_a_copy(
+        alloc: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host memory a CPU JAX result is written into becomes the JAX array without a copy,
+    whichever way it was allocated: np.empty, a populated mapping (``new_result`` of a large
+    result), or an allocation off the alignment (allocated again, aligned)."""
     jax = pytest.importorskip("jax")
+    from batchjac import _sinks
     from batchjac._backends.jax import OPS
 
+    if alloc == "mapping":
+        monkeypatch.setattr(_sinks, "POPULATE_BYTES", 0)  # (every result a mapping)
+    host = _misaligned if alloc == "misaligned" else _sinks.new_result
     dev = jax.devices("cpu")[0]
     like = jax.device_put(np.zeros((2, 3), np.float32), dev)
-    made = OPS.buffer(like, (7, 3))
+    made = OPS.buffer(like, (7, 3), host)
     assert made.array.ctypes.data % made.ALIGN == 0
     data = np.random.default_rng(8).normal(size=(7, 3)).astype(np.float32)
     OPS.write(made, 0, jax.device_put(data[:4], dev))
@@ -813,4 +830,8 @@ def test_jax_host_buffer_is_aligned_and_taken_without_a_copy() -> None:
     assert out.unsafe_buffer_pointer() == where
     assert out.committed
     assert out.devices() == {dev}
+    del made
+    import gc
+
+    gc.collect()
     np.testing.assert_array_equal(np.asarray(out), data)

@@ -168,7 +168,7 @@ class ChunkSink:
         for name, parts in self.parts.items():
             a = results[name]
             if name not in self.buffers and not parts and hi - lo < self.shapes[name][0]:
-                self.buffers[name] = self.xp.buffer(a, self.shapes[name])
+                self.buffers[name] = self.xp.buffer(a, self.shapes[name], new_result)
             buffer = self.buffers.get(name)
             if buffer is None:
                 parts.append(a)

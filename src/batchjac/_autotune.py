@@ -40,6 +40,7 @@ import numpy as np
 from ._backends import BoundModel, Kernel, Mode, mode_race
 from ._plan import Plan, SecondPlan
 from ._runner import pad_chunk
+from ._sinks import new_result
 from ._spec import BatchSpec
 
 REPEATS = 5
@@ -244,7 +245,7 @@ def _timer(spec: BatchSpec, plan: Plan | SecondPlan, kernel_for: KernelFor, size
     # (:class:`batchjac._arrays.ChunkSink`): numpy, a torch tensor, a CPU JAX array's host
     # memory. Not priced: a kind joined once at the end (JAX off the CPU, TensorFlow)
     xp = spec.xp
-    dst = xp.buffer(jac, tuple(jac.shape)) if copies else None
+    dst = xp.buffer(jac, tuple(jac.shape), new_result) if copies else None
 
     def timed() -> float:
         start = clock()

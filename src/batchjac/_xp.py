@@ -9,9 +9,13 @@ as numpy arrays, on their device, without a copy to the host (see :mod:`batchjac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
+
+#: allocates a host array of a shape and dtype (:func:`batchjac._sinks.new_result`)
+HostAlloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
 
 class ArrayOps(Protocol):
@@ -45,12 +49,14 @@ class ArrayOps(Protocol):
     def concat(self, parts: list[Any]) -> Any:
         """The parts joined along the first axis (the rows)."""
 
-    def buffer(self, like: Any, shape: tuple[int, ...]) -> Any | None:
+    def buffer(self, like: Any, shape: tuple[int, ...], host: HostAlloc) -> Any | None:
         """A new result of ``shape``, with ``like``'s dtype and on its device, that
         :meth:`write` fills chunk by chunk as the chunks come (one copy of each, while it is
         fresh in the caches, and no chunk kept after it is written); None where this kind's
         arrays cannot be written in place there (JAX arrays off the CPU, TensorFlow tensors):
-        the chunks are then kept and joined once with :meth:`concat`."""
+        the chunks are then kept and joined once with :meth:`concat`. Where the device's
+        memory is the host's (the CPU), it is taken from ``host(shape, dtype)``
+        (:func:`batchjac._sinks.new_result`, as numpy results are)."""
 
     def write(self, buffer: Any, lo: int, a: Any) -> None:
         """``a`` into rows ``lo:lo + len(a)`` of a :meth:`buffer`."""
@@ -103,8 +109,8 @@ class NumpyOps:
     def concat(self, parts: list[Any]) -> Any:
         return np.concatenate(parts, axis=0)
 
-    def buffer(self, like: Any, shape: tuple[int, ...]) -> Any | None:
-        return np.empty(shape, like.dtype)
+    def buffer(self, like: Any, shape: tuple[int, ...], host: HostAlloc) -> Any | None:
+        return host(shape, np.dtype(like.dtype))
 
     def write(self, buffer: Any, lo: int, a: Any) -> None:
         buffer[lo:lo + a.shape[0]] = a

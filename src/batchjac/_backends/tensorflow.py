@@ -1161,7 +1161,7 @@ class TensorFlowOps:
     def concat(self, parts: list[Any]) -> Any:
         return tf.concat(parts, axis=0)
 
-    def buffer(self, like: Any, shape: tuple[int, ...]) -> Any | None:
+    def buffer(self, like: Any, shape: tuple[int, ...], host: Any) -> Any | None:
         return None  # tensors are immutable: the chunks are joined with one tf.concat
 
     def write(self, buffer: Any, lo: int, a: Any) -> None:

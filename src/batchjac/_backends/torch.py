@@ -193,7 +193,9 @@ class TorchOps:
     def concat(self, parts: list[Any]) -> Any:
         return torch.cat(parts)
 
-    def buffer(self, like: Any, shape: tuple[int, ...]) -> Any | None:
+    def buffer(self, like: Any, shape: tuple[int, ...], host: Any) -> Any | None:
+        if like.device.type == "cpu":  # host memory, allocated as numpy results are
+            return torch.from_numpy(host(shape, self.dtype_of(like)))
         return torch.empty(shape, dtype=like.dtype, device=like.device)
 
     def write(self, buffer: Any, lo: int, a: Any) -> None:
