@@ -679,3 +679,163 @@ def test_all_finite_on_the_device_is_exact(fw: str) -> None:
     huge[2, 1] = np.nan
     assert not ops.all_finite(put(huge))
     assert ops.all_finite(put(np.arange(12, dtype=np.int32).reshape(4, 3)))
+
+
+# -- chunk results written into one result on the device (ArrayOps.buffer) ----------------------
+def _native_reference(fw: str, model: Any, x: np.ndarray) -> np.ndarray:
+    """The framework's own per-instance Jacobians: ``jax.vmap(jax.jacrev)`` or torch.func's
+    ``vmap(jacrev)`` of the model on one row, in float64 where the framework can."""
+    if fw == "jax":
+        import jax
+
+        return np.asarray(jax.vmap(jax.jacrev(lambda r: model(r[None])[0]))(x))
+    import torch
+    from torch.func import jacrev, vmap
+
+    with torch.no_grad():
+        return vmap(jacrev(lambda r: model(r[None])[0]))(torch.from_numpy(x)).numpy()
+
+
+class _Seen:
+    """What a native call did with its chunk results: the buffers it asked for (and the memory
+    each one's result took), and the joins."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fw: str) -> None:
+        self.buffers: list[Any] = []
+        self.memory: list[int] = []
+        self.joins = 0
+        ops = type(_backends.array_ops(fw))
+        buffer, sealed, concat = ops.buffer, ops.sealed, ops.concat
+
+        def spy_buffer(xp: Any, like: Any, shape: tuple[int, ...], host: Any) -> Any:
+            made = buffer(xp, like, shape, host)
+            self.buffers.append(made)
+            return made
+
+        def spy_sealed(xp: Any, made: Any) -> Any:
+            self.memory.append(made.array.ctypes.data if fw == "jax" else made.data_ptr())
+            return sealed(xp, made)
+
+        def spy_concat(xp: Any, parts: list[Any]) -> Any:
+            self.joins += 1
+            return concat(xp, parts)
+
+        monkeypatch.setattr(ops, "buffer", spy_buffer)
+        monkeypatch.setattr(ops, "sealed", spy_sealed)
+        monkeypatch.setattr(ops, "concat", spy_concat)
+
+
+def _memory_of(fw: str, a: Any) -> int:
+    return a.unsafe_buffer_pointer() if fw == "jax" else a.data_ptr()
+
+
+@pytest.mark.parametrize("fw", ["jax", "torch"])
+@pytest.mark.parametrize("chunk_size", [None, 96])  # one chunk; 11 chunks, the last one padded
+def test_native_chunks_are_written_into_one_result(fw: str, chunk_size: int | None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several chunks: each is written into one result as it comes (a torch tensor; on the
+    CPU, host memory that becomes the JAX array without a copy), never kept and joined; one
+    chunk: the kernel's own array. Values against the framework's own vmap(jacrev)."""
+    import gc
+
+    put, dev, device_of = _on_cpu(fw)
+    model = workload_model("W1", fw)
+    x = np.random.default_rng(31).normal(size=(1000, 8)).astype(np.float32)
+    ref = _native_reference(fw, model, x)
+    seen = _Seen(monkeypatch, fw)
+    y, jac = batchjac.jacobian(model, put(x), chunk_size=chunk_size, return_outputs=True)
+    assert seen.joins == 0
+    for a in (y, jac):
+        assert isinstance(a, _array_type(fw))
+        assert device_of(a) == dev
+    if chunk_size is None:
+        assert seen.buffers == []  # (1,000 rows fit one chunk, below the ladder's 1,024)
+    else:
+        assert len(seen.buffers) == 2  # the outputs' and the Jacobians'
+        assert all(b is not None for b in seen.buffers)
+        # the result IS the buffer written into: no copy when it was handed out
+        assert sorted(seen.memory) == sorted(_memory_of(fw, a) for a in (y, jac))
+    gc.collect()  # (the JAX array keeps the host memory it took alive)
+    assert tuple(jac.shape) == (1000, 4, 8)
+    assert_jac_close(_host(jac), ref)
+    np.testing.assert_allclose(_host(y), mlp_forward(mlp_weights(W1.sizes), x), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_a_kind_without_a_buffer_is_joined_once() -> None:
+    """Where a kind cannot be written in place (TensorFlow's tensors, JAX off the CPU), the
+    chunks are kept and joined with one concat per result; a chunk of all the rows is
+    returned as it is, not copied."""
+    from batchjac._arrays import ChunkSink
+    from batchjac._xp import NumpyOps
+
+    class Immutable(NumpyOps):
+        kind = "immutable"
+
+        def __init__(self) -> None:
+            self.joins = 0
+
+        def buffer(self, like: Any, shape: tuple[int, ...], host: Any) -> Any:
+            return None
+
+        def concat(self, parts: list[Any]) -> Any:
+            self.joins += 1
+            return super().concat(parts)
+
+    rng = np.random.default_rng(5)
+    whole = rng.normal(size=(10, 3))
+    xp = Immutable()
+    sink = ChunkSink(xp, {"jacobians": (10, 3)})
+    for lo in range(0, 10, 4):
+        sink.write(lo, min(lo + 4, 10), {"jacobians": whole[lo:lo + 4]})
+    np.testing.assert_array_equal(sink.finish("jacobians"), whole)
+    assert xp.joins == 1
+    one = ChunkSink(xp, {"jacobians": (10, 3)})
+    one.write(0, 10, {"jacobians": whole})
+    assert one.finish("jacobians") is whole
+    assert xp.joins == 1
+    written = ChunkSink(NumpyOps(), {"jacobians": (10, 3)})  # a kind with a buffer: filled
+    for lo in range(0, 10, 4):
+        written.write(lo, min(lo + 4, 10), {"jacobians": whole[lo:lo + 4]})
+    assert written.buffers["jacobians"] is not None
+    np.testing.assert_array_equal(written.finish("jacobians"), whole)
+
+
+def _misaligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A host allocation 16 bytes off the buffer's alignment."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 256, np.uint8)
+    start = (-raw.ctypes.data % 128) + 16
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("alloc", ["empty", "mapping", "misaligned"])
+def test_jax_host_buffer_is_aligned_and_taken_without_a_copy(
+        alloc: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host memory a CPU JAX result is written into becomes the JAX array without a copy,
+    whichever way it was allocated: np.empty, a populated mapping (``new_result`` of a large
+    result), or an allocation off the alignment (allocated again, aligned)."""
+    jax = pytest.importorskip("jax")
+    from batchjac import _sinks
+    from batchjac._backends.jax import OPS
+
+    if alloc == "mapping":
+        monkeypatch.setattr(_sinks, "POPULATE_BYTES", 0)  # (every result a mapping)
+    host = _misaligned if alloc == "misaligned" else _sinks.new_result
+    dev = jax.devices("cpu")[0]
+    like = jax.device_put(np.zeros((2, 3), np.float32), dev)
+    made = OPS.buffer(like, (7, 3), host)
+    assert made.array.ctypes.data % made.ALIGN == 0
+    data = np.random.default_rng(8).normal(size=(7, 3)).astype(np.float32)
+    OPS.write(made, 0, jax.device_put(data[:4], dev))
+    OPS.write(made, 4, jax.device_put(data[4:], dev))
+    where = made.array.ctypes.data
+    out = OPS.sealed(made)
+    assert out.unsafe_buffer_pointer() == where
+    assert out.committed
+    assert out.devices() == {dev}
+    del made
+    import gc
+
+    gc.collect()
+    np.testing.assert_array_equal(np.asarray(out), data)

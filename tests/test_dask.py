@@ -90,6 +90,55 @@ def test_dask_arrays_give_lazy_result(client: Any) -> None:
     assert_outputs_close(cy, ly)
 
 
+def test_framework_arrays_with_client_come_back_in_their_kind(client: Any) -> None:
+    """The rule of batchjac._arrays on the cluster: torch tensors (and JAX arrays) in give
+    that kind back, on the input's device; output= overrides; the numbers are the cluster's
+    (checked against the closed form), not a local recomputation."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    model = seed_model("tensorflow")  # the workers have TensorFlow loaded already
+    unknown, known = workload_inputs("W1", 900, seed=23)
+    ly, lj = closed_form("W1", unknown, known)
+    tu, tk = torch.from_numpy(unknown), torch.from_numpy(known)
+    y, jac = batchjac.jacobian(model, tu, tk, client=client, rows_per_task=300,
+                               return_outputs=True)
+    assert isinstance(y, torch.Tensor)
+    assert isinstance(jac, torch.Tensor)
+    assert jac.device == tu.device
+    assert tuple(jac.shape) == (900, 4, 5)
+    assert_jac_close(jac.numpy(), lj, dtype=np.float32)
+    assert_outputs_close(y.numpy(), ly)
+    as_numpy = batchjac.jacobian(model, tu, tk, client=client, rows_per_task=300, output="numpy")
+    assert type(as_numpy) is np.ndarray
+    np.testing.assert_array_equal(as_numpy, jac.numpy())
+    dev = jax.devices("cpu")[0]
+    jj = batchjac.jacobian(model, jax.device_put(unknown, dev), jax.device_put(known, dev),
+                           client=client, rows_per_task=300)
+    assert isinstance(jj, jax.Array)
+    assert jj.committed
+    assert jj.devices() == {dev}
+    np.testing.assert_array_equal(np.asarray(jj), jac.numpy())
+    asked = batchjac.jacobian(model, unknown, known, client=client, rows_per_task=300,
+                              output="torch")
+    assert isinstance(asked, torch.Tensor)
+    np.testing.assert_array_equal(asked.numpy(), jac.numpy())
+
+
+def test_output_is_refused_where_the_dask_result_cannot_take_it(client: Any, tmp_path: Any
+                                                                ) -> None:
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 200, seed=24)
+    du, dk = da.from_array(unknown, chunks=100), da.from_array(known, chunks=100)
+    with pytest.raises(batchjac.InputError, match=r"output='torch'.*lazy Dask array"):
+        batchjac.jacobian(model, du, dk, client=client, output="torch")
+    with pytest.raises(batchjac.InputError, match=r"output='jax'.*cannot be combined with `out=`"):
+        batchjac.jacobian(model, unknown, known, client=client, output="jax",
+                          out=str(tmp_path / "jac.zarr"))
+    assert not (tmp_path / "jac.zarr").exists()
+    with pytest.raises(batchjac.InputError, match=r"`output` must be one of"):
+        batchjac.jacobian(model, unknown, known, client=client, output="cupy")
+
+
 def test_model_is_compiled_once_per_worker(client: Any) -> None:
     model = seed_model("tensorflow")
     unknown, known = workload_inputs("W1", 4000, seed=5)

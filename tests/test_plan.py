@@ -199,6 +199,30 @@ def test_tune_rows_asks_more_of_one_large_chunk(clock: _Clock) -> None:
     assert _autotune.tune_rows(WideBound(clock, costs), _spec(n), base, False).chunk_size == 1024
 
 
+@pytest.mark.parametrize(("copy_cost", "chosen"), [(0.0, 1024), (4 * US, 4096)])
+def test_tune_rows_prices_the_copy_of_a_native_result(clock: _Clock, copy_cost: float,
+                                                       chosen: int) -> None:
+    """The copy of each chunk into the result is part of a smaller chunk's price in the
+    result's own kind (``spec.xp.write``: a torch tensor, a CPU JAX array's host memory), as
+    it is for numpy: 1,024 rows 30% faster per row than one chunk of 4,096 wins while its copy
+    is free, and loses once the copy costs 4 us a row (7 + 4 > 10)."""
+    from batchjac._autotune import tune_rows
+    from batchjac._validate import normalize
+    from batchjac._xp import NumpyOps
+
+    class Native(NumpyOps):
+        kind = "native"  # (a framework's kind: the result is written with its ops)
+
+        def write(self, buffer: Any, lo: int, a: Any) -> None:
+            super().write(buffer, lo, a)
+            clock.now += a.shape[0] * copy_cost
+
+    x = np.random.default_rng(2).normal(size=(4096, 1)).astype("f4")
+    spec = normalize((x,), wrt=None, dtype=None, nan_policy="raise", xp=Native())
+    fake = _FakeBound(clock, {4096: 10 * US, 1024: 7 * US, 256: 30 * US, 64: 30 * US})
+    assert tune_rows(fake, spec, plan(n=4096, chunk_size=4096), False).chunk_size == chosen
+
+
 def test_tune_rows_skips_small_chunks(clock: _Clock) -> None:
     from batchjac._autotune import tune_rows
 

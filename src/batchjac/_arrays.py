@@ -8,9 +8,10 @@ the kind and the device of the inputs. ``output=`` overrides the kind.
   ``output=`` names that framework. The arrays stay on their device from end to end: the
   batch spec slices, casts and pads them there (:mod:`batchjac._xp`), the kernels take them and
   return the framework's arrays, NaN/Inf and all-zero checks are reductions there, and chunk
-  results are joined there (one ``torch.cat``/``jnp.concatenate``/``tf.concat``; one chunk is
-  returned as the kernel made it). Nothing is copied to the host but the few rows the one-off
-  probes read.
+  results are written as they come into one result there (:class:`ChunkSink`: a torch
+  tensor, or on the CPU the host memory a JAX array takes without a copy; elsewhere joined
+  with one ``jnp.concatenate``/``tf.concat``; one chunk is returned as the kernel made it).
+  Nothing is copied to the host but the few rows the one-off probes read.
 - **Mixed** (a torch tensor into a JAX model, or ``output=`` a kind other than the model's
   framework's): the inputs are converted once to numpy, computed as numpy inputs are, and the
   result converted once to the asked kind, onto the input's device when the input was of that
@@ -152,18 +153,32 @@ def deliver(result: Any, delivery: Delivery) -> Any:
 
 
 class ChunkSink:
-    """Named chunk results of a framework's arrays kept as they come, on their device, and
-    joined along the rows by :meth:`finish` (one chunk is returned as it is)."""
+    """Named chunk results of a framework's arrays, on their device: written as they come into
+    one new result per name (``xp.buffer``: a torch tensor; on the CPU, the host memory a JAX
+    array is made of), or, where the kind has no such buffer, kept and joined along the rows
+    by :meth:`finish` (one ``concat``). A chunk of all the rows is returned as it is."""
 
-    def __init__(self, xp: ArrayOps, names: tuple[str, ...]) -> None:
+    def __init__(self, xp: ArrayOps, shapes: Mapping[str, tuple[int, ...]]) -> None:
         self.xp = xp
-        self.parts: dict[str, list[Any]] = {name: [] for name in names}
+        self.shapes = dict(shapes)
+        self.parts: dict[str, list[Any]] = {name: [] for name in shapes}
+        self.buffers: dict[str, Any] = {}
 
     def write(self, lo: int, hi: int, results: Mapping[str, Any]) -> None:
         for name, parts in self.parts.items():
-            parts.append(results[name])
+            a = results[name]
+            if name not in self.buffers and not parts and hi - lo < self.shapes[name][0]:
+                self.buffers[name] = self.xp.buffer(a, self.shapes[name], new_result)
+            buffer = self.buffers.get(name)
+            if buffer is None:
+                parts.append(a)
+            else:
+                self.xp.write(buffer, lo, a)
 
     def finish(self, name: str) -> Any:
+        buffer = self.buffers.get(name)
+        if buffer is not None:
+            return self.xp.sealed(buffer)
         parts = self.parts[name]
         return parts[0] if len(parts) == 1 else self.xp.concat(parts)
 
@@ -174,10 +189,11 @@ def named_results(spec: BatchSpec, shapes: Mapping[str, tuple[int, ...]],
     there: ``(sink, finish)`` with ``finish() -> {name: whole result}``. ``shapes``: each kept
     result's shape for the whole batch; ``given``: arrays to fill for some of them (``out=``).
     Numpy: written into those or new arrays (:func:`batchjac._sinks.new_result`); a
-    framework's arrays: kept on the device and joined there (:class:`ChunkSink`). Every
+    framework's arrays: kept on the device, written into one result there or joined
+    (:class:`ChunkSink`). Every
     in-memory verb (Jacobians, Hessians and their reductions) goes through here."""
     if spec.xp.kind != "numpy":
-        chunks = ChunkSink(spec.xp, tuple(shapes))
+        chunks = ChunkSink(spec.xp, shapes)
         return chunks, lambda: {name: chunks.finish(name) for name in shapes}
     targets = {name: (given or {}).get(name) for name in shapes}
     targets = {name: t if t is not None else new_result(shapes[name], spec.dtype)

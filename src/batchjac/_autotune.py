@@ -40,6 +40,7 @@ import numpy as np
 from ._backends import BoundModel, Kernel, Mode, mode_race
 from ._plan import Plan, SecondPlan
 from ._runner import pad_chunk
+from ._sinks import new_result
 from ._spec import BatchSpec
 
 REPEATS = 5
@@ -240,14 +241,17 @@ def _timer(spec: BatchSpec, plan: Plan | SecondPlan, kernel_for: KernelFor, size
     # the planned size's kernel chooses its implementation now (JAX: build and blocks,
     # timed); the smaller sizes run the build it chose, so that sizes are compared alike
     jac = _main(kernel(u, ctx) if first else kernel.provisional(u, ctx))
-    # (a framework's arrays, kept on their device, are joined once at the end: no copy here)
-    dst = np.empty_like(jac) if copies and isinstance(jac, np.ndarray) else None
+    # the copy the in-memory result makes of each chunk, in the result's kind
+    # (:class:`batchjac._arrays.ChunkSink`): numpy, a torch tensor, a CPU JAX array's host
+    # memory. Not priced: a kind joined once at the end (JAX off the CPU, TensorFlow)
+    xp = spec.xp
+    dst = xp.buffer(jac, tuple(jac.shape), new_result) if copies else None
 
     def timed() -> float:
         start = clock()
         jac = _main(kernel.provisional(u, ctx))
         if dst is not None:
-            dst[...] = jac
+            xp.write(dst, 0, jac)
         return clock() - start
 
     return timed, math.prod(jac.shape) * spec.dtype.itemsize / size

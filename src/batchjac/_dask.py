@@ -1,12 +1,15 @@
 """Scale out on Dask: the same ``jacobian`` call, one task per block of rows.
 
 - Dask arrays in → a lazy Dask array of Jacobians out, with the inputs' row chunks.
-- numpy arrays with ``client=`` → computed on the cluster, numpy out.
+- numpy arrays with ``client=`` → computed on the cluster, numpy out; a framework's arrays
+  (torch tensors, JAX arrays, TensorFlow tensors) → read to the host once, computed there,
+  and the result in their kind, on their device (``output=`` overrides, see :func:`run`).
 - The model reaches each worker once: it is scattered (broadcast) once and every task takes
   the same future, so each worker deserialises one model object; batchjac's per-model cache then
   compiles once per worker and chunk shape (every block runs with the same chunk size).
 
-This module sees numpy and Dask only; the model stays an opaque object.
+This module sees numpy and Dask only (a framework's arrays go through
+:mod:`batchjac._arrays`); the model stays an opaque object.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ._arrays import deliver, kind_of, on_host, ops_of
 from ._errors import BatchJacError, InputError
 
 #: environment for worker processes: one thread each, so N workers use N cores
@@ -297,17 +301,44 @@ def client_for(client: Any, scheduler: str | None) -> Iterator[Any]:
 
 
 def run(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ...], *, client: Any,
-        rows_per_task: int | None, out: Any, kw: dict[str, Any]) -> Any:
-    """In-memory results on Dask (a lazy Dask array for Dask inputs, numpy for numpy inputs);
-    ``compute`` is the verb each task runs on its block of rows. Stores on Dask go through
-    :func:`store_chunks_on_cluster`, chosen by the caller."""
+        rows_per_task: int | None, out: Any, kw: dict[str, Any], output: Any = "auto") -> Any:
+    """In-memory results on Dask (a lazy Dask array for Dask inputs; for other inputs, the
+    gathered blocks in the inputs' array kind and device, or ``output=``'s, by the rule of
+    :mod:`batchjac._arrays`: the workers compute on numpy blocks, so a framework's arrays are
+    read to the host once here and the result handed back once, as :func:`~batchjac._arrays.
+    on_host` says); ``compute`` is the verb each task runs on its block of rows. Stores on
+    Dask go through :func:`store_chunks_on_cluster`, chosen by the caller."""
     if out is not None:
         raise InputError("On Dask, `out` must be a store path (e.g. 'jac.zarr') or None.")
+    delivery = on_host(inputs, output)
+    if uses_dask(inputs) and delivery.kind != "numpy":
+        raise InputError(
+            f"`output={output!r}` with Dask arrays as inputs: the result is a lazy Dask array "
+            f"(of numpy blocks). Pass output='auto', or compute it and convert the result, or "
+            f"give {delivery.kind} arrays (not Dask arrays) with client= to get {delivery.kind} "
+            f"arrays back.")
     kw = dict(kw)
     return_outputs = kw.pop("return_outputs", False)
     kw.pop("progress", None)
-    return dask_jacobian(compute, model, inputs, client=client, rows_per_task=rows_per_task,
-                         return_outputs=return_outputs, kw=kw)
+    return deliver(dask_jacobian(compute, model, host_inputs(inputs), client=client,
+                                 rows_per_task=rows_per_task, return_outputs=return_outputs,
+                                 kw=kw), delivery)
+
+
+def host_inputs(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``inputs`` with each framework array (a torch tensor, a JAX array, a TensorFlow tensor,
+    on any device) read to the host once: the tasks' blocks are numpy."""
+    def one(a: Any) -> Any:
+        return a if kind_of(a) == "numpy" else ops_of(a).to_numpy(a)
+
+    def each(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {key: one(a) for key, a in x.items()}
+        if isinstance(x, (tuple, list)) and all(hasattr(a, "shape") for a in x):
+            return tuple(one(a) for a in x)
+        return one(x)
+
+    return tuple(each(x) for x in inputs)
 
 
 def check_store_inputs(inputs: tuple[Any, ...], client: Any) -> None:

@@ -146,7 +146,7 @@ def hessian(
                                     return_jacobian=return_jacobian, nan_policy=nan_policy,
                                     out=out, backend=backend, backend_options=backend_options,
                                     explain=explain, progress=progress,
-                                    compute_chunks=on_cluster)
+                                    compute_chunks=on_cluster, output=output)
         if out is not None or return_jacobian:
             raise InputError("On Dask, hessian() computes in memory (a Dask array for Dask "
                              "inputs) without return_jacobian, or into a store path "
@@ -160,7 +160,7 @@ def hessian(
               "backend_options": backend_options, "explain": explain}
         with _dask.client_for(client, scheduler) as own:
             return _dask.run(hessian, model, inputs, client=own, rows_per_task=rows_per_task,
-                             out=None, kw=kw)
+                             out=None, kw=kw, output=output)
     return second_order(model, inputs, kind, wrt=wrt, mode=mode, chunk_size=chunk_size,
                         max_memory=max_memory, dtype=dtype, return_outputs=return_outputs,
                         return_jacobian=return_jacobian, nan_policy=nan_policy, out=out,

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import _backends, _fastpath, _tuning as tuning
-from ._arrays import OutputArg, deliver, in_memory, native_options, resolve
+from ._arrays import OutputArg, deliver, in_memory, native_options, on_host, resolve
 from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
 from ._bind import BackendName, plan_for, prepare, probed
 from ._dask import uses_dask
@@ -106,7 +106,7 @@ def jacobian(
     if client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in inputs) and uses_dask(inputs)):
         return _on_dask(model, inputs, client=client, scheduler=scheduler, rows_per_task=rows_per_task,
-                        out=out, kw={"wrt": wrt, "mode": mode, "chunk_size": chunk_size,
+                        out=out, output=output, kw={"wrt": wrt, "mode": mode, "chunk_size": chunk_size,
                                      "max_memory": max_memory, "dtype": dtype,
                                      "return_outputs": return_outputs, "nan_policy": nan_policy,
                                      "backend": backend, "backend_options": backend_options,
@@ -196,18 +196,20 @@ def _unpack(out: Results, return_outputs: bool) -> Any:
 
 
 def _on_dask(model: Any, inputs: tuple[Any, ...], *, client: Any, scheduler: str | None,
-             rows_per_task: int | None, out: Any, kw: dict[str, Any]) -> Any:
+             rows_per_task: int | None, out: Any, output: OutputArg, kw: dict[str, Any]) -> Any:
     """The Dask paths: a store written by the workers, or in-memory results (lazy for Dask
-    inputs). The per-block and per-chunk work is handed to :mod:`batchjac._dask`, which sits
-    below this module."""
+    inputs; else in the inputs' array kind, or ``output``'s). The per-block and per-chunk work
+    is handed to :mod:`batchjac._dask`, which sits below this module."""
     import functools
 
     from . import _dask
 
+    if is_store_target(out):
+        on_host(inputs, output, out=out)  # (a store takes host chunks: output= must agree)
     with _dask.client_for(client, scheduler) as client:
         if not is_store_target(out):
             return _dask.run(jacobian, model, inputs, client=client, rows_per_task=rows_per_task,
-                             out=out, kw=kw)
+                             out=out, kw=kw, output=output)
         _dask.check_store_inputs(inputs, client)
         check_options(kw["mode"], kw["chunk_size"], kw["max_memory"])
         spec = normalize(inputs, wrt=kw["wrt"], dtype=kw["dtype"], nan_policy=kw["nan_policy"])

@@ -9,9 +9,13 @@ as numpy arrays, on their device, without a copy to the host (see :mod:`batchjac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
+
+#: allocates a host array of a shape and dtype (:func:`batchjac._sinks.new_result`)
+HostAlloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
 
 class ArrayOps(Protocol):
@@ -44,6 +48,21 @@ class ArrayOps(Protocol):
 
     def concat(self, parts: list[Any]) -> Any:
         """The parts joined along the first axis (the rows)."""
+
+    def buffer(self, like: Any, shape: tuple[int, ...], host: HostAlloc) -> Any | None:
+        """A new result of ``shape``, with ``like``'s dtype and on its device, that
+        :meth:`write` fills chunk by chunk as the chunks come (one copy of each, while it is
+        fresh in the caches, and no chunk kept after it is written); None where this kind's
+        arrays cannot be written in place there (JAX arrays off the CPU, TensorFlow tensors):
+        the chunks are then kept and joined once with :meth:`concat`. Where the device's
+        memory is the host's (the CPU), it is taken from ``host(shape, dtype)``
+        (:func:`batchjac._sinks.new_result`, as numpy results are)."""
+
+    def write(self, buffer: Any, lo: int, a: Any) -> None:
+        """``a`` into rows ``lo:lo + len(a)`` of a :meth:`buffer`."""
+
+    def sealed(self, buffer: Any) -> Any:
+        """A filled :meth:`buffer` as this kind's array (no copy)."""
 
     def all_finite(self, a: Any) -> bool:
         """No NaN or Inf in ``a`` (True for non-floating arrays)."""
@@ -89,6 +108,15 @@ class NumpyOps:
 
     def concat(self, parts: list[Any]) -> Any:
         return np.concatenate(parts, axis=0)
+
+    def buffer(self, like: Any, shape: tuple[int, ...], host: HostAlloc) -> Any | None:
+        return host(shape, np.dtype(like.dtype))
+
+    def write(self, buffer: Any, lo: int, a: Any) -> None:
+        buffer[lo:lo + a.shape[0]] = a
+
+    def sealed(self, buffer: Any) -> Any:
+        return buffer
 
     def all_finite(self, a: Any) -> bool:
         return a.dtype.kind != "f" or bool(np.isfinite(a).all())

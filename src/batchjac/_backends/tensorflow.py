@@ -1161,6 +1161,15 @@ class TensorFlowOps:
     def concat(self, parts: list[Any]) -> Any:
         return tf.concat(parts, axis=0)
 
+    def buffer(self, like: Any, shape: tuple[int, ...], host: Any) -> Any | None:
+        return None  # tensors are immutable: the chunks are joined with one tf.concat
+
+    def write(self, buffer: Any, lo: int, a: Any) -> None:
+        raise NotImplementedError("TensorFlow tensors have no buffer to write into")
+
+    def sealed(self, buffer: Any) -> Any:
+        raise NotImplementedError("TensorFlow tensors have no buffer to write into")
+
     def all_finite(self, a: Any) -> bool:
         # one reduction, as TorchOps.all_finite (a finite sum proves every entry finite)
         return not a.dtype.is_floating or bool(tf.math.is_finite(tf.reduce_sum(a))) or \
