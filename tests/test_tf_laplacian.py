@@ -46,10 +46,16 @@ def _kernel(model: Any, x: np.ndarray, *known: np.ndarray) -> tuple[Any, np.ndar
     return kernel, u, ctx
 
 
-def test_rules_match_the_nested_tapes() -> None:
+@pytest.mark.parametrize("block_rows", [None, 4])
+def test_rules_match_the_nested_tapes(block_rows: int | None, monkeypatch: Any) -> None:
     """Matrix products, bias additions, sums and products of two varying values, a quotient
     by a constant, slices and a concatenation with the known columns, and the elementwise
-    functions with rules (tanh, sin, exp, sigmoid, softplus, square, log)."""
+    functions with rules (tanh, sin, exp, sigmoid, softplus, square, log); in one block, and
+    in blocks of 4 rows (13 rows: the last block padded with copies of the last row)."""
+    if block_rows is not None:
+        from batchjac._backends.tensorflow import TFSecondKernel
+
+        monkeypatch.setattr(TFSecondKernel, "LAPLACIAN_BLOCK_ROWS", block_rows)
     r = rng(1)
     w1 = tf.constant(r.normal(size=(5, 6)) * 0.6)
     b1 = tf.constant(r.normal(size=6) * 0.1)

@@ -3,12 +3,13 @@
 Jacobians and their Laplacians over the unknowns in one pass, ``k + 2`` matrix products a
 dense layer where the trace of the Hessian (nested ``batch_jacobian`` tapes) costs ``2k + 2``.
 
-The model is traced once into a graph (a ``ConcreteFunction`` of the kernel's chunk shape);
+The model is traced once into a graph (a ``ConcreteFunction`` of the kernel's block shape);
 its operations are then re-created, in order, inside the kernel's own traced function, each
 value that depends on the unknowns carried with its derivatives along the ``k`` unit tangents,
 ``(k, *x.shape)`` (or ``(k, 1, ...)`` while they are the same for every row: the unknowns'
-own and the first dense layer's), and the sum of its second derivatives along them. The rules: matrix products and elementwise products with one varying argument,
-sums, bias additions and the shape operations (affine in what varies: the tangent is the
+own and the first dense layer's), and the sum of its second derivatives along them. The
+rules: matrix products and elementwise products with one varying argument, sums, bias
+additions and the shape operations (affine in what varies: the tangent is the
 operation of the tangents, constants as zeros), and the elementwise functions met most (tanh,
 sin, cos, exp, sigmoid, log, relu, softplus, square). An operation without a rule raises
 :class:`NotImplementedError`, and the kernel keeps its other builds.
