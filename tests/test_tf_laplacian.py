@@ -156,3 +156,23 @@ def test_a_race_choice_holds_for_other_chunk_sizes(monkeypatch: Any) -> None:
     chosen = notes[0].split("forward-over-reverse, ")[1].split(" ")[0]
     assert f"{chosen} (as timed for another chunk size)" in notes[1], notes
     np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_the_untimed_first_call_takes_it_and_falls_back_where_it_cannot() -> None:
+    """A first call that times nothing computes by the forward Laplacian (the closed form of
+    ``sum(sin x)``); with an operation without a rule (atan) by the next build, the nested
+    tapes, with the values of the closed form ``sum(-2x / (1 + x^2)^2)`` and the reason."""
+    x = rng(6).normal(size=(30, 3)) * 2
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        lap = batchjac.laplacian(lambda z: tf.reduce_sum(tf.sin(z), -1), x, backend="tensorflow",
+                                 explain=True)
+    assert "forward-laplacian (not timed" in err.getvalue(), err.getvalue()
+    np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        lap = batchjac.laplacian(lambda z: tf.reduce_sum(tf.atan(z), -1), x, backend="tensorflow",
+                                 explain=True)
+    assert "tapes (not timed" in err.getvalue(), err.getvalue()
+    assert "no forward-Laplacian rule for the operation Atan" in err.getvalue(), err.getvalue()
+    np.testing.assert_allclose(lap, (-2 * x / (1 + x * x) ** 2).sum(-1), rtol=1e-10, atol=1e-12)
