@@ -196,12 +196,16 @@ def test_per_instance_model_and_jacobian_from_the_same_pass() -> None:
 
 
 def test_chunks_in_blocks_equal_the_reference(monkeypatch: Any) -> None:
-    """A chunk computed in blocks (the last one padded with copies of the last row)."""
+    """A chunk computed in blocks (the last one padded with copies of the last row), with
+    known inputs split alike."""
     monkeypatch.setattr(JaxSecondKernel, "LAPLACIAN_BLOCK_ROWS", 4)
-    x = rng(11).normal(size=(37, 3)) * 2
+    r = rng(11)
+    x, h = r.normal(size=(37, 3)) * 2, r.normal(size=(37, 2))
     with x64():
-        lap, note = laplacian_and_note(lambda z: (jnp.sin(z) * jnp.tanh(z[:, :1])).sum(-1), x)
-        want = native_laplacian(lambda u: (jnp.sin(u) * jnp.tanh(u[:1])).sum(), x)
+        one = mlp_with_known(jnp.tanh, seed=13)
+        lap, note = laplacian_and_note(lambda z: jax.vmap(lambda row: one(row[:3], row[3:]))(z),
+                                       x, h)
+        want = native_laplacian(one, x, h)
     assert "a forward Laplacian" in note, note
     assert_jac_close(lap, want, factor=0.1)
 
