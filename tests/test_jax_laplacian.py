@@ -243,3 +243,20 @@ def test_constant_output_has_zero_derivatives() -> None:
     assert not np.asarray(dy).any()
     assert lap.shape == (2,)
     assert not np.asarray(lap).any()
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_a_float32_function_stays_float32_under_x64(act: str) -> None:
+    """No rule's constant promotes a float32 function's derivatives to float64 (x64 on)."""
+    with x64():
+        r = rng(14)
+        w = jnp.asarray(r.normal(size=(3, 4)).astype(np.float32))
+
+        def one(z: Any) -> Any:
+            return ACTIVATIONS[act](z @ w)
+
+        x = jnp.asarray(r.normal(size=3).astype(np.float32))
+        y, dy, lap = jax_laplacian.run(jax_laplacian.trace(one, x), x)
+        want = native_laplacian(one, np.asarray(x)[None])[0]
+    assert (y.dtype, dy.dtype, lap.dtype) == (np.float32,) * 3
+    np.testing.assert_allclose(np.asarray(lap), want, rtol=1e-4, atol=1e-5)

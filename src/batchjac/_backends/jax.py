@@ -855,7 +855,8 @@ class JaxSecondKernel(Kernel):
     #: twice as large: its temporaries ((k + 2) values per activation) then stay in cache.
     #: W7, one chunk of 100,000 rows, bare kernels side by side under load, ratio to the
     #: native trace of ``jit(vmap(hessian))``: one block 0.54, blocks of 128 rows 0.34, 512
-    #: 0.28, 1,024 0.29, 2,048 0.23, 4,096 0.25
+    #: 0.28, 1,024 0.29, 2,048 0.23, 4,096 0.25. On the CPU only (as :class:`JaxKernel`'s
+    #: blocks): a GPU's cache is not what a block of rows would be sized for (unmeasured)
     LAPLACIAN_BLOCK_ROWS = 2048
 
     def _forward_laplacian(self, one: Callable[[Any, tuple[Any, ...]], Any], u: Any,
@@ -878,7 +879,7 @@ class JaxSecondKernel(Kernel):
 
         size = int(u.shape[0])
         try:
-            if size < 2 * self.LAPLACIAN_BLOCK_ROWS:
+            if size < 2 * self.LAPLACIAN_BLOCK_ROWS or jax.default_backend() != "cpu":
                 return jax.vmap(per_instance)(u, ctx)  # type: ignore[no-any-return]
             rows = -(-size // -(-size // self.LAPLACIAN_BLOCK_ROWS))  # evened over the chunk
             return in_blocks(jax.vmap(per_instance), rows, u, ctx)  # type: ignore[no-any-return]

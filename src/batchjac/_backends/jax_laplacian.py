@@ -116,7 +116,7 @@ def _unary(name: str, x: Any, y: Any, params: dict[str, Any]) -> tuple[Any, Any]
                                                 else jnp.ones_like(x))
         return d1, d2
     if name == "erf":
-        d1 = (2 / np.sqrt(np.pi)) * jnp.exp(-x * x)
+        d1 = float(2 / np.sqrt(np.pi)) * jnp.exp(-x * x)  # (a Python float: weak, no promotion)
         return d1, -2 * x * d1
     if name == "abs":
         return jnp.sign(x), None
