@@ -260,3 +260,26 @@ def test_a_float32_function_stays_float32_under_x64(act: str) -> None:
         want = native_laplacian(one, np.asarray(x)[None])[0]
     assert (y.dtype, dy.dtype, lap.dtype) == (np.float32,) * 3
     np.testing.assert_allclose(np.asarray(lap), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_convolution_over_image_unknowns() -> None:
+    """A small CNN (conv_general_dilated, NHWC, stride 2, tanh, a dense layer) over unknown
+    images of shape (6, 6, 1): the Laplacian over all 36 pixels."""
+    r = rng(15)
+    kern = r.normal(size=(3, 3, 1, 2)) * 0.5
+    dense = r.normal(size=(8, 3)) * 0.4
+    x = r.normal(size=(7, 6, 6, 1))
+    with x64():
+        kj, dj = jnp.asarray(kern), jnp.asarray(dense)
+
+        def one(img: Any) -> Any:
+            z = jax.lax.conv_general_dilated(img[None], kj, (2, 2), "VALID",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return jnp.sin(jnp.tanh(z).reshape(-1) @ dj)
+
+        lap, note = laplacian_and_note(jax.vmap(one), x)
+        want = native_laplacian(one, x)
+    assert lap.shape == (7, 3)
+    assert "a forward Laplacian" in note, note
+    assert_jac_close(lap, want, factor=0.1)
+    assert np.abs(want).max() > 0.1
