@@ -46,10 +46,16 @@ def _kernel(model: Any, x: np.ndarray, *known: np.ndarray) -> tuple[Any, np.ndar
     return kernel, u, ctx
 
 
-def test_rules_match_the_nested_tapes() -> None:
+@pytest.mark.parametrize("block_rows", [None, 4])
+def test_rules_match_the_nested_tapes(block_rows: int | None, monkeypatch: Any) -> None:
     """Matrix products, bias additions, sums and products of two varying values, a quotient
     by a constant, slices and a concatenation with the known columns, and the elementwise
-    functions with rules (tanh, sin, exp, sigmoid, softplus, square, log)."""
+    functions with rules (tanh, sin, exp, sigmoid, softplus, square, log); in one block, and
+    in blocks of 4 rows (13 rows: the last block padded with copies of the last row)."""
+    if block_rows is not None:
+        from batchjac._backends.tensorflow import TFSecondKernel
+
+        monkeypatch.setattr(TFSecondKernel, "LAPLACIAN_BLOCK_ROWS", block_rows)
     r = rng(1)
     w1 = tf.constant(r.normal(size=(5, 6)) * 0.6)
     b1 = tf.constant(r.normal(size=6) * 0.1)
@@ -150,3 +156,23 @@ def test_a_race_choice_holds_for_other_chunk_sizes(monkeypatch: Any) -> None:
     chosen = notes[0].split("forward-over-reverse, ")[1].split(" ")[0]
     assert f"{chosen} (as timed for another chunk size)" in notes[1], notes
     np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_the_untimed_first_call_takes_it_and_falls_back_where_it_cannot() -> None:
+    """A first call that times nothing computes by the forward Laplacian (the closed form of
+    ``sum(sin x)``); with an operation without a rule (atan) by the next build, the nested
+    tapes, with the values of the closed form ``sum(-2x / (1 + x^2)^2)`` and the reason."""
+    x = rng(6).normal(size=(30, 3)) * 2
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        lap = batchjac.laplacian(lambda z: tf.reduce_sum(tf.sin(z), -1), x, backend="tensorflow",
+                                 explain=True)
+    assert "forward-laplacian (not timed" in err.getvalue(), err.getvalue()
+    np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        lap = batchjac.laplacian(lambda z: tf.reduce_sum(tf.atan(z), -1), x, backend="tensorflow",
+                                 explain=True)
+    assert "tapes (not timed" in err.getvalue(), err.getvalue()
+    assert "no forward-Laplacian rule for the operation Atan" in err.getvalue(), err.getvalue()
+    np.testing.assert_allclose(lap, (-2 * x / (1 + x * x) ** 2).sum(-1), rtol=1e-10, atol=1e-12)

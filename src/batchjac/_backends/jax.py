@@ -641,22 +641,12 @@ class JaxKernel(Kernel):
         if rows in self._lowered:
             return self._lowered[rows]
         bound, size = self._bound, self.chunk_size
-        blocks = -(-size // rows)
-        padded = blocks * rows
 
         def traced(args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
             bound.trace_count += 1
             if rows >= size:
                 return self._body(args, u, ctx)
-
-            def split(a: Any) -> Any:
-                if padded > size:
-                    a = jnp.concatenate([a, jnp.broadcast_to(a[-1:], (padded - size, *a.shape[1:]))])
-                return a.reshape((blocks, rows, *a.shape[1:]))
-
-            out = jax.lax.map(lambda b: self._body(args, b[0], b[1]),
-                              (split(u), tuple(split(c) for c in ctx)))
-            return jax.tree_util.tree_map(lambda o: o.reshape((padded, *o.shape[2:]))[:size], out)
+            return in_blocks(lambda b_u, b_c: self._body(args, b_u, b_c), rows, u, ctx)
 
         u_spec, ctx_spec = bound._specs(size)
         staged = jax.jit(traced).trace(bound.args, u_spec, ctx_spec)
@@ -790,6 +780,24 @@ class JaxKernel(Kernel):
         release()
 
 
+def in_blocks(body: Callable[[Any, tuple[Any, ...]], Any], rows: int, u: Any,
+              ctx: tuple[Any, ...]) -> Any:
+    """``body(u, ctx)`` (traced) computed ``rows`` rows at a time in a ``lax.map`` inside the
+    one compiled call, the last block padded with copies of the chunk's last row, whose
+    results are dropped."""
+    size = int(u.shape[0])
+    blocks = -(-size // rows)
+    padded = blocks * rows
+
+    def split(a: Any) -> Any:
+        if padded > size:
+            a = jnp.concatenate([a, jnp.broadcast_to(a[-1:], (padded - size, *a.shape[1:]))])
+        return a.reshape((blocks, rows, *a.shape[1:]))
+
+    out = jax.lax.map(lambda b: body(b[0], b[1]), (split(u), tuple(split(c) for c in ctx)))
+    return jax.tree_util.tree_map(lambda o: o.reshape((padded, *o.shape[2:]))[:size], out)
+
+
 # -- values a traced function bakes in -------------------------------------------------------
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _MAX_VISITS = 2000
@@ -801,9 +809,14 @@ class JaxSecondKernel(Kernel):
 
     - forward over reverse: ``jacfwd(jacrev(f))``, the native ``jax.hessian``; ``hvp`` is
       ``jvp(jacrev(f), (x,), (v,))`` (one tangent, no Hessian formed);
-    - forward over forward: ``jacfwd(jacfwd(f))`` for full Hessians; for the diagonal and the
-      Laplacian, ``jvp`` of ``jvp`` along each unit tangent ``e_j`` twice (``d2 f/dx_j^2``
-      with no ``k x k`` block per output), ``vmap``-ed over the ``k`` tangents.
+    - forward over forward: ``jacfwd(jacfwd(f))`` for full Hessians; for the diagonal,
+      ``jvp`` of ``jvp`` along each unit tangent ``e_j`` twice (``d2 f/dx_j^2`` with no
+      ``k x k`` block per output), ``vmap``-ed over the ``k`` tangents; for the Laplacian, a
+      forward Laplacian (:mod:`.jax_laplacian`: the value, the ``k`` tangents and one summed
+      second-order term in one pass, the primal and first-order work done once), or, where
+      the model has a primitive without a rule there, ``jvp`` of ``jvp`` summed (the note
+      names the primitive). No race between them: the forward Laplacian does a subset of
+      the other's work (W7: ``k + 2`` matrix products a layer against ``2k + 1``).
 
     One build (XLA's defaults), no race: these kernels are new and their variants unmeasured.
     The executable is remembered on disk (:mod:`batchjac._backends.jax_executables`).
@@ -815,6 +828,8 @@ class JaxSecondKernel(Kernel):
         self.kind, self.order = kind, order
         self.chunk_size, self.with_outputs, self.with_jacobian = chunk_size, with_outputs, with_jacobian
         self._bound = bound
+        #: why the forward Laplacian could not be used (its primitive): ``jvp`` of ``jvp``
+        self.laplacian_failed = ""
         u_spec, ctx_spec = bound._specs(chunk_size)
         if kind == "hvp":
             ctx_spec = (*ctx_spec, u_spec)  # the tangents follow the model's arrays
@@ -824,23 +839,49 @@ class JaxSecondKernel(Kernel):
             return self._body(args, u, ctx)
 
         try:
-            from . import jax_executables
-
             lowered = jax.jit(traced).lower(bound.args, u_spec, ctx_spec)
             # remembered on disk as the first-order kernels are (a warm process loads it)
-            self._fn, loaded = jax_executables.compile(lowered, starting=bound.compiling.set)
+            self._fn, loaded = self._compile(lowered)
             bound.compile_count += not loaded
         except (BatchJacError, Warning):
             raise
         except Exception as e:
             raise bound._explain(e) from e
         self.note = f"{kind}: {order}"
+        if kind == "laplacian" and order == "forward-over-forward":
+            self.note += (f", jvp of jvp along each unknown ({self.laplacian_failed})"
+                          if self.laplacian_failed else ", a forward Laplacian (one pass)")
+
+    def _compile(self, lowered: Any) -> tuple[Any, bool]:
+        """The executable (loaded from the disk cache, or compiled) and whether it was loaded.
+        The forward Laplacian on the CPU is compiled without XLA's YNNPACK fusions, which
+        fold its elementwise terms into the matrix products badly: W7's kernel (20,000 rows,
+        bare, side by side under load) took 272 ms with them, 108 ms without, the native
+        trace of ``jit(vmap(hessian))`` 180 ms (default build; 214 ms without them)."""
+        from . import jax_executables
+
+        starting = self._bound.compiling.set
+        if self.uses_forward_laplacian and jax.default_backend() == "cpu":
+            try:
+                return jax_executables.compile(lowered, JaxKernel._OPTIONS["no-ynnpack"],
+                                               starting=starting)
+            except Exception:  # an XLA without that option: its defaults
+                pass
+        return jax_executables.compile(lowered, starting=starting)
+
+    @property
+    def uses_forward_laplacian(self) -> bool:
+        return self.kind == "laplacian" and self.order == "forward-over-forward" and \
+            not self.laplacian_failed
 
     def _body(self, args: Any, u: Any, ctx: tuple[Any, ...]) -> dict[str, Any]:
         one = self._bound._instance_fn(args)
         ushape = tuple(u.shape[1:])
         k = int(np.prod(ushape, dtype=np.int64))
         kind, order = self.kind, self.order
+        found = None
+        if kind == "laplacian" and order == "forward-over-forward":
+            found = self._forward_laplacian(one, u, ctx)
 
         def per_instance(u_i: Any, c_i: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             """``(y, J, result)`` of one instance."""
@@ -880,13 +921,49 @@ class JaxSecondKernel(Kernel):
                 return y, jac, diag.sum(-1)
             return y, jac, diag.reshape((*y.shape, *ushape))
 
-        y, jac, second = jax.vmap(per_instance)(u, ctx)
+        y, jac, second = jax.vmap(per_instance)(u, ctx) if found is None else found
         out = {SECOND_RESULT[kind]: second}
         if self.with_outputs:
             out["outputs"] = y
         if self.with_jacobian:
             out["jacobians"] = jac
         return out
+
+    #: rows of a block of the forward Laplacian (see :func:`in_blocks`), for chunks at least
+    #: twice as large: its temporaries ((k + 2) values per activation) then stay in cache.
+    #: W7, one chunk of 100,000 rows, bare kernels side by side under load, ratio to the
+    #: native trace of ``jit(vmap(hessian))``: one block 0.54, blocks of 128 rows 0.34, 512
+    #: 0.28, 1,024 0.29, 2,048 0.23, 4,096 0.25. On the CPU only (as :class:`JaxKernel`'s
+    #: blocks): a GPU's cache is not what a block of rows would be sized for (unmeasured)
+    LAPLACIAN_BLOCK_ROWS = 2048
+
+    def _forward_laplacian(self, one: Callable[[Any, tuple[Any, ...]], Any], u: Any,
+                           ctx: tuple[Any, ...]) -> tuple[Any, Any, Any] | None:
+        """``(y, J, Laplacian)`` of the chunk in one pass per instance (:mod:`.jax_laplacian`,
+        over the jaxpr of one instance's function, ``vmap``-ed over the rows), or None where
+        that jaxpr has a primitive without a rule (``self.laplacian_failed`` names it; the
+        body then computes ``jvp`` of ``jvp``, the same values). Decided here, once, while
+        the kernel is traced."""
+        from . import jax_laplacian
+
+        ushape = tuple(u.shape[1:])
+        specs = (jax.ShapeDtypeStruct(ushape, u.dtype),
+                 tuple(jax.ShapeDtypeStruct(tuple(c.shape[1:]), c.dtype) for c in ctx))
+        closed = jax_laplacian.trace(one, *specs)
+
+        def per_instance(u_i: Any, c_i: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+            y, d, lap = jax_laplacian.run(closed, u_i, *jax.tree_util.tree_leaves(c_i))
+            return y, jnp.moveaxis(d, 0, -1).reshape((*y.shape, *ushape)), lap
+
+        size = int(u.shape[0])
+        try:
+            if size < 2 * self.LAPLACIAN_BLOCK_ROWS or jax.default_backend() != "cpu":
+                return jax.vmap(per_instance)(u, ctx)  # type: ignore[no-any-return]
+            rows = -(-size // -(-size // self.LAPLACIAN_BLOCK_ROWS))  # evened over the chunk
+            return in_blocks(jax.vmap(per_instance), rows, u, ctx)  # type: ignore[no-any-return]
+        except jax_laplacian.Unsupported as e:
+            self.laplacian_failed = str(e)
+            return None
 
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]

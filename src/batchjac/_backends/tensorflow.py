@@ -752,8 +752,9 @@ class TFSecondKernel(Kernel):
     tapes compile once per input *value* there (see :mod:`batchjac._bench.second`).
 
     A Laplacian kernel has a fourth build, ``"forward-laplacian"`` (:mod:`.tf_laplacian`: one
-    pass over the model's graph carrying the tangents and the summed second derivatives), only
-    ever taken by a race or a choice a race made for another chunk size of the model.
+    pass over the model's graph carrying the tangents and the summed second derivatives, under
+    XLA, in blocks of :attr:`LAPLACIAN_BLOCK_ROWS`), its untimed first choice; where the model
+    has an operation without a rule (or XLA cannot compile it) the next build.
     """
 
     def __init__(self, bound: TFBound, kind: SecondKind, order: Order, chunk_size: int,
@@ -775,8 +776,11 @@ class TFSecondKernel(Kernel):
         if order == "forward-over-reverse" and kind != "hvp":
             one_output = int(np.prod(bound.output_shape or ())) == 1
             self.variants = ("tapes", "graph", "xla") if one_output else ("graph", "xla", "tapes")
-        if kind == "laplacian":  # (raced where the work repays it, never the untimed first)
-            self.variants = (*self.variants, "forward-laplacian")
+        if kind == "laplacian":
+            # the untimed first too: under XLA in blocks it is built quicker than the nested
+            # tapes and runs faster (W7, 100,000 rows: built and run in 0.5-0.7 s against
+            # 2.2 s, then 0.24-0.46x their time); where it cannot be built, the next build
+            self.variants = ("forward-laplacian", *self.variants)
         #: why the nested tapes or the forward Laplacian could not be built for this model
         #: (they were dropped)
         self.tapes_failed = ""
@@ -794,7 +798,7 @@ class TFSecondKernel(Kernel):
 
             with _quiet_pfor():  # (the tapes: pfor logs pages where it cannot vectorise)
                 self._fns[variant] = tf.function(
-                    traced, jit_compile=variant == "xla",
+                    traced, jit_compile=variant in ("xla", "forward-laplacian"),
                     autograph=False).get_concrete_function(*self._specs)
         return self._fns[variant]
 
@@ -846,7 +850,7 @@ class TFSecondKernel(Kernel):
             note = f"{note}: nested batch_jacobian tapes"
         elif variant == "forward-laplacian":
             note = f"{note}: a forward Laplacian (one pass)"
-        elif self.tapes_failed:
+        if self.tapes_failed and variant != "forward-laplacian":  # (why not the other builds)
             note = f"{note}; {self.tapes_failed}"
         self.variant, self.note = variant, f"{self.kind}: {self.order}, {note}"
 
@@ -871,9 +875,10 @@ class TFSecondKernel(Kernel):
         elif race_allowed():
             self._race(u, ctx)
         else:
-            first = self.variants[0]
-            if first == "tapes" and not self._tapes_work(u, ctx):
-                first = "graph"
+            # the first build that works (the tapes and the forward Laplacian may not)
+            first = next((v for v in self.variants
+                          if v not in ("tapes", "forward-laplacian") or self._tapes_work(u, ctx, v)),
+                         "graph")
             self._select(first, f"{first} ({untimed_note()})")
             self.untimed = True
 
@@ -967,6 +972,13 @@ class TFSecondKernel(Kernel):
         hess = outer.batch_jacobian(jac, flat_u, unconnected_gradients=zero)
         return y, jac, hess
 
+    #: rows of a block of the forward Laplacian, for chunks at least twice as large: the chunk
+    #: in a ``tf.map_fn`` of blocks under XLA, whose temporaries ((k + 2) values per activation)
+    #: stay in cache. W7, 100,000 rows, side by side in one process under load, ratio to the
+    #: nested tapes: one chunk in a graph 0.68-0.71, under XLA 0.41-0.61; blocks of 500 rows
+    #: under XLA 0.37, 1,000 0.24, 2,000 0.28-0.46 (in a graph: 0.36, 0.50, 0.40-0.51)
+    LAPLACIAN_BLOCK_ROWS = 2048
+
     def _forward_laplacian(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], m: int, k: int,
                            rows: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """``(y, J (rows, m, k), Laplacian (rows, m))`` in one pass (:mod:`.tf_laplacian`)
@@ -982,14 +994,40 @@ class TFSecondKernel(Kernel):
 
         own = inner if inner is not None and not bound.is_keras else None
 
-        def apply(flat_u: tf.Tensor, *c: tf.Tensor) -> tf.Tensor:
-            y = bound.apply(tf.reshape(flat_u, (rows, *ushape)), c, model=own)
-            return tf.reshape(y, (rows, m))
+        flat = tf.reshape(u, (rows, k))
+        block = rows
+        if rows >= 2 * self.LAPLACIAN_BLOCK_ROWS:
+            block = -(-rows // -(-rows // self.LAPLACIAN_BLOCK_ROWS))  # evened over the chunk
+        specs = [tf.TensorSpec((block, k), bound.tf_dtype),
+                 *(tf.TensorSpec((block, *s.shape[1:]), s.dtype) for s in self._specs[1:1 + len(ctx)])]
 
-        specs = [tf.TensorSpec((rows, k), bound.tf_dtype), *self._specs[1:1 + len(ctx)]]
+        def apply(flat_u: tf.Tensor, *c: tf.Tensor) -> tf.Tensor:
+            y = bound.apply(tf.reshape(flat_u, (block, *ushape)), c, model=own)
+            return tf.reshape(y, (block, m))
+
         concrete = tf_laplacian.traced_model(apply, specs)
-        y, d, lap = tf_laplacian.run(concrete, tf.reshape(u, (rows, k)), ctx)
-        return y, tf.transpose(d, (1, 2, 0)), lap
+        if block == rows:
+            y, d, lap = tf_laplacian.run(concrete, flat, ctx)
+            return y, tf.transpose(d, (1, 2, 0)), lap
+        blocks = -(-rows // block)
+        padded = blocks * block
+
+        def split(a: tf.Tensor) -> tf.Tensor:
+            if padded > rows:
+                a = tf.concat([a, tf.repeat(a[-1:], padded - rows, axis=0)], 0)
+            return tf.reshape(a, (blocks, block, *a.shape[1:]))
+
+        def one_block(args: tuple[tf.Tensor, ...]) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+            y, d, lap = tf_laplacian.run(concrete, args[0], tuple(args[1:]))
+            return y, tf.transpose(d, (1, 2, 0)), lap
+
+        dtype = bound.tf_dtype
+        outs = tf.map_fn(one_block, (split(flat), *(split(c) for c in ctx)),
+                         fn_output_signature=(tf.TensorSpec((block, m), dtype),
+                                              tf.TensorSpec((block, m, k), dtype),
+                                              tf.TensorSpec((block, m), dtype)))
+        y, jac, lap = (tf.reshape(o, (padded, *o.shape[2:]))[:rows] for o in outs)
+        return y, jac, lap
 
     def _tiled(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], blocks: int
                ) -> tuple[tf.Tensor, tuple[tf.Tensor, ...]]:

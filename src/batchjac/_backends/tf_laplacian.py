@@ -3,12 +3,13 @@
 Jacobians and their Laplacians over the unknowns in one pass, ``k + 2`` matrix products a
 dense layer where the trace of the Hessian (nested ``batch_jacobian`` tapes) costs ``2k + 2``.
 
-The model is traced once into a graph (a ``ConcreteFunction`` of the kernel's chunk shape);
+The model is traced once into a graph (a ``ConcreteFunction`` of the kernel's block shape);
 its operations are then re-created, in order, inside the kernel's own traced function, each
-value that depends on the unknowns carried with ``d``, shaped ``(k + 1, *x.shape)``: ``d[:k]``
-its derivatives along the ``k`` unit tangents, ``d[k]`` the sum of its second derivatives
-along them. The rules: matrix products and elementwise products with one varying argument,
-sums, bias additions and the shape operations (affine in what varies: the tangent is the
+value that depends on the unknowns carried with its derivatives along the ``k`` unit tangents,
+``(k, *x.shape)`` (or ``(k, 1, ...)`` while they are the same for every row: the unknowns'
+own and the first dense layer's), and the sum of its second derivatives along them. The
+rules: matrix products and elementwise products with one varying argument, sums, bias
+additions and the shape operations (affine in what varies: the tangent is the
 operation of the tangents, constants as zeros), and the elementwise functions met most (tanh,
 sin, cos, exp, sigmoid, log, relu, softplus, square). An operation without a rule raises
 :class:`NotImplementedError`, and the kernel keeps its other builds.
@@ -77,8 +78,12 @@ def run(concrete: Any, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]
     the caller's traced function: ``J`` ``(k, *y.shape)`` along the unit tangents of ``u``
     (``(rows, k)``), ``L`` the sum of the second derivatives along them."""
     graph = concrete.graph
-    rows, k = int(u.shape[0]), int(u.shape[1])
-    seed = tf.broadcast_to(tf.eye(k, dtype=u.dtype)[:, None, :], (k, rows, k))
+    k = int(u.shape[1])
+    # the unit tangents are the same for every row: kept as one row (k, 1, k), which matrix
+    # products, bias additions and elementwise functions broadcast (the first dense layer's
+    # tangents are its kernel's rows, not k x rows x width values), made full where a rule
+    # needs the rows (:func:`_full`)
+    seed = tf.eye(k, dtype=u.dtype)[:, None, :]
     values: dict[Any, Any] = {}  # graph tensor -> tensor, or (tensor, J, L or None)
     args = graph.inputs[:len(graph.inputs) - len(concrete.captured_inputs)]
     for t, v in zip(args, [u, *ctx]):
@@ -96,7 +101,20 @@ def run(concrete: Any, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]
     if not isinstance(out, tuple):
         return out, tf.zeros((k, *out.shape), out.dtype), tf.zeros_like(out)
     y, jac, lap = out
-    return y, jac, tf.zeros_like(y) if lap is None else lap
+    return y, _full(jac, y.shape), tf.zeros_like(y) if lap is None else lap
+
+
+def _full(jac: tf.Tensor, shape: Any) -> tf.Tensor:
+    """Tangents ``(k, *s)`` broadcast to ``(k, *shape)`` where they are not that already."""
+    if tuple(jac.shape[1:]) == tuple(shape):
+        return jac
+    return tf.broadcast_to(jac, (int(jac.shape[0]), *shape))
+
+
+def _broadcasts(jac: tf.Tensor, shape: Any) -> bool:
+    """Whether tangents ``(k, *s)`` broadcast, row for row, against values of ``shape``."""
+    s = tuple(jac.shape[1:])
+    return len(s) == len(shape) and all(a in (1, b) for a, b in zip(s, shape))
 
 
 def _plus(a: tf.Tensor | None, b: tf.Tensor | None) -> tf.Tensor | None:
@@ -114,7 +132,7 @@ def _apply(op: tf.Operation, ins: list[Any], k: int) -> list[Any]:
         _, jac, lap = ins[0]
         w, tb = primals[1], op.get_attr("transpose_b")
         prod = tf.linalg.matmul(tf.reshape(jac, (-1, jac.shape[-1])), w, transpose_b=tb)
-        return [(y, tf.reshape(prod, (k, *y.shape)),
+        return [(y, tf.reshape(prod, (k, *jac.shape[1:-1], y.shape[-1])),
                  None if lap is None else tf.linalg.matmul(lap, w, transpose_b=tb))]
     if kind in ("BiasAdd", "AddV2", "Add", "Sub") and len(ins) == 2:
         if kind == "BiasAdd" and 1 in vary:
@@ -125,8 +143,8 @@ def _apply(op: tf.Operation, ins: list[Any], k: int) -> list[Any]:
             _, j, lp = ins[i]
             if kind == "Sub" and i == 1:
                 j, lp = -j, None if lp is None else -lp
-            if j.shape[1:] != y.shape:
-                j = tf.broadcast_to(j, (k, *y.shape))
+            if not _broadcasts(j, y.shape):
+                j = _full(j, y.shape)
             if lp is not None and lp.shape != y.shape:
                 lp = tf.broadcast_to(lp, y.shape)
             jac, lap = _plus(jac, j), _plus(lap, lp)
@@ -141,6 +159,8 @@ def _apply(op: tf.Operation, ins: list[Any], k: int) -> list[Any]:
             if d2 is not None:
                 new_lap = _plus(new_lap, d2 * tf.reduce_sum(jac * jac, 0))
             return [(y, jac * d1, new_lap)]
+    # the rules below need each value's tangents at its full shape
+    ins = [(a[0], _full(a[1], a[0].shape), a[2]) if isinstance(a, tuple) else a for a in ins]
     if kind == "Mul" and vary == [0, 1]:
         (a, ja, la), (b, jb, lb) = ins
         (y,) = _rebuild(op, primals)

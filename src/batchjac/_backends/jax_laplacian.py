@@ -1,0 +1,343 @@
+"""A forward Laplacian for JAX functions (collapsed Taylor mode; cf. y1xiaoc/fwdlap and
+Dangel et al. 2024, "Kronecker-factored ... / collapsed Taylor mode"): the value, its ``k``
+first derivatives along the unit tangents of the unknowns and ONE summed second-order term,
+pushed together through the function's jaxpr. A dense layer then costs ``k + 2`` matrix
+products, where ``jvp`` of ``jvp`` along each unknown costs ``2k + 1`` and the trace of
+``jax.hessian`` (forward over reverse) ``2k + 2``; the primal is computed once.
+
+The interpreter walks the jaxpr of one instance's function, equation by equation. A value
+that depends on the unknowns is a :class:`_Dual` ``(p, j, l)``: ``p`` the value, ``j`` its
+derivatives along the ``k`` unit tangents, shaped ``(k, *p.shape)``, ``l`` the sum of its
+second derivatives along them (``None``: zero, as for the unknowns themselves and anything
+affine in them). The rules:
+
+- affine operations (shape operations, sums, concatenation, selection, casts between
+  floating types): the tangent is the operation of the tangents (``vmap`` over the ``k``
+  axis, constants as zeros), the Laplacian the operation of the Laplacians;
+- multilinear ones with one varying operand (``dot_general``, ``conv_general_dilated``,
+  ``mul``, ``div`` of a varying numerator): the same with the other operands kept; with two
+  varying operands, the product rule, ``l = B(la, b) + B(a, lb) + 2 sum_k B(ja_k, jb_k)``;
+- elementwise functions ``g`` (tanh, logistic, exp, log, sin, cos, sqrt, rsqrt, powers...):
+  ``j' = g'(p) j`` and ``l' = g'(p) l + g''(p) sum_k j_k^2``; ``max``/``min`` (relu) are
+  piecewise linear (JAX's balanced choice at ties);
+- ``jit``/``closed_call``/``custom_jvp_call``/``checkpoint``: their jaxpr, recursively (for
+  ``custom_jvp_call`` the function itself, not its rule, as ``jax.experimental.jet`` does).
+
+An equation with no rule raises :class:`Unsupported` naming its primitive, during the trace:
+the caller then computes the Laplacian the other way (``jvp`` of ``jvp``) and says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+
+class Unsupported(Exception):
+    """The function has a primitive the forward Laplacian has no rule for."""
+
+    def __init__(self, primitive: str) -> None:
+        super().__init__(f"no forward-Laplacian rule for the JAX primitive {primitive!r}")
+        self.primitive = primitive
+
+
+class _Dual:
+    """A value depending on the unknowns: value ``p``, tangents ``j`` ``(k, *p.shape)``,
+    summed second derivative ``l`` (None: zero)."""
+
+    __slots__ = ("j", "l", "p")
+
+    def __init__(self, p: Any, j: Any, l: Any) -> None:  # noqa: E741 - the paper's name
+        self.p, self.j, self.l = p, j, l
+
+
+#: sub-jaxprs called on the operands as they are
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+#: affine in their floating operands (integer operands: indices, predicates, kept)
+_AFFINE = frozenset({
+    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "concatenate", "pad",
+    "slice", "dynamic_slice", "dynamic_update_slice", "gather", "reduce_sum", "select_n",
+    "copy", "copy_p", "rev", "cumsum", "split", "convert_element_type", "real",
+})
+#: linear in each operand (the others kept)
+_BILINEAR = frozenset({"dot_general", "conv_general_dilated", "mul"})
+#: results with no derivative (comparisons, rounding, integer results)
+_FLAT = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "is_finite", "sign", "floor", "ceil",
+                   "round", "and", "or", "not", "xor", "argmax", "argmin", "iota",
+                   "stop_gradient"})
+
+
+def _unary(name: str, x: Any, y: Any, params: dict[str, Any]) -> tuple[Any, Any] | None:
+    """``(g'(x), g''(x))`` of the elementwise ``y = g(x)`` (``g''`` None: zero), or None."""
+    if name == "tanh":
+        d1 = 1 - y * y
+        return d1, -2 * y * d1
+    if name == "logistic":
+        d1 = y * (1 - y)
+        return d1, d1 * (1 - 2 * y)
+    if name == "exp":
+        return y, y
+    if name == "exp2":
+        ln2 = float(np.log(2.0))
+        return ln2 * y, ln2 * ln2 * y
+    if name == "expm1":
+        return y + 1, y + 1
+    if name == "log":
+        r = 1 / x
+        return r, -r * r
+    if name == "log1p":
+        r = 1 / (1 + x)
+        return r, -r * r
+    if name == "sin":
+        return jnp.cos(x), -y
+    if name == "cos":
+        return -jnp.sin(x), -y
+    if name == "sqrt":
+        d1 = 0.5 / y
+        return d1, -0.5 * d1 / x
+    if name == "rsqrt":
+        d1 = -0.5 * y / x
+        return d1, -1.5 * d1 / x
+    if name == "square":
+        return 2 * x, jnp.full_like(x, 2)
+    if name == "integer_pow":
+        n = int(params["y"])
+        if n == 0:
+            return jnp.zeros_like(x), None
+        d1 = n * (lax.integer_pow(x, n - 1) if n != 1 else jnp.ones_like(x))
+        d2 = None if n == 1 else n * (n - 1) * (lax.integer_pow(x, n - 2) if n != 2
+                                                else jnp.ones_like(x))
+        return d1, d2
+    if name == "erf":
+        d1 = float(2 / np.sqrt(np.pi)) * jnp.exp(-x * x)  # (a Python float: weak, no promotion)
+        return d1, -2 * x * d1
+    if name == "abs":
+        return jnp.sign(x), None
+    return None
+
+
+def _bcast(j: Any, shape: tuple[int, ...]) -> Any:
+    """Tangents ``(k, *s)`` broadcast to ``(k, *shape)`` (numpy rules on the trailing axes)."""
+    if tuple(j.shape[1:]) == shape:
+        return j
+    k, s = j.shape[0], tuple(j.shape[1:])
+    j = j.reshape((k, *([1] * (len(shape) - len(s))), *s))
+    return jnp.broadcast_to(j, (k, *shape))
+
+
+def _lap_bcast(lap: Any, shape: tuple[int, ...]) -> Any:
+    return lap if lap is None or tuple(lap.shape) == shape else jnp.broadcast_to(lap, shape)
+
+
+def _plus(a: Any, b: Any) -> Any:
+    return b if a is None else a if b is None else a + b
+
+
+def _sumsq(j: Any) -> Any:
+    return jnp.sum(j * j, axis=0)
+
+
+def _through(d: _Dual, y: Any, d1: Any, d2: Any) -> _Dual:
+    """``g(d)`` for an elementwise ``g`` with ``y = g(d.p)``, ``g' = d1``, ``g'' = d2``."""
+    lap = None if d.l is None else d.l * d1
+    if d2 is not None:
+        lap = _plus(lap, d2 * _sumsq(d.j))
+    return _Dual(y, d.j * d1, lap)
+
+
+def _mul(a: Any, b: Any) -> Any:
+    """The product of two values, either of them a :class:`_Dual`."""
+    if not isinstance(a, _Dual) and not isinstance(b, _Dual):
+        return a * b
+    if not isinstance(b, _Dual):
+        a, b = b, a
+    if not isinstance(a, _Dual):  # b varies
+        y = a * b.p
+        return _Dual(y, _bcast(b.j * a, y.shape), _lap_bcast(None if b.l is None else b.l * a,
+                                                             y.shape))
+    y = a.p * b.p
+    ja, jb = _bcast(a.j, y.shape), _bcast(b.j, y.shape)
+    lap = _plus(_plus(None if a.l is None else a.l * b.p, None if b.l is None else a.p * b.l),
+                2 * jnp.sum(ja * jb, axis=0))
+    return _Dual(y, ja * b.p + a.p * jb, _lap_bcast(lap, y.shape))
+
+
+def _recip(d: _Dual) -> _Dual:
+    r = 1 / d.p
+    return _through(d, r, -r * r, 2 * r * r * r)
+
+
+def _log(d: _Dual) -> _Dual:
+    r = 1 / d.p
+    return _through(d, jnp.log(d.p), r, -r * r)
+
+
+def _exp(d: _Dual) -> _Dual:
+    y = jnp.exp(d.p)
+    return _through(d, y, y, y)
+
+
+def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):  # JAX < 0.7: (subfunctions, params)
+        subfuns, params = params
+    out = eqn.primitive.bind(*subfuns, *args, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _floating(x: Any) -> bool:
+    return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
+def _linear(eqn: Any, ins: list[Any], vary: list[int], affine: bool) -> list[Any]:
+    """An operation linear in its varying operands (affine: the others' floating values
+    as zeros in the derivatives): the tangents ``vmap``-ed over ``k``, the Laplacians once."""
+    primals = [a.p if isinstance(a, _Dual) else a for a in ins]
+    outs = _bind(eqn, primals)
+    zeros = [i for i, a in enumerate(primals) if affine and i not in vary and _floating(a)]
+
+    def apply(*ts: Any) -> list[Any]:
+        args = list(primals)
+        for i in zeros:
+            args[i] = jnp.zeros_like(args[i])
+        for i, t in zip(vary, ts):
+            args[i] = t
+        return _bind(eqn, args)
+
+    jacs = jax.vmap(apply)(*[ins[i].j for i in vary])
+    laps: list[Any] = [None] * len(outs)
+    if any(ins[i].l is not None for i in vary):
+        laps = apply(*[ins[i].l if ins[i].l is not None else jnp.zeros_like(ins[i].p)
+                       for i in vary])
+    return [_Dual(y, j, lp) if _floating(y) else y for y, j, lp in zip(outs, jacs, laps)]
+
+
+def _bilinear_both(eqn: Any, ins: list[Any]) -> list[Any]:
+    """``B(a, b)`` with both operands varying: the product rule."""
+    a, b = ins
+    (y,) = _bind(eqn, [a.p, b.p])
+
+    def bb(x: Any, z: Any) -> Any:
+        return _bind(eqn, [x, z])[0]
+
+    jac = jax.vmap(bb, in_axes=(0, None))(a.j, b.p) + jax.vmap(bb, in_axes=(None, 0))(a.p, b.j)
+    lap = 2 * jnp.sum(jax.vmap(bb)(a.j, b.j), axis=0)
+    if a.l is not None:
+        lap = lap + bb(a.l, b.p)
+    if b.l is not None:
+        lap = lap + bb(a.p, b.l)
+    return [_Dual(y, jac, lap)]
+
+
+def _pick(a: Any, b: Any, y: Any, name: str) -> Any:
+    """The weight of ``a`` in ``max``/``min``: 1 where it is chosen, 0.5 at ties (JAX's)."""
+    pa, pb = (a.p if isinstance(a, _Dual) else a), (b.p if isinstance(b, _Dual) else b)
+    wins = pa > pb if name == "max" else pa < pb
+    return jnp.where(wins, 1.0, jnp.where(pa == pb, 0.5, 0.0)).astype(y.dtype)
+
+
+def _equation(eqn: Any, ins: list[Any]) -> list[Any]:
+    name = eqn.primitive.name
+    vary = [i for i, a in enumerate(ins) if isinstance(a, _Dual)]
+    if not vary or name in _FLAT:
+        return _bind(eqn, [a.p if isinstance(a, _Dual) else a for a in ins])
+    if name in _CALLS:
+        sub = eqn.params[_CALLS[name]]
+        if isinstance(sub, ClosedJaxpr):
+            return _eval(sub.jaxpr, sub.consts, ins)
+        return _eval(sub, [], ins)
+    if name in ("add", "sub", "add_any") or (name == "neg" and len(ins) == 1):
+        primals = [a.p if isinstance(a, _Dual) else a for a in ins]
+        (y,) = _bind(eqn, primals)
+        shape = tuple(y.shape)
+        jac = lap = None
+        for i in vary:
+            neg = name == "neg" or (name == "sub" and i == 1)
+            j, lp = _bcast(ins[i].j, shape), _lap_bcast(ins[i].l, shape)
+            if neg:
+                j, lp = -j, None if lp is None else -lp
+            jac, lap = _plus(jac, j), _plus(lap, lp)
+        return [_Dual(y, jac, lap)]
+    if name == "convert_element_type" and not jnp.issubdtype(eqn.params["new_dtype"],
+                                                              jnp.inexact):
+        return _bind(eqn, [ins[0].p])
+    if name in _AFFINE:
+        return _linear(eqn, ins, vary, affine=True)
+    if name == "mul":
+        return [_mul(ins[0], ins[1])]
+    if name in _BILINEAR:
+        return _linear(eqn, ins, vary, affine=False) if len(vary) == 1 \
+            else _bilinear_both(eqn, ins)
+    if name == "div":
+        a, b = ins
+        if not isinstance(b, _Dual):
+            return _linear(eqn, ins, vary, affine=False)
+        return [_mul(a, _recip(b))]
+    if name == "pow":
+        a, b = ins
+        if not isinstance(b, _Dual):  # x ** c
+            (y,) = _bind(eqn, [a.p, b])
+            d1 = b * a.p ** (b - 1)
+            return [_through(a, y, d1, b * (b - 1) * a.p ** (b - 2))]
+        return [_exp(_mul(_log(a) if isinstance(a, _Dual) else jnp.log(a), b))]
+    if name in ("max", "min"):
+        a, b = ins
+        (y,) = _bind(eqn, [x.p if isinstance(x, _Dual) else x for x in ins])
+        shape = tuple(y.shape)
+        w = _pick(a, b, y, name)
+        jac = lap = None
+        for d, wt in ((a, w), (b, 1 - w)):
+            if isinstance(d, _Dual):
+                jac = _plus(jac, _bcast(d.j, shape) * wt)
+                lap = _plus(lap, None if d.l is None else _lap_bcast(d.l, shape) * wt)
+        return [_Dual(y, jac, lap)]
+    if len(ins) == 1:
+        (y,) = _bind(eqn, [ins[0].p])
+        derivs = _unary(name, ins[0].p, y, eqn.params)
+        if derivs is not None:
+            return [_through(ins[0], y, *derivs)]
+    raise Unsupported(name)
+
+
+def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        outs = _equation(eqn, [read(v) for v in eqn.invars])
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
+def trace(fn: Callable[..., Any], *specs: Any) -> ClosedJaxpr:
+    """The jaxpr of ``fn`` (one instance's function) for arguments shaped as ``specs``."""
+    return jax.make_jaxpr(fn)(*specs)
+
+
+def run(closed: ClosedJaxpr, u: Any, *rest: Any) -> tuple[Any, Any, Any]:
+    """``(y, J, L)`` of ``closed`` (a function of ``(u, *rest)`` with one output) at ``u``:
+    ``J`` ``(k, *y.shape)`` along the unit tangents of ``u`` (``k = u.size``, in ``u``'s
+    row-major order), ``L`` the Laplacian over ``u``. Raises :class:`Unsupported`."""
+    k = int(np.prod(u.shape, dtype=np.int64))
+    seed = jnp.eye(k, dtype=u.dtype).reshape((k, *u.shape))
+    (out,) = _eval(closed.jaxpr, closed.consts, [_Dual(u, seed, None), *rest])
+    if not isinstance(out, _Dual):
+        out = jnp.asarray(out)
+        return out, jnp.zeros((k, *out.shape), out.dtype), jnp.zeros_like(out)
+    lap = jnp.zeros_like(out.p) if out.l is None else out.l
+    return out.p, _bcast(out.j, tuple(out.p.shape)), _lap_bcast(lap, tuple(out.p.shape))
