@@ -717,7 +717,7 @@ def test_rows_apart_follows_the_primitives_it_knows() -> None:
 
 def test_a_small_first_chunk_compiles_the_quick_build_and_a_due_race_replaces_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A first call whose chunk computes a few million flops compiles one build, "quick", and
+    """A first call whose chunk does little elementwise work compiles one build, "quick", and
     runs it untimed; once the work repays a race, the race times the full builds and keeps one
     of them, never "quick"; every build gives the Jacobians finite differences give."""
     w = data((4, 6), seed=41)
@@ -735,8 +735,8 @@ def test_a_small_first_chunk_compiles_the_quick_build_and_a_due_race_replaces_it
     assert kernel.cheap_first == "quick"
     assert "optimization level 0" in kernel.note
     assert set(kernel._compiled) == {"quick"}  # one compilation, the quick one
-    assert kernel.flops is not None
-    assert 0 < kernel.flops <= kernel.QUICK_FLOPS
+    assert kernel.work is not None
+    assert 0 < kernel.work.elements <= kernel.QUICK_ELEMENTS
     assert kernel.untimed
     assert "quick" not in kernel.variants
     with monkeypatch.context() as patch:
@@ -761,7 +761,7 @@ def test_a_chunk_over_the_quick_limit_and_autotune_off_compile_the_default_build
     from batchjac._backends.jax import JaxKernel
 
     with monkeypatch.context() as patch:
-        patch.setattr(JaxKernel, "QUICK_FLOPS", 1.0)  # every chunk is "too large"
+        patch.setattr(JaxKernel, "QUICK_ELEMENTS", 1.0)  # every chunk is "too large"
         assert_jac_close(batchjac.jacobian(model, x, mode="forward"), ref)
     kernel = bound_of(model).kernel("forward", 50, False)
     assert set(kernel._compiled) == {"default"}
@@ -799,6 +799,14 @@ def test_the_flop_count_matches_xlas_cost_analysis() -> None:
         ours = jax_cost.flops(staged.jaxpr)
         xla = staged.lower().cost_analysis()["flops"]
         assert ours == pytest.approx(trips * xla, rel=0.15), fn
+    # the two kinds of work apart: W1's products against its elementwise maths
+    w = jax_cost.work(jax.jit(jax.vmap(jax.jacrev(mlp))).trace(rng.normal(size=(100, 8))
+                                                               .astype(np.float32)).jaxpr)
+    # the forward pass of 100 rows, the unit cotangents through w2 (not batched: once), and
+    # the 4 cotangents of each row back through w1
+    products = 2 * 100 * (8 * 64 + 64 * 4) + 2 * 4 * 4 * 64 + 2 * 100 * 4 * 64 * 8
+    assert w.products == products
+    assert 0 < w.elements < w.products / 4
 
 
 @pytest.mark.parametrize("workload", ["W1", "W2"])

@@ -462,21 +462,25 @@ class JaxKernel(Kernel):
     without that option, there is only "default".
 
     *The quick build* ("quick": XLA at optimization level 0, on the CPU) is a first call's
-    build when the chunk computes at most :data:`QUICK_FLOPS` (counted from the traced
-    equations, :mod:`batchjac._backends.jax_cost`): it compiles in about two thirds of the
-    time and runs several times slower (W1, CPU seconds: 94 against 139 ms to compile, 1.9
-    against 0.5 ms a 1,000-row chunk; 8,000 rows 15 against 4 ms; 30,000 rows 94 against 50
-    ms, where it no longer pays). It is never raced and never a store's build: the race the
-    first call skipped, once the work repays it (:mod:`batchjac._tuning`), replaces it with
-    the fastest of the others.
+    build when the chunk's elementwise work is at most :data:`QUICK_ELEMENTS` (counted from
+    the traced equations, :mod:`batchjac._backends.jax_cost`): it compiles in about 60% of
+    the time, and runs XLA's own loops several times slower (matrix products are library
+    calls either way). CPU seconds against the default build: W1, 1,000 rows, 80-94 against
+    124-139 ms to compile, 1.9 against 0.4-0.5 ms a chunk; W3, 1,000 rows, 88-90 against
+    146-168 ms and 25 against 9 ms; W1 at 30,000 rows 94 against 50 ms a chunk, where it no
+    longer pays. It is never raced and never a store's build: the race the first call
+    skipped, once the work repays it (:mod:`batchjac._tuning`), replaces it with the fastest
+    of the others.
     """
 
     _OPTIONS: ClassVar[dict[str, dict[str, str]]] = {
         "default": {}, "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""},
         "quick": {"xla_backend_optimization_level": "0"}}
-    #: chunks computing at most this many floating-point operations compile "quick" first
-    #: (W1: 55 million per 1,000 rows; the quick build stopped paying near 20,000 rows)
-    QUICK_FLOPS = 3e8
+    #: chunks whose equations other than matrix products and convolutions write at most
+    #: this many elements compile "quick" first: at 0.3-1 ns more an element, the quick build
+    #: costs at most ~40 ms more a call, less than the 45-75 ms its compilation saves (W1:
+    #: 2.6 million per 1,000 rows; W3 16 million; W2 at 10,000 rows 340 million)
+    QUICK_ELEMENTS = 4e7
     #: below this ratio of times, "no-ynnpack" is chosen
     MARGIN = 0.97
     #: block sizes tried (each made even over the chunk: 1,000 rows in blocks of 125)
@@ -578,18 +582,18 @@ class JaxKernel(Kernel):
 
     def _first_build(self) -> str:
         """"quick" where the chunk's work is too small to repay XLA's full optimisation
-        (:data:`QUICK_FLOPS`), on the CPU, with tuning on (it waits for the race that replaces
+        (:data:`QUICK_ELEMENTS`), on the CPU, with tuning on (it waits for the race that replaces
         it; with ``BATCHJAC_AUTOTUNE=off`` every kernel is "default"); else "default"."""
         from .._config import autotune_enabled
         from . import jax_cost
 
         if jax.default_backend() != "cpu" or not autotune_enabled() or self._jaxpr is None:
             return "default"
-        self.flops = jax_cost.flops(self._jaxpr)
-        return "quick" if self.flops <= self.QUICK_FLOPS else "default"
+        self.work = jax_cost.work(self._jaxpr)
+        return "quick" if self.work.elements <= self.QUICK_ELEMENTS else "default"
 
-    #: the chunk's estimated floating-point operations, where counted
-    flops: float | None = None
+    #: the chunk's estimated work, where counted
+    work: Any = None
 
     @property
     def cheap_first(self) -> str | None:
@@ -733,8 +737,9 @@ class JaxKernel(Kernel):
             self._select("default", "")
             return
         if not race_allowed() and self._first == "quick":
-            self._select("quick", f"quick (XLA at optimization level 0: {self.flops:.2g} "
-                                  f"flops a chunk, too few to repay a full build; {untimed_note()})")
+            self._select("quick", f"quick (XLA at optimization level 0: {self.work.elements:.2g} "
+                                  f"elements of elementwise work a chunk, too few to repay a full "
+                                  f"build; {untimed_note()})")
             self.untimed = True
             return
         if not race_allowed():

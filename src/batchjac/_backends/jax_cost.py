@@ -1,35 +1,60 @@
-"""The arithmetic of a JAX computation, counted from its jaxpr: no compilation, no values.
+"""The work of a JAX computation, counted from its jaxpr: no compilation, no values.
 
 A kernel's first build is chosen by what it will compute (:class:`~batchjac._backends.jax.
-JaxKernel`): XLA at optimization level 0 compiles a small kernel in about two thirds of the
-time of its default build (W1's 1,000-row chunk: 94 against 139 ms of CPU on the project's
-machine) and runs it ~4x slower (1.9 against 0.5 ms); for a job of a few milliseconds the
-compilation is the first call. Counting the work takes a walk over the traced equations
-(well under a millisecond), where XLA's own ``cost_analysis`` of the lowered module takes
-6-11 ms, a fifth of what it would decide about.
+JaxKernel`): XLA at optimization level 0 compiles a kernel in about 60% of the time of its
+default build and runs its own loops several times slower, while matrix products and
+convolutions, library calls either way, run about as fast. So the count keeps the two apart:
 
-The count is an estimate for that one decision: matrix products and convolutions at
-``2 * output size * contracted size``, every other equation at its output size, loops at their
-trip count (a ``while`` at one trip: its count is not known before it runs).
+- ``products``: floating-point operations of matrix products and convolutions, at
+  ``2 * output size * contracted size``;
+- ``elements``: the output elements of every other equation, the loops XLA emits. Measured on
+  the project's machine (CPU seconds, level 0 against the default), each costs 0.3-1 ns more:
+  W1 1,000 rows 1.4 ms more for 2.6 million, 30,000 rows 44 ms for 79 million; W3 16 ms for
+  16 million; W2 (10,000 rows) 97 ms for 340 million; while the compilation saves 45-75 ms.
+
+Loops count at their trip count (a ``while`` at one trip: its count is not known before it
+runs). The walk takes well under a millisecond, where XLA's own ``cost_analysis`` of the
+lowered module takes 6-11 ms, a fifth of what it would decide about.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 #: primitives holding sub-jaxprs run once per call, by parameter name
 _ONCE = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_PRODUCTS = ("dot_general", "conv_general_dilated")
+
+
+@dataclass(frozen=True)
+class Work:
+    products: float = 0.0
+    elements: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.products + other.products, self.elements + other.elements)
+
+    def __mul__(self, times: float) -> Work:
+        return Work(self.products * times, self.elements * times)
+
+    @property
+    def flops(self) -> float:
+        """Every operation, an element of elementwise work counted as one."""
+        return self.products + self.elements
+
+
+def work(jaxpr: Any) -> Work:
+    """The estimated work of one evaluation of ``jaxpr`` (a Jaxpr or ClosedJaxpr)."""
+    total = Work()
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        total = total + _equation(eqn)
+    return total
 
 
 def flops(jaxpr: Any) -> float:
-    """Estimated floating-point operations of one evaluation of ``jaxpr`` (a Jaxpr or
-    ClosedJaxpr)."""
-    inner = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0.0
-    for eqn in inner.eqns:
-        total += _equation(eqn)
-    return total
+    return work(jaxpr).flops
 
 
 def _size(var: Any) -> float:
@@ -37,7 +62,7 @@ def _size(var: Any) -> float:
     return float(math.prod(shape)) if shape else 1.0
 
 
-def _equation(eqn: Any) -> float:
+def _equation(eqn: Any) -> Work:
     name = eqn.primitive.name
     params = eqn.params
     out = sum(_size(v) for v in eqn.outvars)
@@ -45,20 +70,21 @@ def _equation(eqn: Any) -> float:
         (contract, _), _ = params["dimension_numbers"]
         lhs_shape = eqn.invars[0].aval.shape
         contracted = math.prod(lhs_shape[d] for d in contract) if contract else 1
-        return 2.0 * out * contracted
+        return Work(products=2.0 * out * contracted)
     if name == "conv_general_dilated":
         rhs_shape = eqn.invars[1].aval.shape
         spec = params["dimension_numbers"].rhs_spec  # (out features, in features, *spatial)
         window = math.prod(rhs_shape[d] for d in spec[1:])
-        return 2.0 * out * window
+        return Work(products=2.0 * out * window)
     if name == "scan":
-        return params["length"] * flops(params["jaxpr"])
+        return work(params["jaxpr"]) * params["length"]
     if name == "cond":
-        return max((flops(b) for b in params["branches"]), default=0.0)
+        branches = [work(b) for b in params["branches"]]
+        return max(branches, key=lambda w: w.flops, default=Work())
     if name == "while":
-        return flops(params["cond_jaxpr"]) + flops(params["body_jaxpr"])
+        return work(params["cond_jaxpr"]) + work(params["body_jaxpr"])
     for key in _ONCE:
         sub = params.get(key)
         if sub is not None and hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-            return flops(sub)
-    return out
+            return work(sub)
+    return Work(elements=out)
