@@ -749,7 +749,7 @@ def test_a_small_first_chunk_compiles_the_quick_build_and_a_due_race_replaces_it
     assert_jac_close(jac, ref)
 
 
-def test_a_chunk_over_the_quick_limit_and_autotune_off_compile_the_default_build(
+def test_the_first_build_follows_the_chunks_work_and_autotune_off_compiles_the_default(
         monkeypatch: pytest.MonkeyPatch) -> None:
     w = data((4, 6), seed=43)
     x = data((50, 4), seed=44)
@@ -766,6 +766,17 @@ def test_a_chunk_over_the_quick_limit_and_autotune_off_compile_the_default_build
     kernel = bound_of(model).kernel("forward", 50, False)
     assert set(kernel._compiled) == {"default"}
     assert kernel.cheap_first is None
+    def other(v: Any) -> Any:  # (a model of its own: the first one's kernels serve any N)
+        return _smooth(v, jnp.asarray(w), jnp)
+
+    with monkeypatch.context() as patch:  # wide matrix products: XLA's own dot emitter first
+        patch.setattr(JaxKernel, "QUICK_ELEMENTS", 1.0)
+        patch.setattr(JaxKernel, "WIDE_PRODUCTS", 1.0)
+        assert_jac_close(batchjac.jacobian(other, x[:40], mode="forward"), ref[:40])
+        wide = bound_of(other).kernel("forward", 40, False)
+    assert set(wide._compiled) == {"no-ynnpack"}
+    assert wide.variant == "no-ynnpack"
+    assert wide.cheap_first is None  # (a remembered build is taken at once)
     monkeypatch.setenv("BATCHJAC_AUTOTUNE", "off")
     assert_jac_close(batchjac.jacobian(model, x[:30], mode="forward"), ref[:30])
     assert set(bound_of(model).kernel("forward", 30, False)._compiled) == {"default"}

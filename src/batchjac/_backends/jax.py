@@ -163,7 +163,7 @@ class JaxBound(BoundModel):
         #: what the last kernel that timed its variants chose (see JaxKernel): its build,
         #: and whether in blocks. Kernels timed against it (other chunk sizes) run the same
         #: before they choose their own, so that sizes are compared alike
-        self.hint: tuple[str, bool] = ("default", False)
+        self.hint: tuple[str, bool] | None = None
         self._x64 = x64_enabled()
         self._sites = _Sites()
         self._captured = _captured_values(model, self._sites)
@@ -470,7 +470,9 @@ class JaxKernel(Kernel):
     146-168 ms and 25 against 9 ms; W1 at 30,000 rows 94 against 50 ms a chunk, where it no
     longer pays. It is never raced and never a store's build: the race the first call
     skipped, once the work repays it (:mod:`batchjac._tuning`), replaces it with the fastest
-    of the others.
+    of the others. Chunks with wide matrix products (:data:`WIDE_PRODUCTS`) take "no-ynnpack"
+    as their first build, untimed, for the same reason: the cost model's choice beats a race
+    the first call cannot repay.
     """
 
     _OPTIONS: ClassVar[dict[str, dict[str, str]]] = {
@@ -481,6 +483,10 @@ class JaxKernel(Kernel):
     #: costs at most ~40 ms more a call, less than the 45-75 ms its compilation saves (W1:
     #: 2.6 million per 1,000 rows; W3 16 million; W2 at 10,000 rows 340 million)
     QUICK_ELEMENTS = 4e7
+    #: chunks of at least this many floating-point operations in matrix products compile
+    #: "no-ynnpack" first (W2's 10,000 rows: 5.9e10, 273 against 361 ms a chunk; W3's 10,000
+    #: rows 2e10, 179 against 196 ms; W2's 2,000 rows and W4's 1,000 the same either way)
+    WIDE_PRODUCTS = 1e10
     #: below this ratio of times, "no-ynnpack" is chosen
     MARGIN = 0.97
     #: block sizes tried (each made even over the chunk: 1,000 rows in blocks of 125)
@@ -558,8 +564,14 @@ class JaxKernel(Kernel):
             try:  # each build of one blocking compiles the same lowering
                 lowered = self._lowering(self.chunk_size)
                 self._first = self._first_build()
-                self._compiled[self._first] = self._load_or_compile(lowered,
-                                                                    self._OPTIONS[self._first])
+                try:
+                    compiled = self._load_or_compile(lowered, self._OPTIONS[self._first])
+                except Exception:  # an XLA without that option: its defaults (a model's
+                    if self._first == "default":  # failure fails those too)
+                        raise
+                    self._first = "default"
+                    compiled = self._load_or_compile(lowered, {})
+                self._compiled[self._first] = compiled
             except InputError:
                 raise
             except Exception as e:
@@ -581,16 +593,20 @@ class JaxKernel(Kernel):
         raise failed
 
     def _first_build(self) -> str:
-        """"quick" where the chunk's work is too small to repay XLA's full optimisation
-        (:data:`QUICK_ELEMENTS`), on the CPU, with tuning on (it waits for the race that replaces
-        it; with ``BATCHJAC_AUTOTUNE=off`` every kernel is "default"); else "default"."""
+        """The build compiled first, on the CPU with tuning on (``BATCHJAC_AUTOTUNE=off`` and
+        other devices: "default"): "quick" where the chunk's elementwise work is too small to
+        repay XLA's full optimisation (:data:`QUICK_ELEMENTS`; it waits for the race that
+        replaces it), "no-ynnpack" where its matrix products are wide
+        (:data:`WIDE_PRODUCTS`), else "default"."""
         from .._config import autotune_enabled
         from . import jax_cost
 
         if jax.default_backend() != "cpu" or not autotune_enabled() or self._jaxpr is None:
             return "default"
         self.work = jax_cost.work(self._jaxpr)
-        return "quick" if self.work.elements <= self.QUICK_ELEMENTS else "default"
+        if self.work.elements <= self.QUICK_ELEMENTS:
+            return "quick"
+        return "no-ynnpack" if self.work.products >= self.WIDE_PRODUCTS else "default"
 
     #: the chunk's estimated work, where counted
     work: Any = None
@@ -694,7 +710,7 @@ class JaxKernel(Kernel):
         self._check_asked()
         fn = self._fn
         if self.variant is None and self._first != "quick":
-            fn = self._compile(self._hinted(*self._bound.hint))
+            fn = self._compile(self._hinted(*(self._bound.hint or (self._first, False))))
         return self._result(fn(self._bound.args, u, tuple(ctx)), isinstance(u, jax.Array))()
 
     def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
@@ -744,7 +760,8 @@ class JaxKernel(Kernel):
             return
         if not race_allowed():
             # what an earlier kernel of this model chose by timing (none with autotune off)
-            hint = self._hinted(*(self._bound.hint if autotune_enabled() else ("default", False)))
+            hint = self._hinted(*(self._bound.hint or (self._first, False)) if autotune_enabled()
+                                else ("default", False))
             self._select(hint, f"{hint} ({untimed_note()})")
             self.untimed = True
             return
