@@ -176,3 +176,33 @@ def test_the_untimed_first_call_takes_it_and_falls_back_where_it_cannot() -> Non
     assert "tapes (not timed" in err.getvalue(), err.getvalue()
     assert "no forward-Laplacian rule for the operation Atan" in err.getvalue(), err.getvalue()
     np.testing.assert_allclose(lap, (-2 * x / (1 + x * x) ** 2).sum(-1), rtol=1e-10, atol=1e-12)
+
+
+def test_a_first_call_computes_its_chunk_once(monkeypatch: Any) -> None:
+    """The check that a first call's build works (the forward Laplacian, the nested tapes)
+    computes the chunk, and that result is the call's: the compiled function runs once (it
+    ran twice: W7H at 100,000 rows took 1.77 s against the native tapes' 0.79 s)."""
+    from batchjac._backends.tensorflow import TFSecondKernel
+
+    runs: list[str] = []
+    original = TFSecondKernel._fn
+
+    def counting(self: Any, variant: str) -> Any:
+        fn = original(self, variant)
+
+        def run(*args: Any) -> Any:
+            runs.append(variant)
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(TFSecondKernel, "_fn", counting)
+    x = rng(7).normal(size=(20, 3))
+    lap = batchjac.laplacian(lambda z: tf.reduce_sum(tf.sin(z), -1), x, backend="tensorflow")
+    assert runs == ["forward-laplacian"]
+    np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
+    runs.clear()
+    hess = batchjac.hessian(lambda z: tf.reduce_sum(tf.sin(z), -1), x, backend="tensorflow")
+    assert runs == ["tapes"]
+    want = np.zeros((20, 3, 3))
+    want[:, range(3), range(3)] = -np.sin(x)
+    np.testing.assert_allclose(hess, want, rtol=1e-12, atol=1e-12)

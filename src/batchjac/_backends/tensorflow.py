@@ -809,7 +809,8 @@ class TFSecondKernel(Kernel):
         if variant not in self.variants:
             return False
         try:
-            self._run(variant, u, ctx)
+            # the result kept: a first call that takes this build returns it, not a second run
+            self._tried = (variant, u, self._run(variant, u, ctx))
         except (BatchJacError, Warning):
             raise
         except Exception as e:
@@ -830,8 +831,12 @@ class TFSecondKernel(Kernel):
         if self.variant is None:
             self._first_call(u, ctx)
         assert self.variant is not None
+        tried, self._tried = self._tried, None
         try:
-            out = self._fn(self.variant)(u, *ctx, *self._seed_arrays)
+            if tried is not None and tried[0] == self.variant and tried[1] is u:
+                out = tried[2]  # (computed on these rows by the check that the build works)
+            else:
+                out = self._fn(self.variant)(u, *ctx, *self._seed_arrays)
         except _XLA_ERRORS as e:
             if self.variant != "xla" or _out_of_memory(e):
                 raise
@@ -841,9 +846,13 @@ class TFSecondKernel(Kernel):
             return dict(out)
         return {name: np.asarray(a) for name, a in out.items()}
 
-    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> Any:
         out = self._fn(variant)(u, *ctx, *self._seed_arrays)
         np.asarray(next(iter(out.values())))
+        return out
+
+    #: (build, rows, result) of the last check that a build works (see :meth:`_tapes_work`)
+    _tried: tuple[str, Any, Any] | None = None
 
     def _select(self, variant: str, note: str) -> None:
         if variant == "tapes":
