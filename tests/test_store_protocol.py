@@ -458,3 +458,75 @@ def test_a_done_unit_that_cannot_be_read_is_computed_again(tmp_path: Path) -> No
     clean = tmp_path / "clean" / "hess"
     HessianKind().run(clean)
     assert tree(kind.format(out), out) == tree(kind.format(clean), clean)
+
+
+def test_the_kinds_wording_names_what_is_refused(tmp_path: Path) -> None:
+    """The target's wording (``what``) is the name of the output in the protocol's refusals."""
+    from batchjac._errors import StoreExistsError
+    from batchjac._stores.units import Wording
+
+    out = tmp_path / "hess"
+    out.write_text("somebody's file\n")
+    job = HessianKind().job(1.0)
+    target = Target(out, NpyDirFormat(), wording=Wording(what="Hessian store"))
+    with pytest.raises(StoreExistsError) as got:
+        run(target, lambda: job)
+    assert str(got.value) == (
+        f"The output {os.fspath(out)!r} exists and is not a finished Hessian store. Choose another "
+        f"output path, or pass overwrite=True (--overwrite) to replace it.")
+
+
+def test_the_outputs_directories_are_made_or_their_failure_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An output in directories that do not exist yet gets them; one whose directory cannot
+    be made (a file is in its way), or whose work directory cannot be claimed, is a write
+    error naming which and the output."""
+    import errno
+
+    from batchjac._errors import StoreWriteError
+    from batchjac._stores.workdir import WorkDir
+
+    kind = HessianKind()
+    nested = tmp_path / "a" / "b" / "hess"
+    assert kind.run(nested) == (7, 0)
+    kind.check_values(nested)
+
+    (tmp_path / "afile").write_text("in the way\n")
+    blocked = tmp_path / "afile" / "hess"
+    with pytest.raises(StoreWriteError, match=rf"^Writing the output's directory of "
+                                              rf"{re.escape(repr(os.fspath(blocked)))} failed: "):
+        HessianKind().run(blocked)
+
+    def read_only(self: WorkDir) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    out = tmp_path / "hess"
+    monkeypatch.setattr(WorkDir, "claim", read_only)
+    with pytest.raises(StoreWriteError, match=rf"^Writing the work directory of "
+                                              rf"{re.escape(repr(os.fspath(out)))} failed: "
+                                              rf"{os.strerror(errno.EROFS)}"):
+        HessianKind().run(out)
+
+
+def test_progress_is_off_by_default_counts_kept_rows_and_is_erased_on_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No bar unless asked; a resumed run's bar starts at the rows kept (16 of 50) and ends at
+    50; a run that fails erases its bar (the error is what matters)."""
+    out = tmp_path / "hess"
+    assert HessianKind().run(tmp_path / "quiet") == (7, 0)
+    assert capsys.readouterr().err == ""
+
+    kind = HessianKind(fail_after=2)
+    with pytest.raises(Stop):
+        run(Target(out, NpyDirFormat()), lambda: kind.job(1.0), progress=True)
+    failed = capsys.readouterr().err
+    assert "batchjac:" in failed
+    assert failed.endswith("\r")  # erased, not left
+
+    outcome = run(Target(out, NpyDirFormat()), lambda: HessianKind().job(1.0), progress=True)
+    assert (outcome.computed, outcome.resumed) == (5, 2)
+    resumed = capsys.readouterr().err
+    frames = [f for f in resumed.split("\r") if f.strip()]
+    assert "| 16.0/50.0 [" in frames[0]
+    assert "| 50.0/50.0 [" in frames[-1]
+    assert resumed.endswith("\n")  # a finished bar is left
