@@ -327,3 +327,80 @@ def test_tensors_are_read_by_their_methods_and_bad_dtypes_are_named() -> None:
     assert str(got.value).startswith("`h` must hold real numbers; got dtype object (ragged rows?). ")
     assert to_numpy(np.array([[True, False]]), "x").dtype == np.bool_  # booleans are numbers here
     assert to_numpy(np.arange(3, dtype=np.uint8)[:, None], "x").dtype == np.uint8
+
+
+# -- found by `make mutate` (docs/mutation.md) ----------------------------------------------------
+def test_a_boolean_unknown_is_refused_by_its_whole_message() -> None:
+    rng = np.random.default_rng(55)
+    flags = rng.normal(size=(6, 3)) > 0
+    for inputs, wrt in (((flags,), None), ((flags, rng.normal(size=(6, 2))), None),
+                        (({"x": flags, "h": rng.normal(size=(6, 2))},), "x")):
+        with pytest.raises(batchjac.InputTypeError) as got:
+            normalize(inputs, wrt=wrt, dtype=None, nan_policy="raise")
+        assert str(got.value) == "The unknown input is boolean; unknowns must be real numbers."
+    # a boolean known input is fine: only the unknowns must be real
+    spec = normalize(({"x": rng.normal(size=(6, 3)), "h": flags},), wrt="x", dtype=None,
+                     nan_policy="raise")
+    assert spec.chunk(0, 6)[1][0].dtype == np.bool_
+
+
+def test_files_stay_on_disk_checked_by_rows_and_named_by_their_source(tmp_path: Any) -> None:
+    """A path (or a reader batchjac opened) is read by rows: its non-finite values are found
+    when its rows are read, not while validating; its name in messages is its file."""
+    from batchjac._io import open_input
+    from batchjac._validate import is_lazy
+
+    values = np.random.default_rng(56).normal(size=(6, 3))
+    values[4, 1] = np.nan
+    np.save(tmp_path / "x.npy", values)
+    path = str(tmp_path / "x.npy")
+    spec = normalize((path,), wrt=None, dtype=None, nan_policy="raise")
+    assert is_lazy(spec.arrays[0])
+    assert spec.finite_check == (True,)
+    assert spec.dtype == np.float64
+    reader = open_input(path)
+    spec = normalize((reader,), wrt=None, dtype=None, nan_policy="raise")
+    assert spec.arrays[0] is reader
+    assert spec.names == (f"x ({path})",)
+    assert spec.finite_check == (True,)
+    eager = normalize((np.asarray(values),), wrt=None, dtype=None, nan_policy="propagate")
+    assert eager.finite_check == (False,)
+    with pytest.raises(batchjac.InputError, match=r"^`x` has a non-finite value \(nan\) in row 4"):
+        normalize((values,), wrt=None, dtype=None, nan_policy="raise")
+
+
+def test_text_numbers_carry_no_dtype_intent(tmp_path: Any) -> None:
+    """CSV numbers are read as float64 whatever precision they were written in: they make
+    float32 the default, as nested lists do; a float64 .npy makes float64 the default."""
+    values = np.random.default_rng(57).normal(size=(5, 3))
+    np.savetxt(tmp_path / "x.csv", values, delimiter=",", header="a,b,c", comments="")
+    spec = normalize((str(tmp_path / "x.csv"),), wrt=["c", "a"], dtype=None, nan_policy="raise")
+    assert spec.dtype == np.float32
+    np.testing.assert_allclose(spec.chunk(0, 5)[0], values[:, [2, 0]], rtol=1e-6)  # as float32
+    np.save(tmp_path / "x.npy", values)
+    assert normalize((str(tmp_path / "x.npy"),), wrt=None, dtype=None,
+                     nan_policy="raise").dtype == np.float64
+
+
+def test_dtype_is_read_from_names_types_and_framework_dtypes() -> None:
+    from batchjac._validate import resolve_dtype
+
+    class FrameworkDType:  # what tf.float64 offers: a name
+        name = "float64"
+
+        def __repr__(self) -> str:
+            return "tf.float64"
+
+    assert resolve_dtype(FrameworkDType(), []) == np.float64
+    assert resolve_dtype(np.float32, []) == np.float32
+    assert resolve_dtype(np.dtype("float64"), []) == np.float64
+    assert resolve_dtype("float32", [np.dtype("float64")]) == np.float32
+    assert resolve_dtype(None, [np.dtype("float32"), np.dtype("float64")]) == np.float64
+    assert resolve_dtype(None, [np.dtype("float32"), np.dtype("int64")]) == np.float32
+    for bad, shown in ((np.float16, repr(np.float16)), ("int32", "'int32'"), (object(), None)):
+        with pytest.raises(batchjac.InputError) as got:
+            resolve_dtype(bad, [])
+        if shown is not None:
+            assert str(got.value) == (
+                f"`dtype` must be one of ('float32', 'float64') (or None: float32, or float64 "
+                f"when the inputs are float64); got {shown}.")
