@@ -335,14 +335,16 @@ def test_a_boolean_unknown_is_refused_by_its_whole_message() -> None:
     rng = np.random.default_rng(55)
     flags = rng.normal(size=(6, 3)) > 0
     for inputs, wrt in (((flags,), None), ((flags, rng.normal(size=(6, 2))), None),
-                        (({"x": flags, "h": rng.normal(size=(6, 2))},), "x")):
+                        (({"h": rng.normal(size=(6, 2)), "x": flags},), "x")):
         with pytest.raises(batchjac.InputTypeError) as got:
             normalize(inputs, wrt=wrt, dtype=None, nan_policy="raise")
         assert str(got.value) == "The unknown input is boolean; unknowns must be real numbers."
     # a boolean known input is fine: only the unknowns must be real
-    spec = normalize(({"x": rng.normal(size=(6, 3)), "h": flags},), wrt="x", dtype=None,
+    spec = normalize(({"h": flags, "x": rng.normal(size=(6, 3))},), wrt="x", dtype=None,
                      nan_policy="raise")
     assert spec.chunk(0, 6)[1][0].dtype == np.bool_
+    assert normalize((rng.normal(size=(6, 3)), flags), wrt=None, dtype=None,
+                     nan_policy="raise").unknown_shape == (3,)
 
 
 def test_files_stay_on_disk_checked_by_rows_and_named_by_their_source(tmp_path: Any) -> None:
