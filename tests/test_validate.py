@@ -514,6 +514,9 @@ def test_tables_by_their_methods_only_and_their_dtypes_kept() -> None:
     assert arr.dtype == np.float32  # not widened: float32 stays the default
     assert arr.columns == ("a", "b")  # type: ignore[attr-defined]
     assert normalize((single,), wrt=["b"], dtype=None, nan_policy="raise").dtype == np.float32
+    # a column named "source" is not a file to name the input by (only lazy inputs have one)
+    sourced = pd.DataFrame(rng.normal(size=(5, 2)), columns=["source", "b"])
+    assert normalize((sourced,), wrt=["b"], dtype=None, nan_policy="raise").names == ("x",)
     series = pd.Series(rng.normal(size=5))  # a column: dtypes and to_numpy, no columns
     got = to_numpy(series, "x")
     np.testing.assert_array_equal(got, series.to_numpy())
