@@ -478,3 +478,13 @@ def test_second_order_choices_reach_the_plan() -> None:
                            order="auto", chunk_size=None, max_memory=10**9,
                            reductions_over_forward=False)
     assert got.order == "forward-over-reverse"
+
+
+def test_auto_mode_without_a_measured_bias_is_reverse_from_k_equal_m() -> None:
+    """A backward pass weighs one tangent pass unless the backend measured otherwise: with
+    more unknowns than outputs auto mode is reverse (a bias of 2 would make it forward)."""
+    from batchjac._plan import choose_mode
+
+    assert choose_mode("auto", 3, 2)[0] == "reverse"
+    assert choose_mode("auto", 3, 2, forward_bias=2.0)[0] == "forward"
+    assert choose_mode("auto", 2, 3)[0] == "forward"
