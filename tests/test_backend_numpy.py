@@ -329,3 +329,21 @@ def test_the_runner_pads_framework_arrays_with_their_own_ops() -> None:
     assert all(isinstance(c, torch.Tensor) for c in last_ctx)
     np.testing.assert_array_equal(last_u.numpy(), u[[4, 5, 5, 5]])
     np.testing.assert_array_equal(last_ctx[0].numpy(), h[[4, 5, 5, 5]])
+
+
+def test_the_zero_check_reads_every_block_of_rows() -> None:
+    """The all-zero check reduces blocks of rows (2**16 entries each): a single nonzero entry
+    is found in the first row, the last row and between blocks; 0-d and 1-D results too."""
+    from batchjac._runner import _any_nonzero
+
+    rng = np.random.default_rng(62)
+    for shape in ((200, 1024), (2000, 64), (7,), (3, 5, 2)):
+        zeros = np.zeros(shape, np.float32)
+        assert not _any_nonzero(zeros)
+        for row in (0, shape[0] - 1, int(rng.integers(shape[0]))):
+            one = zeros.copy()
+            rest = tuple(int(rng.integers(d)) for d in shape[1:])
+            one[(row, *rest)] = 1.0 + rng.random()
+            assert _any_nonzero(one), (shape, row)
+    assert not _any_nonzero(np.array(0.0))
+    assert _any_nonzero(np.array(2.5))

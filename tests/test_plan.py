@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -411,10 +412,11 @@ def test_second_plan_over_the_budget_warns_and_keeps_the_chunk() -> None:
 
     per_row = second_bytes_per_row("diagonal", "forward-over-forward", 3, 2, 5, 4)
     with pytest.warns(ChunkMemoryWarning, match=r"^batchjac: chunk_size=64 needs ~\d+ MB by the "
-                      rf"planner's estimate \(~{per_row} B per row\).*\(at most 10 rows\)"):
+                      rf"planner's estimate \(~{per_row} B per row\).*\(at most 10 rows\)") as caught:
         got = make_second_plan(kind="diagonal", n=640, k=3, m=2, in_elems=5, dtype=np.dtype("f4"),
                                order="forward-over-forward", chunk_size=64,
                                max_memory=10 * per_row)
+    assert os.path.basename(caught[0].filename) != "_plan.py"  # points outside the planner
     assert (got.chunk_size, got.n_chunks) == (64, 10)
     assert got.memory_note.startswith("chunk_size=64 needs")
     assert got.memory_note in got.reason
@@ -475,6 +477,9 @@ def test_chunk_size_over_the_budget_is_kept_with_a_warning_that_says_by_how_much
     with pytest.warns(batchjac.ChunkMemoryWarning) as got:
         over = plan(max_memory=1_500_000, **exact)
     assert str(got[0].message) == f"batchjac: {note}."
+    # it points outside the planner, at its caller (not at the exact frame: under mutmut a
+    # trampoline of mutmut's module is that caller)
+    assert os.path.basename(got[0].filename) != "_plan.py"
     assert over.memory_note == note
     assert (over.chunk_size, over.n_chunks) == (250, 4)
     assert over.reason.endswith(f"chunks of 250 rows (chunk_size was given; {note})")
@@ -502,3 +507,13 @@ def test_second_order_choices_reach_the_plan() -> None:
                            order="auto", chunk_size=None, max_memory=10**9,
                            reductions_over_forward=False)
     assert got.order == "forward-over-reverse"
+
+
+def test_auto_mode_without_a_measured_bias_is_reverse_from_k_equal_m() -> None:
+    """A backward pass weighs one tangent pass unless the backend measured otherwise: with
+    more unknowns than outputs auto mode is reverse (a bias of 2 would make it forward)."""
+    from batchjac._plan import choose_mode
+
+    assert choose_mode("auto", 3, 2)[0] == "reverse"
+    assert choose_mode("auto", 3, 2, forward_bias=2.0)[0] == "forward"
+    assert choose_mode("auto", 2, 3)[0] == "forward"

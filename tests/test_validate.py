@@ -3,6 +3,7 @@ so these tests use a model that must never be called."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -327,3 +328,270 @@ def test_tensors_are_read_by_their_methods_and_bad_dtypes_are_named() -> None:
     assert str(got.value).startswith("`h` must hold real numbers; got dtype object (ragged rows?). ")
     assert to_numpy(np.array([[True, False]]), "x").dtype == np.bool_  # booleans are numbers here
     assert to_numpy(np.arange(3, dtype=np.uint8)[:, None], "x").dtype == np.uint8
+
+
+# -- found by `make mutate` (docs/mutation.md) ----------------------------------------------------
+def test_a_boolean_unknown_is_refused_by_its_whole_message() -> None:
+    rng = np.random.default_rng(55)
+    flags = rng.normal(size=(6, 3)) > 0
+    for inputs, wrt in (((flags,), None), ((flags, rng.normal(size=(6, 2))), None),
+                        (({"h": rng.normal(size=(6, 2)), "x": flags},), "x")):
+        with pytest.raises(batchjac.InputTypeError) as got:
+            normalize(inputs, wrt=wrt, dtype=None, nan_policy="raise")
+        assert str(got.value) == "The unknown input is boolean; unknowns must be real numbers."
+    # a boolean known input is fine: only the unknowns must be real
+    spec = normalize(({"h": flags, "x": rng.normal(size=(6, 3))},), wrt="x", dtype=None,
+                     nan_policy="raise")
+    assert spec.chunk(0, 6)[1][0].dtype == np.bool_
+    assert normalize((rng.normal(size=(6, 3)), flags), wrt=None, dtype=None,
+                     nan_policy="raise").unknown_shape == (3,)
+
+
+def test_files_stay_on_disk_checked_by_rows_and_named_by_their_source(tmp_path: Any) -> None:
+    """A path (or a reader batchjac opened) is read by rows: its non-finite values are found
+    when its rows are read, not while validating; its name in messages is its file."""
+    from batchjac._io import open_input
+    from batchjac._validate import is_lazy
+
+    values = np.random.default_rng(56).normal(size=(6, 3))
+    values[4, 1] = np.nan
+    np.save(tmp_path / "x.npy", values)
+    path = str(tmp_path / "x.npy")
+    spec = normalize((path,), wrt=None, dtype=None, nan_policy="raise")
+    assert is_lazy(spec.arrays[0])
+    assert spec.finite_check == (True,)
+    assert spec.dtype == np.float64
+    reader = open_input(path)
+    spec = normalize((reader,), wrt=None, dtype=None, nan_policy="raise")
+    assert spec.arrays[0] is reader
+    assert spec.names == (f"x ({path})",)
+    assert spec.finite_check == (True,)
+    eager = normalize((np.asarray(values),), wrt=None, dtype=None, nan_policy="propagate")
+    assert eager.finite_check == (False,)
+    with pytest.raises(batchjac.InputError, match=r"^`x` has a non-finite value \(nan\) in row 4"):
+        normalize((values,), wrt=None, dtype=None, nan_policy="raise")
+
+
+def test_text_numbers_carry_no_dtype_intent(tmp_path: Any) -> None:
+    """CSV numbers are read as float64 whatever precision they were written in: they make
+    float32 the default, as nested lists do; a float64 .npy makes float64 the default."""
+    values = np.random.default_rng(57).normal(size=(5, 3))
+    np.savetxt(tmp_path / "x.csv", values, delimiter=",", header="a,b,c", comments="")
+    spec = normalize((str(tmp_path / "x.csv"),), wrt=["c", "a"], dtype=None, nan_policy="raise")
+    assert spec.dtype == np.float32
+    np.testing.assert_allclose(spec.chunk(0, 5)[0], values[:, [2, 0]], rtol=1e-6)  # as float32
+    np.save(tmp_path / "x.npy", values)
+    assert normalize((str(tmp_path / "x.npy"),), wrt=None, dtype=None,
+                     nan_policy="raise").dtype == np.float64
+
+
+def test_dtype_is_read_from_names_types_and_framework_dtypes() -> None:
+    from batchjac._validate import resolve_dtype
+
+    class FrameworkDType:  # what tf.float64 offers: a name
+        name = "float64"
+
+        def __repr__(self) -> str:
+            return "tf.float64"
+
+    assert resolve_dtype(FrameworkDType(), []) == np.float64
+    assert resolve_dtype(np.float32, []) == np.float32
+    assert resolve_dtype(np.dtype("float64"), []) == np.float64
+    assert resolve_dtype("float32", [np.dtype("float64")]) == np.float32
+    assert resolve_dtype(None, [np.dtype("float32"), np.dtype("float64")]) == np.float64
+    assert resolve_dtype(None, [np.dtype("float32"), np.dtype("int64")]) == np.float32
+    for bad, shown in ((np.float16, repr(np.float16)), ("int32", "'int32'"), (object(), None)):
+        with pytest.raises(batchjac.InputError) as got:
+            resolve_dtype(bad, [])
+        if shown is not None:
+            assert str(got.value) == (
+                f"`dtype` must be one of ('float32', 'float64') (or None: float32, or float64 "
+                f"when the inputs are float64); got {shown}.")
+
+
+class Boxed:
+    """An array of a fake framework kind (a numpy array in a box, on a named device)."""
+
+    def __init__(self, arr: np.ndarray, device: Any = None) -> None:
+        self.arr, self.device = np.asarray(arr), device
+        self.shape, self.ndim = self.arr.shape, self.arr.ndim
+
+    def __getitem__(self, key: Any) -> Boxed:
+        return Boxed(self.arr[key], self.device)
+
+
+class BoxOps:
+    """The ArrayOps of :class:`Boxed` (what normalize uses of a framework's array kind)."""
+
+    kind = "boxed"
+
+    def __init__(self) -> None:
+        self.finite_checks = 0
+
+    def is_native(self, a: Any) -> bool:
+        return isinstance(a, Boxed)
+
+    def dtype_of(self, a: Any) -> np.dtype:
+        return a.arr.dtype if isinstance(a, Boxed) else np.dtype(a.dtype)
+
+    def all_finite(self, a: Any) -> bool:
+        self.finite_checks += 1
+        return bool(np.isfinite(a.arr).all())
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return a.arr
+
+    def from_numpy(self, a: np.ndarray, device: Any = None) -> Any:
+        assert isinstance(a, np.ndarray)
+        return Boxed(a, device)
+
+
+def test_a_framework_kind_gets_its_own_arrays_as_they_are_and_the_rest_once_on_the_device(
+        tmp_path: Any) -> None:
+    rng = np.random.default_rng(58)
+    u, h, f = rng.normal(size=(6, 3)), rng.normal(size=(6, 2)), rng.normal(size=(6, 4))
+    np.save(tmp_path / "f.npy", f)
+    native = Boxed(u, "dev:0")
+    xp = BoxOps()
+    spec = normalize(({"u": native, "h": h, "f": str(tmp_path / "f.npy")},), wrt="u", dtype=None,
+                     nan_policy="raise", xp=xp, device="dev:1")  # type: ignore[arg-type]
+    assert spec.arrays[0] is native  # its own kind: as it is, on its device
+    assert [type(a) for a in spec.arrays] == [Boxed, Boxed, Boxed]
+    assert [a.device for a in spec.arrays] == ["dev:0", "dev:1", "dev:1"]
+    np.testing.assert_array_equal(spec.arrays[1].arr, h)
+    np.testing.assert_array_equal(spec.arrays[2].arr, f)  # a file read whole, every row
+    assert spec.finite_check == (False, False, False)
+    assert xp.finite_checks == 3  # each checked where it lives
+
+    bad = u.copy()
+    bad[4, 1] = np.inf
+    for given in (Boxed(bad, "dev:0"), bad):
+        with pytest.raises(batchjac.InputError) as got:
+            normalize(({"u": given, "h": h},), wrt="u", dtype=None, nan_policy="raise",
+                      xp=BoxOps(), device="dev:1")  # type: ignore[arg-type]
+        assert str(got.value) == (
+            "`inputs['u']` has a non-finite value (inf) in row 4 at (1,); 1 row(s) in all have "
+            "NaN/Inf. Clean or drop such rows, or pass nan_policy='propagate' to get NaN "
+            "Jacobians for them.")
+    spec = normalize(({"u": Boxed(bad), "h": h},), wrt="u", dtype=None, nan_policy="propagate",
+                     xp=BoxOps())  # type: ignore[arg-type]
+    assert spec.n == 6
+
+
+def test_lazy_inputs_stay_lazy_and_are_named_and_checked_as_given(tmp_path: Any) -> None:
+    """np.memmap inputs (1-D too) are used as they are; a lazy input of text or with no rows
+    axis is refused by its whole message."""
+    from batchjac._validate import as_input, is_lazy
+
+    rng = np.random.default_rng(59)
+    np.save(tmp_path / "v.npy", rng.normal(size=(7,)))
+    np.save(tmp_path / "x.npy", rng.normal(size=(7, 3)))
+    vector = np.load(tmp_path / "v.npy", mmap_mode="r")
+    spec = normalize((vector,), wrt=None, dtype=None, nan_policy="raise")
+    assert spec.arrays[0] is vector
+    assert spec.unknown_shape == ()
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    spec = normalize((mapped,), wrt=[2], dtype=None, nan_policy="raise")
+    assert spec.names == ("x",)  # no source to name
+    assert is_lazy(spec.arrays[0])
+    np.save(tmp_path / "t.npy", np.array([["a"], ["b"]]))
+    with pytest.raises(batchjac.InputTypeError) as got:
+        as_input(np.load(tmp_path / "t.npy", mmap_mode="r"), "x")
+    assert str(got.value) == "`x` must hold real numbers; got dtype <U1."
+    scalar = np.memmap(tmp_path / "s.raw", dtype=np.float64, mode="w+", shape=())
+    with pytest.raises(batchjac.InputError) as got:
+        as_input(scalar, "h")
+    assert str(got.value) == "`h` is a scalar; it needs a leading axis with one row per instance."
+
+
+def test_tables_by_their_methods_only_and_their_dtypes_kept() -> None:
+    from batchjac._validate import to_numpy
+
+    pd = pytest.importorskip("pandas")
+    rng = np.random.default_rng(60)
+    single = pd.DataFrame(rng.normal(size=(5, 2)).astype(np.float32), columns=["a", "b"])
+    arr = to_numpy(single, "x")
+    assert arr.dtype == np.float32  # not widened: float32 stays the default
+    assert arr.columns == ("a", "b")  # type: ignore[attr-defined]
+    assert normalize((single,), wrt=["b"], dtype=None, nan_policy="raise").dtype == np.float32
+    # a column named "source" is not a file to name the input by (only lazy inputs have one)
+    sourced = pd.DataFrame(rng.normal(size=(5, 2)), columns=["source", "b"])
+    assert normalize((sourced,), wrt=["b"], dtype=None, nan_policy="raise").names == ("x",)
+    series = pd.Series(rng.normal(size=5))  # a column: dtypes and to_numpy, no columns
+    got = to_numpy(series, "x")
+    np.testing.assert_array_equal(got, series.to_numpy())
+    assert getattr(got, "columns", None) is None
+
+    class Described:  # columns and dtypes but no to_numpy: not a table, and not numbers
+        columns, dtypes = ["a"], [np.dtype("f8")]
+
+    with pytest.raises(batchjac.InputTypeError, match=r"^`x` must hold real numbers; got dtype object"):
+        to_numpy(Described(), "x")
+
+    class CpuTensor:  # a .cpu() and .numpy() but no .detach(): read with .numpy()
+        def __init__(self, a: np.ndarray) -> None:
+            self.a = a
+
+        def cpu(self) -> CpuTensor:
+            raise AssertionError("only torch tensors are moved with .detach().cpu()")
+
+        def numpy(self) -> np.ndarray:
+            return self.a
+
+    values = rng.normal(size=(4, 2))
+    np.testing.assert_array_equal(to_numpy(CpuTensor(values), "x"), values)
+
+
+@pytest.mark.parametrize(("count", "shown_more"), [(10, False), (11, True)])
+def test_text_columns_are_listed_up_to_ten(count: int, shown_more: bool) -> None:
+    from batchjac._validate import to_numpy
+
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame({f"c{i}": ["t"] * 2 for i in range(count)} | {"ok": [1.0, 2.0]})
+    shown = [f"c{i}" for i in range(10)] + (["..."] if shown_more else [])
+    with pytest.raises(batchjac.InputTypeError, match=r"^`x` is a table whose column\(s\) "
+                                                      + re.escape(repr(shown)) + " are not numeric"):
+        to_numpy(frame, "x")
+
+
+def test_wrt_forms_give_the_layout_and_their_errors_the_valid_range(x: np.ndarray) -> None:
+    rng = np.random.default_rng(61)
+    h = rng.normal(size=(10, 3))
+    spec = normalize(({"x": x, "h": h},), wrt="h", dtype=None, nan_policy="raise")
+    assert spec.layout == Layout(kind="dict", n_inputs=2, wrt_index=1, keys=("x", "h"))
+    spec = normalize(({"x": x, "h": h},), wrt=("h", [2, 0]), dtype=None, nan_policy="raise")
+    assert spec.layout == Layout(kind="dict", n_inputs=2, wrt_index=1, keys=("x", "h"),
+                                 columns=(2, 0), perm=(1, 2, 0))
+    np.testing.assert_array_equal(spec.chunk(0, 10)[0], h[:, [2, 0]])
+    assert normalize(((x, h),), wrt=-2, dtype=None, nan_policy="raise").layout == Layout(
+        kind="tuple", n_inputs=2, wrt_index=0)
+    # a list of 1-D arrays is a multi-input model too
+    spec = normalize(([x[:, 0], x[:, 1]],), wrt=1, dtype=None, nan_policy="raise")
+    assert (spec.layout.kind, spec.unknown_shape) == ("tuple", ())
+    # columns of the last axis of a 4-D input
+    cube = rng.normal(size=(10, 2, 3, 5))
+    spec = normalize((cube,), wrt=[4, 1], dtype=None, nan_policy="raise")
+    assert spec.unknown_shape == (2, 3, 2)
+    assert spec.layout == Layout(kind="single", n_inputs=1, columns=(4, 1), perm=(2, 1, 3, 4, 0))
+    u, ctx = spec.chunk(0, 10)
+    np.testing.assert_array_equal(u, cube[..., [4, 1]])
+    np.testing.assert_array_equal(np.concatenate([u, ctx[0]], -1)[..., list(spec.layout.perm or ())],
+                                  cube)  # the model's input rebuilt
+
+    def message(*inputs: Any, wrt: Any) -> str:
+        with pytest.raises(batchjac.InputError) as got:
+            normalize(inputs, wrt=wrt, dtype=None, nan_policy="raise")
+        return str(got.value)
+
+    assert message((x, h, x), wrt=None) == (
+        "The model has 3 inputs; say which is unknown with `wrt` (an index 0..2), or (input, "
+        "columns) for some of its columns, e.g. wrt=(0, [0, 1]).")
+    assert message((x, h), wrt=2) == "`wrt=2` is out of range: there are 2 inputs (0..1)."
+    assert message((x, h), wrt=-3) == "`wrt=-3` is out of range: there are 2 inputs (0..1)."
+    assert message(x, wrt=[0, 8]) == (
+        "`wrt` column 8 is out of range: `x` has 8 feature columns (valid indices 0..7, or "
+        "negative from the end).")
+    assert message(x, wrt=slice(8, 10)) == (
+        "`wrt=slice(8, 10, None)` selects no column of `x`, which has 8 feature columns. Give a "
+        "non-empty slice such as slice(0, 5).")
+    assert message(x[:, :3], wrt=slice(3, None)).endswith("such as slice(0, 3).")
