@@ -177,10 +177,11 @@ class ReadsOnlyKnown(keras.Model):
 def test_all_zero_jacobians_warn_once_per_bound_model(tmp_path: Any) -> None:
     model, rng = ReadsOnlyKnown(), _rng()
     u, h = rng.normal(size=(40, 5)).astype("f4"), rng.normal(size=(40, 3)).astype("f4")
-    with pytest.warns(batchjac.ZeroJacobianWarning, match=r"Every Jacobian entry of .* is zero: the "
-                                                          r"model's output does not seem to depend on "
-                                                          r"the unknowns.*reads only the known inputs"):
+    with pytest.warns(batchjac.ZeroJacobianWarning,
+                      match=r"Every Jacobian entry of .* is zero: the model's output does not "
+                            r"seem to depend on the unknowns.*reads only the known inputs") as rec:
         jac = batchjac.jacobian(model, u, h)
+    assert rec[0].filename == __file__  # the user's call, not a line of batchjac
     assert jac.shape == (40, 4, 5)
     assert not np.any(jac)
     batchjac.jacobian(model, u, h)  # once per bound model: no second warning (warnings are errors)

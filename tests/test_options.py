@@ -80,6 +80,17 @@ def test_chunk_size_beyond_the_rows_is_capped(problem: tuple[np.ndarray, np.ndar
     assert (kept.chunk_size, kept.n_chunks) == (16384, 1)
 
 
+def test_a_chunk_size_over_the_memory_budget_warns_at_the_users_call(
+        problem: tuple[np.ndarray, np.ndarray]) -> None:
+    from batchjac._plan import ChunkMemoryWarning
+
+    w, u = problem
+    with pytest.warns(ChunkMemoryWarning, match=r"chunk_size=20 needs ~") as rec:
+        jac = batchjac.jacobian(linear(w), u, chunk_size=20, max_memory=2000)
+    assert rec[0].filename == __file__  # the user's call, not a line of batchjac
+    np.testing.assert_allclose(jac, np.broadcast_to(w, (N, M, D)), rtol=1e-6)
+
+
 def test_chunk_size_over_the_memory_budget_is_reported() -> None:
     from batchjac._plan import ChunkMemoryWarning, bytes_per_row, make_plan
 

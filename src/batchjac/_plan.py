@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ._backends._base import user_stacklevel
 from ._config import parse_bytes
 from ._errors import ChunkMemoryWarning as ChunkMemoryWarning, InputError
 
@@ -108,7 +109,7 @@ def make_plan(
     plan = _make_plan(n=n, k=k, m=m, in_elems=in_elems, dtype=dtype, mode=mode,
                       chunk_size=chunk_size, max_memory=max_memory, forward_bias=forward_bias)
     if plan.memory_note:  # outside the cache: every such call says so
-        warnings.warn(f"batchjac: {plan.memory_note}.", ChunkMemoryWarning, stacklevel=2)
+        warnings.warn(f"batchjac: {plan.memory_note}.", ChunkMemoryWarning, stacklevel=user_stacklevel())
     return plan
 
 
@@ -239,7 +240,7 @@ def make_second_plan(*, kind: SecondKindArg, n: int, k: int, m: int, in_elems: i
     per_row = second_bytes_per_row(kind, chosen, k, m, in_elems, dtype.itemsize)
     size, budget_rows, source, note = _chunking(n, per_row, chunk_size, max_memory)
     if note:
-        warnings.warn(f"batchjac: {note}.", ChunkMemoryWarning, stacklevel=2)
+        warnings.warn(f"batchjac: {note}.", ChunkMemoryWarning, stacklevel=user_stacklevel())
     return SecondPlan(order=chosen, chunk_size=size, n_chunks=-(-n // size) if n else 0,
                       reason=f"{kind}: {chosen} ({why}); chunks of {size} rows ({source})",
                       budget_rows=budget_rows, memory_note=note)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ._backends._base import user_stacklevel
 from ._errors import BatchJacError, ModelError, ZeroJacobianWarning, add_context
 from ._sinks import ArraySink
 from ._spec import BatchSpec
@@ -141,7 +142,7 @@ def warn_if_zero(kernel: Any, out: Results, where: object) -> None:
         f"on the unknowns. Usual cause: the model reads only the known inputs (or ignores the "
         f"unknown columns), e.g. it slices them away; check which columns it takes. (A model "
         f"flat over these rows, e.g. saturated or behind dead ReLUs, gives zeros too.)",
-        ZeroJacobianWarning, stacklevel=3)
+        ZeroJacobianWarning, stacklevel=user_stacklevel())
 
 
 #: entries of a block of rows :func:`_any_nonzero` reads at once (its views cost nothing)
