@@ -407,3 +407,35 @@ def test_workers_write_second_order_stores(client: Any, tmp_path: Any,
                              chunk_size=100, client=client, backend="torch")
     assert lap.computed_chunks == 3
     np.testing.assert_allclose(lap.open(), -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_hvp_on_the_cluster_splits_the_inputs_and_v_alike(client: Any) -> None:
+    """hvp on Dask: the rows of the inputs and of ``v`` go to the same blocks (numpy in: numpy
+    out, gathered; Dask arrays in: a lazy result; torch in: torch out), against the closed form
+    of ``y_m = sin(a_m . x)``: ``(H v)_m = -sin(a_m . x) a_m (a_m . v)``."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(71)
+    a = rng.normal(size=(3, 4))
+    lin = torch.nn.Linear(4, 3, bias=False).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(a))
+    model = torch.nn.Sequential(lin).eval()
+
+    def f(x: Any) -> Any:
+        return torch.sin(model(x))
+
+    x, v = rng.normal(size=(500, 4)), rng.normal(size=(500, 4))
+    want = -np.sin(x @ a.T)[:, :, None] * a[None] * (v @ a.T)[:, :, None]
+    got = batchjac.hvp(f, x, v=v, client=client, rows_per_task=120)
+    assert isinstance(got, np.ndarray)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    lazy = batchjac.hvp(f, da.from_array(x, chunks=(200, 4)), v=da.from_array(v, chunks=(150, 4)),
+                        client=client)
+    assert isinstance(lazy, da.Array)
+    np.testing.assert_allclose(client.compute(lazy, sync=True), want, rtol=1e-10, atol=1e-12)
+    native = batchjac.hvp(f, torch.from_numpy(x), v=torch.from_numpy(v), client=client,
+                          rows_per_task=250)
+    assert isinstance(native, torch.Tensor)
+    np.testing.assert_allclose(native.numpy(), want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(batchjac.InputError, match=r"On Dask, hvp\(\) computes in memory"):
+        batchjac.hvp(f, x, v=v, client=client, out=np.empty_like(want))

@@ -572,13 +572,12 @@ def test_chunk_sizes_are_timed_where_the_work_repays_it(name: str, monkeypatch: 
         assert_jac_close(lap, want, factor=0.1)
 
 
-def test_hvp_refuses_a_cluster_by_name() -> None:
-    """hvp computes locally: a `client` or `scheduler` is an InputError naming it (it was a
-    TypeError from deep inside), and client=None is accepted."""
+def test_hvp_without_a_cluster_computes_locally() -> None:
+    """client=None and scheduler=None are the local path (the Dask path: tests/test_dask.py);
+    rows_per_task alone changes nothing, as for jacobian."""
     torch = pytest.importorskip("torch")
     x = rng(47).standard_normal((6, 3))
     v = rng(48).standard_normal((6, 3))
-    with pytest.raises(batchjac.InputError, match=r"hvp\(\) computes locally; got `scheduler`"):
-        batchjac.hvp(lambda z: torch.sin(z).sum(-1), x, v=v, scheduler="local:2")
-    got = batchjac.hvp(lambda z: torch.sin(z).sum(-1), x, v=v, client=None)
+    got = batchjac.hvp(lambda z: torch.sin(z).sum(-1), x, v=v, client=None, scheduler=None,
+                       rows_per_task=2)
     np.testing.assert_allclose(got, -np.sin(x) * v, rtol=1e-10, atol=1e-12)

@@ -123,22 +123,31 @@ _LOCK = threading.Lock()
 
 
 def _block(compute: Callable[..., Any], model: Any, form: str, keys: tuple[str, ...] | None,
-           kw: dict[str, Any], *blocks: Any) -> Any:
-    """One task: ``compute`` (``batchjac.jacobian``, pickled by reference) on one block of rows."""
+           kw: dict[str, Any], names: tuple[str, ...], *blocks: Any) -> Any:
+    """One task: ``compute`` (``batchjac.jacobian``, pickled by reference) on one block of rows;
+    the last ``len(names)`` blocks are per-row keyword arrays of the verb (``hvp``'s ``v``)."""
     if isinstance(model, ModelRef):
         model = model.load()
-    return compute(model, *_pack(form, keys, [np.asarray(b) for b in blocks]), **kw)
+    arrays = [np.asarray(b) for b in blocks]
+    cut = len(arrays) - len(names)
+    return compute(model, *_pack(form, keys, arrays[:cut]), **kw, **dict(zip(names, arrays[cut:])))
 
 
 def dask_jacobian(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ...], *, client: Any,
-                  rows_per_task: int | None, return_outputs: bool, kw: dict[str, Any]) -> Any:
+                  rows_per_task: int | None, return_outputs: bool, kw: dict[str, Any],
+                  rows_kw: dict[str, Any] | None = None) -> Any:
     """The Dask path of :func:`batchjac.jacobian` (``kw`` holds its other options); ``compute``
-    is the in-memory verb each task runs on its block (handed in: this module sits below it)."""
+    is the in-memory verb each task runs on its block (handed in: this module sits below it).
+    ``rows_kw``: keyword arrays of the verb with one row per instance (``hvp``'s ``v``), split
+    into the blocks as the inputs are."""
     import dask
     import dask.array as da
 
     jacobian = compute
     form, arrays, keys = _flatten(inputs)
+    names = tuple(rows_kw or ())
+    arrays = [*arrays, *(rows_kw or {}).values()]
+    cut = len(arrays) - len(names)
     lazy = any(is_dask_array(a) for a in arrays)
     n = int(arrays[0].shape[0])
     for a in arrays[1:]:
@@ -157,7 +166,8 @@ def dask_jacobian(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ..
     # Validate and learn the output shape on the client, from two rows (also runs the probes).
     head = [np.asarray(a[: min(n, 2)]) if not is_dask_array(a) else np.asarray(a[: min(n, 2)].compute())
             for a in arrays]
-    y_head, j_head = jacobian(model, *_pack(form, keys, head), return_outputs=True, **kw)
+    y_head, j_head = jacobian(model, *_pack(form, keys, head[:cut]), return_outputs=True, **kw,
+                              **dict(zip(names, head[cut:])))
     y_tail, j_tail = y_head.shape[1:], j_head.shape[1:]
     block_kw = {**kw, "return_outputs": return_outputs, "chunk_size": kw.get("chunk_size") or max(row_chunks)}
     bounds = list(zip(np.cumsum((0, *row_chunks[:-1])).tolist(), np.cumsum(row_chunks).tolist()))
@@ -169,8 +179,8 @@ def dask_jacobian(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ..
             # the block travels inside its task (not scattered): if the worker holding it dies,
             # the scheduler still has it and reruns the task elsewhere
             blocks = [np.ascontiguousarray(a[lo:hi]) for a in arrays]
-            futures.append(client.submit(_block, compute, ref, form, keys, block_kw, *blocks, pure=False,
-                                         retries=2))
+            futures.append(client.submit(_block, compute, ref, form, keys, block_kw, names, *blocks,
+                                         pure=False, retries=2))
         parts = client.gather(futures)
         if return_outputs:
             return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
@@ -182,7 +192,7 @@ def dask_jacobian(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ..
              for a in arrays]
     ys, js = [], []
     for i, rows in enumerate(row_chunks):
-        task = dask.delayed(_block, pure=True)(compute, model_ref, form, keys, block_kw,
+        task = dask.delayed(_block, pure=True)(compute, model_ref, form, keys, block_kw, names,
                                                *[d.blocks[i] for d in darrs])
         if return_outputs:
             ys.append(da.from_delayed(task[0], shape=(rows, *y_tail), dtype=y_head.dtype))
@@ -301,7 +311,8 @@ def client_for(client: Any, scheduler: str | None) -> Iterator[Any]:
 
 
 def run(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ...], *, client: Any,
-        rows_per_task: int | None, out: Any, kw: dict[str, Any], output: Any = "auto") -> Any:
+        rows_per_task: int | None, out: Any, kw: dict[str, Any], output: Any = "auto",
+        rows_kw: dict[str, Any] | None = None) -> Any:
     """In-memory results on Dask (a lazy Dask array for Dask inputs; for other inputs, the
     gathered blocks in the inputs' array kind and device, or ``output=``'s, by the rule of
     :mod:`batchjac._arrays`: the workers compute on numpy blocks, so a framework's arrays are
@@ -310,8 +321,9 @@ def run(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ...], *, cli
     Dask go through :func:`store_chunks_on_cluster`, chosen by the caller."""
     if out is not None:
         raise InputError("On Dask, `out` must be a store path (e.g. 'jac.zarr') or None.")
-    delivery = on_host(inputs, output)
-    if uses_dask(inputs) and delivery.kind != "numpy":
+    extra = tuple((rows_kw or {}).values())
+    delivery = on_host((*inputs, *extra), output)
+    if uses_dask((*inputs, *extra)) and delivery.kind != "numpy":
         raise InputError(
             f"`output={output!r}` with Dask arrays as inputs: the result is a lazy Dask array "
             f"(of numpy blocks). Pass output='auto', or compute it and convert the result, or "
@@ -320,9 +332,10 @@ def run(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ...], *, cli
     kw = dict(kw)
     return_outputs = kw.pop("return_outputs", False)
     kw.pop("progress", None)
+    host_kw = dict(zip(rows_kw or {}, host_inputs(extra)))
     return deliver(dask_jacobian(compute, model, host_inputs(inputs), client=client,
                                  rows_per_task=rows_per_task, return_outputs=return_outputs,
-                                 kw=kw), delivery)
+                                 kw=kw, rows_kw=host_kw), delivery)
 
 
 def host_inputs(inputs: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -190,14 +190,31 @@ def hvp(model: Any, *inputs: Any, v: Any, wrt: Any = None, mode: OrderArg = "aut
     *unknown_shape)``, computed in one forward pass over the reverse-mode Jacobian per chunk
     (no Hessian is formed). Other options as for :func:`hessian`; the result has the kind and
     device of the inputs and ``v`` (one framework's arrays among them: a torch ``v`` beside
-    torch inputs stays on their device), or ``output=``'s. It computes locally: ``client=``
-    and ``scheduler=`` are refused with an InputError."""
-    for name in ("client", "scheduler"):
-        if options.get(name) is not None:
-            raise InputError(f"hvp() computes locally; got `{name}`={options[name]!r}. Drop "
-                             f"`{name}` (or compute hessian() on the cluster and multiply by v).")
-        options.pop(name, None)
+    torch inputs stays on their device), or ``output=``'s. On Dask (``client=``,
+    ``scheduler=``, or Dask arrays among the inputs and ``v``) the rows of the inputs and of
+    ``v`` are split into the same blocks, one task each, and the result is computed in memory
+    as :func:`hessian`'s (``out=`` a store is not offered for products)."""
+    client, scheduler = options.pop("client", None), options.pop("scheduler", None)
+    rows_per_task = options.pop("rows_per_task", None)
+    if client is not None or scheduler is not None or (
+            any(type(a) is not np.ndarray for a in (*inputs, v)) and uses_dask((*inputs, v))):
+        from . import _dask
+
+        if options.get("out") is not None:
+            raise InputError("On Dask, hvp() computes in memory (a Dask array for Dask inputs); "
+                             "`out=` is not supported there. Compute locally to fill `out`, or "
+                             "drop it.")
+        output = options.pop("output", "auto")
+        kw = {"wrt": wrt, "mode": mode, **options}
+        with _dask.client_for(client, scheduler) as own:
+            return _dask.run(_hvp_task, model, inputs, client=own, rows_per_task=rows_per_task,
+                             out=None, kw=kw, output=output, rows_kw={"v": v})
     return second_order(model, inputs, "hvp", wrt=wrt, mode=mode, tangents=v, **options)
+
+
+def _hvp_task(model: Any, *inputs: Any, v: Any, **options: Any) -> Any:
+    """One Dask task of :func:`hvp`: its block of rows and of ``v``, computed locally."""
+    return hvp(model, *inputs, v=v, **options)
 
 
 def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wrt: Any = None,
