@@ -439,3 +439,8 @@ def test_hvp_on_the_cluster_splits_the_inputs_and_v_alike(client: Any) -> None:
     np.testing.assert_allclose(native.numpy(), want, rtol=1e-10, atol=1e-12)
     with pytest.raises(batchjac.InputError, match=r"On Dask, hvp\(\) computes in memory"):
         batchjac.hvp(f, x, v=v, client=client, out=np.empty_like(want))
+    # hessian with its Jacobian, gathered in memory: a tuple of the same parts, in order
+    jac, hess = batchjac.hessian(f, x, client=client, rows_per_task=200, return_jacobian=True)
+    np.testing.assert_allclose(jac, np.cos(x @ a.T)[:, :, None] * a[None], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(hess, -np.sin(x @ a.T)[:, :, None, None] * a[None, :, :, None]
+                               * a[None, :, None, :], rtol=1e-10, atol=1e-12)

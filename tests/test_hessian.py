@@ -415,8 +415,15 @@ def test_dask_arrays_give_a_lazy_result() -> None:
     np.testing.assert_allclose(y.compute(), want_y, rtol=1e-12, atol=1e-14)
     lap = batchjac.laplacian(f, da.from_array(x, chunks=25))
     np.testing.assert_allclose(lap.compute(), batchjac.laplacian(f, x), rtol=1e-12, atol=1e-14)
-    with pytest.raises(batchjac.InputError, match="not supported there yet"):
-        batchjac.hessian(f, da.from_array(x, chunks=25), return_jacobian=True)
+    y, jac, hess = batchjac.hessian(f, da.from_array(x, chunks=25), wrt=[0, 1, 2],
+                                    return_outputs=True, return_jacobian=True)  # lazy, all three
+    want_y, want_j, want = batchjac.hessian(f, x, wrt=[0, 1, 2], return_outputs=True,
+                                            return_jacobian=True)
+    assert jac.chunks[0] == (25, 25)
+    for got, ref in ((y, want_y), (jac, want_j), (hess, want)):
+        np.testing.assert_allclose(got.compute(), ref, rtol=1e-12, atol=1e-14)
+    with pytest.raises(batchjac.InputError, match="an `out=` array is not supported there"):
+        batchjac.hessian(f, da.from_array(x, chunks=25), out=np.empty((50, 4, 8, 8)))
 
 
 def test_tensorflow_builds_race_only_when_the_work_repays_it(monkeypatch: Any) -> None:

@@ -163,14 +163,22 @@ def dask_jacobian(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ..
         workers = max(1, len(client.scheduler_info().get("workers", {})))
         size = rows_per_task or max(1, math.ceil(n / (4 * workers)))
         row_chunks = tuple(min(size, n - lo) for lo in range(0, n, size)) or (0,)
-    # Validate and learn the output shape on the client, from two rows (also runs the probes).
+    # Validate and learn the results' shapes on the client, from two rows (also runs the
+    # probes): an array, or a tuple of them (outputs, Jacobians, Hessians...), one row each
     head = [np.asarray(a[: min(n, 2)]) if not is_dask_array(a) else np.asarray(a[: min(n, 2)].compute())
             for a in arrays]
-    y_head, j_head = jacobian(model, *_pack(form, keys, head[:cut]), return_outputs=True, **kw,
-                              **dict(zip(names, head[cut:])))
-    y_tail, j_tail = y_head.shape[1:], j_head.shape[1:]
+    sample = jacobian(model, *_pack(form, keys, head[:cut]), return_outputs=return_outputs, **kw,
+                      **dict(zip(names, head[cut:])))
+    several = isinstance(sample, tuple)
+    heads = sample if several else (sample,)
+    tails = [(h.shape[1:], h.dtype) for h in heads]
     block_kw = {**kw, "return_outputs": return_outputs, "chunk_size": kw.get("chunk_size") or max(row_chunks)}
     bounds = list(zip(np.cumsum((0, *row_chunks[:-1])).tolist(), np.cumsum(row_chunks).tolist()))
+
+    def joined(parts: list[Any], concat: Callable[[list[Any]], Any]) -> Any:
+        if not several:
+            return concat(parts)
+        return tuple(concat([p[i] for p in parts]) for i in range(len(tails)))
 
     if not lazy:  # numpy in: one task per block, numpy out
         ref = client.scatter(ModelRef(model), broadcast=True, hash=False)
@@ -181,26 +189,21 @@ def dask_jacobian(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ..
             blocks = [np.ascontiguousarray(a[lo:hi]) for a in arrays]
             futures.append(client.submit(_block, compute, ref, form, keys, block_kw, names, *blocks,
                                          pure=False, retries=2))
-        parts = client.gather(futures)
-        if return_outputs:
-            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-        return np.concatenate(parts)
+        return joined(client.gather(futures), np.concatenate)
 
     model_ref: Any = model if client is None else client.scatter(ModelRef(model), broadcast=True, hash=False)
     darrs = [a.rechunk({0: row_chunks, **dict.fromkeys(range(1, a.ndim), -1)}) if is_dask_array(a)
              else da.from_array(np.asarray(a), chunks=(row_chunks, *(-1 for _ in a.shape[1:])))
              for a in arrays]
-    ys, js = [], []
+    lazies = []
     for i, rows in enumerate(row_chunks):
         task = dask.delayed(_block, pure=True)(compute, model_ref, form, keys, block_kw, names,
                                                *[d.blocks[i] for d in darrs])
-        if return_outputs:
-            ys.append(da.from_delayed(task[0], shape=(rows, *y_tail), dtype=y_head.dtype))
-            js.append(da.from_delayed(task[1], shape=(rows, *j_tail), dtype=j_head.dtype))
-        else:
-            js.append(da.from_delayed(task, shape=(rows, *j_tail), dtype=j_head.dtype))
-    jac = da.concatenate(js, axis=0)
-    return (da.concatenate(ys, axis=0), jac) if return_outputs else jac
+        parts = [task[j] for j in range(len(tails))] if several else [task]
+        one = [da.from_delayed(t, shape=(rows, *tail), dtype=dtype)
+               for t, (tail, dtype) in zip(parts, tails)]
+        lazies.append(tuple(one) if several else one[0])
+    return joined(lazies, lambda xs: da.concatenate(xs, axis=0))
 
 
 def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: Any, dtype: Any,

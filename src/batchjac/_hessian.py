@@ -147,16 +147,15 @@ def hessian(
                                     out=out, backend=backend, backend_options=backend_options,
                                     explain=explain, progress=progress,
                                     compute_chunks=on_cluster, output=output)
-        if out is not None or return_jacobian:
+        if out is not None:
             raise InputError("On Dask, hessian() computes in memory (a Dask array for Dask "
-                             "inputs) without return_jacobian, or into a store path "
-                             "(`out='hess.zarr'`, with return_jacobian if wanted); an `out=` "
-                             "array and return_jacobian=True in memory are not supported there "
-                             "yet. Compute locally, or pass a store path.")
+                             "inputs) or into a store path (`out='hess.zarr'`); an `out=` array "
+                             "is not supported there. Compute locally, or pass a store path.")
 
         kw = {"wrt": wrt, "mode": mode, "diagonal": diagonal, "laplacian": laplacian,
               "chunk_size": chunk_size, "max_memory": max_memory, "dtype": dtype,
-              "return_outputs": return_outputs, "nan_policy": nan_policy, "backend": backend,
+              "return_outputs": return_outputs, "return_jacobian": return_jacobian,
+              "nan_policy": nan_policy, "backend": backend,
               "backend_options": backend_options, "explain": explain}
         with _dask.client_for(client, scheduler) as own:
             return _dask.run(hessian, model, inputs, client=own, rows_per_task=rows_per_task,
