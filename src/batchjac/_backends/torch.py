@@ -820,17 +820,24 @@ class TorchKernel(Kernel):
                      f"torch._dynamo first; {untimed_note()})")
         return out
 
-    def _choose_forward(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
-        """"vmap" (torch.func's jvp) or "transposed" for a forward-mode kernel, timed where
-        the work repays it (both compute the same columns)."""
+    def _race_skipped(self, running: str) -> bool:
+        """Before a race of builds: a fixed variant is selected, or, where the work does not
+        repay a race, ``running`` is kept untimed (True: no race)."""
         from ._base import race_allowed, untimed_note
 
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} ({self._forced_why})")
-            return
+            return True
         if not race_allowed():
-            self.note = f"{self.variant} ({untimed_note()})"
+            self.note = f"{running} ({untimed_note()})"
             self.untimed = True
+            return True
+        return False
+
+    def _choose_forward(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+        """"vmap" (torch.func's jvp) or "transposed" for a forward-mode kernel, timed where
+        the work repays it (both compute the same columns)."""
+        if self._race_skipped(str(self.variant)):
             return
         runs = {v: (lambda v=v: self._run(("forward", _VARIANT_ENGINE[v]), u, ctx))
                 for v in ("vmap", "transposed")}
@@ -853,14 +860,7 @@ class TorchKernel(Kernel):
 
     def _choose_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
         """"vmap", "replicated" or "looped" for a reverse-mode kernel that runs with torch.func."""
-        from ._base import race_allowed, untimed_note
-
-        if self._forced is not None:
-            self._select(self._forced, f"{self._forced} ({self._forced_why})")
-            return
-        if not race_allowed():
-            self.note = f"vmap ({untimed_note()})"
-            self.untimed = True
+        if self._race_skipped("vmap"):
             return
         start = time.perf_counter()
         self._run(("reverse", "func"), u, ctx)
