@@ -823,8 +823,9 @@ def test_the_flop_count_matches_xlas_cost_analysis() -> None:
 @pytest.mark.parametrize("workload", ["W1", "W2"])
 def test_the_probes_read_one_trace_of_the_forward_derivative(workload: str) -> None:
     """The abstract probes (rows apart, connected, the output shape) read one jaxpr, of the
-    model's forward derivative: a first call runs the model's Python three times (the output
-    shape for the plan, that jaxpr, the kernel's trace), not five; the zero tangent of the
+    model's forward derivative, made before the plan (the output shape and a row's working set
+    are read from it) and read again by the probes beside the first kernel: a first call runs
+    the model's Python twice (that jaxpr, the kernel's trace), not five; the zero tangent of the
     known inputs concatenated inside W1 is proven to stand beside the rows."""
     inner = workload_model(workload, "jax")
     calls: list[int] = []
@@ -839,7 +840,9 @@ def test_the_probes_read_one_trace_of_the_forward_derivative(workload: str) -> N
     bound = bound_of(model)
     assert bound.probed
     assert bound.output_shape == (jac.shape[1],)
-    assert len(calls) == 3
+    assert bound.row_bytes is not None
+    assert bound.row_bytes > 0
+    assert len(calls) == 2
 
     def one(u: Any, h: Any) -> Any:
         x = u if h is None else jnp.concatenate([u, h], axis=-1)

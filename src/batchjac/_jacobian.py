@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from ._bind import BackendName, plan_for, prepare, probed
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._loaders import as_model
-from ._plan import ModeArg, Plan, check_options
+from ._plan import ModeArg, Plan, check_options, fit_cache
 from ._runner import Results, call, pad_chunk, run_chunks, run_single
 from ._spec import BatchSpec
 from ._stores import StoreError, as_store, compute_to_store, is_store_target, progress_bar
@@ -265,28 +266,29 @@ def _compute_bound(model: Any, bound: _backends.BoundModel, spec: BatchSpec, bac
         jac = out if out is not None else np.empty(j_shape, spec.dtype)
         return (np.empty(y_shape, spec.dtype), jac) if return_outputs else jac
 
-    plan = _choose(bound, spec, plan, return_outputs, rows_free=chunk_size is None and out is None,
-                   backend=backend)
-    if explain:
-        sys.stderr.write(f"batchjac: {plan.reason}\n")
-    log.debug("batchjac plan: %s", plan.reason)
-    new = not bound.has_kernel(plan.mode, plan.chunk_size, return_outputs)
-    with tuning.Stopwatch() as build:
-        kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
-    tuning.recall_variant(bound, backend, kernel)
-    if out is None and fast_key is not None:  # the next call with these shapes skips to here
-        _fastpath.remember(fast_key, model, bound, plan, spec, backend)
-    if out is None and plan.n_chunks == 1:
-        result = _unpack(tuning.timed(bound, kernel, spec.n, lambda: run_single(kernel, spec),
-                                      new=new, built_seconds=build.seconds), return_outputs)
-    else:
-        result = tuning.timed(bound, kernel, spec.n, lambda: _run_in_memory(
-            kernel, spec, bound, return_outputs, out, progress), new=new, built_seconds=build.seconds)
-    tuning.settle(bound, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
-                                                    kernel.chunk_size))
-    tuning.persist(bound, backend, kernel)
-    _explain_kernel(kernel, explain)
-    return result
+    with _backends.call_rows(spec.n):  # what a kernel's first build weighs its cost against
+        plan = _choose(bound, spec, plan, return_outputs, rows_free=chunk_size is None and out is None,
+                       backend=backend)
+        if explain:
+            sys.stderr.write(f"batchjac: {plan.reason}\n")
+        log.debug("batchjac plan: %s", plan.reason)
+        new = not bound.has_kernel(plan.mode, plan.chunk_size, return_outputs)
+        with tuning.Stopwatch() as build:
+            kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
+        tuning.recall_variant(bound, backend, kernel)
+        if out is None and fast_key is not None:  # the next call with these shapes skips to here
+            _fastpath.remember(fast_key, model, bound, plan, spec, backend)
+        if out is None and plan.n_chunks == 1:
+            result = _unpack(tuning.timed(bound, kernel, spec.n, lambda: run_single(kernel, spec),
+                                          new=new, built_seconds=build.seconds), return_outputs)
+        else:
+            result = tuning.timed(bound, kernel, spec.n, lambda: _run_in_memory(
+                kernel, spec, bound, return_outputs, out, progress), new=new, built_seconds=build.seconds)
+        tuning.settle(bound, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
+                                                        kernel.chunk_size))
+        tuning.persist(bound, backend, kernel)
+        _explain_kernel(kernel, explain)
+        return result
 
 
 def _choose(bound: _backends.BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, *,
@@ -296,6 +298,11 @@ def _choose(bound: _backends.BoundModel, spec: BatchSpec, plan: Plan, with_outpu
     kernel to build) and, where the chunk size is free, the ladder of chunk sizes."""
     tuning.begin(bound)
     if rows_free:  # with out= or chunk_size=, the size asked for is the constraint
+        assert bound.output_shape is not None
+        m = math.prod(bound.output_shape)
+        plan = fit_cache(plan, spec.n, row_bytes=bound.row_bytes,
+                         passes=spec.k if plan.mode == "forward" else m,
+                         result_row_bytes=spec.dtype.itemsize * m * (spec.k + with_outputs))
         plan = tuning.reuse(bound, plan, spec.n, with_outputs)
     tuning.recall(bound, backend, plan, with_outputs)
     if plan.uncertain and ((plan.chunk_size, with_outputs) in bound.tuned

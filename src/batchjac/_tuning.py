@@ -188,9 +188,10 @@ def persist(bound: Any, backend: str, kernel: Any | None = None) -> None:
 
 
 def recall_probes(bound: Any, backend: str) -> bool:
-    """The verdict of the probes (passed, and the output shape) an earlier process found for
-    this model's computation and signature: connectivity, row independence and the output
-    shape are properties of the computation, not of the weights. True when found."""
+    """The verdict of the probes (passed, the output shape, and the working set of a row where
+    the backend estimated it) an earlier process found for this model's computation and
+    signature: connectivity, row independence, the output shape and the arrays a row holds are
+    properties of the computation, not of the weights. True when found."""
     if not autotune_enabled():
         return False
     cache, key = _key(bound, backend, "probes", "")
@@ -198,6 +199,9 @@ def recall_probes(bound: Any, backend: str) -> bool:
     if found is None or not all(isinstance(s, int) and s >= 0 for s in found["output_shape"]):
         return False
     bound.output_shape = tuple(found["output_shape"])
+    row_bytes = found.get("row_bytes")
+    if isinstance(row_bytes, (int, float)) and not isinstance(row_bytes, bool) and row_bytes > 0:
+        bound.row_bytes = float(row_bytes)
     bound.probed = True
     return True
 
@@ -210,7 +214,9 @@ def persist_probes(bound: Any, backend: str, *,
         return
     cache, key = _key(bound, backend, "probes", "")
     if key is not None:
-        decision = {"output_shape": [int(s) for s in bound.output_shape]}
+        decision: dict[str, Any] = {"output_shape": [int(s) for s in bound.output_shape]}
+        if bound.row_bytes is not None:  # the planner's estimate, read by a later process
+            decision["row_bytes"] = float(bound.row_bytes)
         if later is None:
             cache.put(key, decision)
         else:

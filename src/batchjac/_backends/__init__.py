@@ -13,10 +13,10 @@ import weakref
 from typing import Any
 
 from .._errors import BackendNotAvailableError, InputError
-from ._base import Backend, BoundModel, Kernel, Mode, Signature, mode_asked, mode_race
+from ._base import Backend, BoundModel, Kernel, Mode, Signature, call_rows, mode_asked, mode_race
 
 __all__ = ["Backend", "BoundModel", "Kernel", "Mode", "Signature", "array_framework", "array_ops",
-           "bind", "detect", "get_backend", "mode_asked", "mode_race"]
+           "bind", "call_rows", "detect", "get_backend", "mode_asked", "mode_race"]
 
 # name -> (module implementing it, framework module it needs, install hint)
 REGISTRY: dict[str, tuple[str, str, str]] = {

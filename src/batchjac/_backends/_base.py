@@ -52,6 +52,26 @@ def allowed(flag: bool) -> Iterator[None]:
         _ALLOWED.reset(token)
 
 
+#: the rows of the call at hand (0: not known), set around it by the caller: a kernel's first
+#: build weighs what its compilation saves against the work of these rows, all its chunks
+_CALL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("batchjac_call_rows", default=0)
+
+
+@contextlib.contextmanager
+def call_rows(n: int) -> Iterator[None]:
+    """Within this block, the call at hand computes ``n`` rows (see :func:`rows_at_hand`)."""
+    token = _CALL_ROWS.set(n)
+    try:
+        yield
+    finally:
+        _CALL_ROWS.reset(token)
+
+
+def rows_at_hand() -> int:
+    """The rows of the call at hand, where its caller said (:func:`call_rows`), else 0."""
+    return _CALL_ROWS.get()
+
+
 def untimed_note() -> str:
     """Why a kernel's build was not timed, for ``explain=True``."""
     if not autotune_enabled():
@@ -335,6 +355,8 @@ class BoundModel(ABC):
         self.signature = signature
         self.probed: bool = False
         self.output_shape: tuple[int, ...] | None = None
+        #: :meth:`row_working_set` of the probes' rows (None: no estimate)
+        self.row_bytes: float | None = None
         self._kernels: OrderedDict[tuple[str, int, bool], Kernel] = OrderedDict()
         self._kernels_lock = threading.Lock()  # threads sharing a model share its kernels
         #: set once the caller's thread has left Python for a while (JAX: XLA compiles its first
@@ -433,6 +455,13 @@ class BoundModel(ABC):
     def device_free_memory(self) -> int | None:
         """Free bytes of the accelerator the kernels run on, for the memory budget; None when
         they run on the host (the budget then comes from the host's memory)."""
+        return None
+
+    def row_working_set(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float | None:
+        """Bytes one row of a forward derivative (the model and one tangent) holds at its peak,
+        by an estimate from a trace the probes made of these rows, where the kernels run on
+        the host's CPU (the planner keeps a chunk's temporaries within its cache,
+        :func:`batchjac._plan.fit_cache`); None when there is no such estimate."""
         return None
 
     def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:

@@ -344,8 +344,8 @@ class JaxBound(BoundModel):
         return _free_bytes(self.device if self.device is not None else _default_device())
 
     def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:
-        closed = self._traced_tangent(u, ctx, trace=False)
-        if closed is not None and not isinstance(closed, Exception):  # the probes' trace
+        closed = self._traced_tangent(u, ctx)
+        if not isinstance(closed, Exception):  # the probes' trace
             shape = closed.out_avals[0].shape
         else:
             try:
@@ -355,6 +355,19 @@ class JaxBound(BoundModel):
         if shape is None or len(shape) < 1 or shape[0] != u.shape[0]:
             return None
         return tuple(int(s) for s in shape[1:])
+
+    def row_working_set(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float | None:
+        """From the probes' jaxpr of the forward derivative (:meth:`_traced_tangent`), made
+        already: the live arrays at its peak (:func:`batchjac._backends.jax_cost.peak_row_bytes`)."""
+        from . import jax_cost
+
+        device = self.device if self.device is not None else _default_device()
+        if getattr(device, "platform", "cpu") != "cpu":
+            return None
+        closed = self._traced_tangent(u, ctx, trace=False)
+        if closed is None or isinstance(closed, Exception):
+            return None
+        return jax_cost.peak_row_bytes(closed, u.shape[0])
 
     def _traced_tangent(self, u: Any, ctx: tuple[Any, ...], *, trace: bool = True) -> Any:
         """The jaxpr of ``(args, u, ctx, t) -> (y, dy)`` (the batch function and its forward
@@ -478,10 +491,10 @@ class JaxKernel(Kernel):
     _OPTIONS: ClassVar[dict[str, dict[str, str]]] = {
         "default": {}, "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""},
         "quick": {"xla_backend_optimization_level": "0"}}
-    #: chunks whose equations other than matrix products and convolutions write at most
-    #: this many elements compile "quick" first: at 0.3-1 ns more an element, the quick build
-    #: costs at most ~40 ms more a call, less than the 45-75 ms its compilation saves (W1:
-    #: 2.6 million per 1,000 rows; W3 16 million; W2 at 10,000 rows 340 million)
+    #: calls whose equations other than matrix products and convolutions write at most
+    #: this many elements (in all their chunks) compile "quick" first: at 0.3-1 ns more an
+    #: element, the quick build costs at most ~40 ms more a call, less than the 45-75 ms its
+    #: compilation saves (W1: 2.6 million per 1,000 rows; W3 16 million; W2 at 10,000 rows 340 million)
     QUICK_ELEMENTS = 4e7
     #: chunks of at least this many floating-point operations in matrix products compile
     #: "no-ynnpack" first (W2's 10,000 rows: 5.9e10, 273 against 361 ms a chunk; W3's 10,000
@@ -594,17 +607,22 @@ class JaxKernel(Kernel):
 
     def _first_build(self) -> str:
         """The build compiled first, on the CPU with tuning on (``BATCHJAC_AUTOTUNE=off`` and
-        other devices: "default"): "quick" where the chunk's elementwise work is too small to
-        repay XLA's full optimisation (:data:`QUICK_ELEMENTS`; it waits for the race that
+        other devices: "default"): "quick" where the call's elementwise work (the chunk's,
+        times the chunks of the rows at hand, :func:`~batchjac._backends._base.call_rows`) is
+        too small to repay XLA's full optimisation (:data:`QUICK_ELEMENTS`; it waits for the race that
         replaces it), "no-ynnpack" where its matrix products are wide
         (:data:`WIDE_PRODUCTS`), else "default"."""
         from .._config import autotune_enabled
         from . import jax_cost
+        from ._base import rows_at_hand
 
         if jax.default_backend() != "cpu" or not autotune_enabled() or self._jaxpr is None:
             return "default"
         self.work = jax_cost.work(self._jaxpr)
-        if self.work.elements <= self.QUICK_ELEMENTS:
+        # the quick build's cost is per element of every chunk of the call (W4's 2,000 images
+        # in chunks of 100: 3.1e7 elements a chunk, 6e8 a call, 0.88 against 0.48 s)
+        chunks = max(1, -(-rows_at_hand() // self.chunk_size))
+        if self.work.elements * chunks <= self.QUICK_ELEMENTS:
             return "quick"
         return "no-ynnpack" if self.work.products >= self.WIDE_PRODUCTS else "default"
 
