@@ -211,3 +211,37 @@ def test_a_model_with_large_temporaries_computes_in_cache_sized_chunks(
     fresh.probed = False
     assert _tuning.recall_probes(fresh, "jax")
     assert fresh.row_bytes == pytest.approx(bound.row_bytes)
+
+
+def test_hessians_are_planned_in_cache_sized_chunks_too(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    """A full Hessian's kernel holds ``k (m + 1)`` passes' temporaries (forward over reverse):
+    with a small (patched) cache the plan cuts its chunks, and the Hessians are JAX's own
+    ``jax.hessian`` of the whole batch; an ``out=`` array or a ``chunk_size`` keeps its plan."""
+    import batchjac
+
+    monkeypatch.setenv("BATCHJAC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_plan, "cache_bytes", lambda: 1 << 20)
+    assert _plan.hessian_passes("forward-over-reverse", 3, 2) == 9
+    assert _plan.hessian_passes("forward-over-forward", 3, 2) == 12
+    rng = np.random.default_rng(71)
+    w1 = rng.normal(size=(4, 32)).astype(np.float32) / 2
+    w2 = rng.normal(size=(32, 2)).astype(np.float32) / 6
+
+    def model(x: Any) -> Any:
+        return jnp.tanh(jnp.tanh(x @ w1) @ jnp.asarray(np.ones((32, 32), np.float32) / 32)) @ w2
+
+    x = rng.normal(size=(2000, 4)).astype(np.float32)
+    import contextlib
+    import io
+
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        hess = batchjac.hessian(model, x, explain=True)
+    assert "within the CPU's 1 MB cache" in said.getvalue()
+    ref = jax.vmap(jax.hessian(lambda r: model(r[None])[0]))(x)
+    assert_jac_close(hess, np.asarray(ref))
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        batchjac.hessian(model, x[:500], chunk_size=500, explain=True)
+    assert "cache" not in said.getvalue()

@@ -7,7 +7,8 @@
   JAX chunk and 47 ms in chunks of 8,192; W4 (2,000 images) 750 ms in one chunk and 360 ms
   in chunks of 125 (JAX and PyTorch alike), while TensorFlow's graph prefers its largest
   chunk on W2 and W4. Which size wins depends on the framework, the layers and the machine's
-  caches and allocator, not on anything the shapes tell, so :func:`tune_rows` times a ladder
+  caches and allocator; the planner's first guess cuts JAX chunks whose traced temporaries
+  outgrow the cache (:func:`batchjac._plan.fit_cache`), and :func:`tune_rows` times a ladder
   of sizes (the planned one, then a quarter of it each step) on the call's own rows, counting
   the copy of each chunk into the result that one whole chunk does not need, and takes the
   largest size within ``NEAR`` of the fastest per row when it is faster per row than the

@@ -31,7 +31,16 @@ from ._config import default_max_memory, parse_bytes
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._loaders import as_model
-from ._plan import OrderArg, SecondKindArg, SecondPlan, check_options, choose_order, make_second_plan
+from ._plan import (
+    OrderArg,
+    SecondKindArg,
+    SecondPlan,
+    check_options,
+    choose_order,
+    fit_cache,
+    hessian_passes,
+    make_second_plan,
+)
 from ._runner import Results, pad_chunk, run_chunks, run_single
 from ._spec import BatchSpec, check_finite_rows
 from ._stores import StoreError, as_store, is_store_target, progress_bar
@@ -368,6 +377,12 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
         _check_out(out, shapes[name], spec.dtype, name)
     ledger_of = book(bound)
     tuning.begin(ledger_of)  # the races this call skips set the next check anew
+    if kind == "hessian" and out is None and plan.budget_rows is not None:
+        m = math.prod(bound.output_shape)
+        plan = fit_cache(plan, spec.n, row_bytes=bound.row_bytes,
+                         passes=hessian_passes(plan.order, spec.k, m),
+                         result_row_bytes=spec.dtype.itemsize * m * (
+                             spec.k * spec.k + spec.k * return_jacobian + return_outputs))
     # (the ladder's kernels are not one kernel's compilation: their time prices no race)
     plan = _tune_rows(bound, spec, kind, plan, return_outputs, return_jacobian, out)
     if explain:
