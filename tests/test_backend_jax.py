@@ -749,6 +749,32 @@ def test_a_small_first_chunk_compiles_the_quick_build_and_a_due_race_replaces_it
     assert_jac_close(jac, ref)
 
 
+def test_the_mode_race_times_full_builds_not_the_quick_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unknowns and outputs of similar count (4 against 6): the first call runs the quick
+    build; the mode race, once due, times each mode's full build (the quick one's slow loops
+    would favour the mode with fewer), and the Jacobians stay finite differences'."""
+    w = data((4, 6), seed=47)
+    x = data((64, 4), seed=48)
+
+    def model(v: Any) -> Any:
+        return _smooth(v, jnp.asarray(w), jnp)
+
+    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    assert_jac_close(batchjac.jacobian(model, x), ref)
+    bound = bound_of(model)
+    assert not bound.tuned  # no race yet: the first call's work does not repay one
+    (first,) = bound._kernels.values()
+    assert set(first._compiled) == {"quick"}
+    with monkeypatch.context() as patch:
+        race_now(patch)  # (the fast path hands the due race to the full path)
+        assert_jac_close(batchjac.jacobian(model, x), ref)
+        assert_jac_close(batchjac.jacobian(model, x), ref)
+    assert (64, False) in bound.tuned  # the modes were timed
+    for mode in ("forward", "reverse"):
+        kernel = bound.kernel(mode, 64, False)
+        assert set(kernel._compiled) - {"quick"}, (mode, set(kernel._compiled))
+
+
 def test_the_first_build_follows_the_chunks_work_and_autotune_off_compiles_the_default(
         monkeypatch: pytest.MonkeyPatch) -> None:
     w = data((4, 6), seed=43)
@@ -823,9 +849,9 @@ def test_the_flop_count_matches_xlas_cost_analysis() -> None:
 @pytest.mark.parametrize("workload", ["W1", "W2"])
 def test_the_probes_read_one_trace_of_the_forward_derivative(workload: str) -> None:
     """The abstract probes (rows apart, connected, the output shape) read one jaxpr, of the
-    model's forward derivative, made before the plan (the output shape and a row's working set
-    are read from it) and read again by the probes beside the first kernel: a first call runs
-    the model's Python twice (that jaxpr, the kernel's trace), not five; the zero tangent of the
+    model's forward derivative: a first call runs the model's Python three times (the output
+    shape and a row's working set for the plan, that jaxpr, the kernel's trace), not five; the
+    zero tangent of the
     known inputs concatenated inside W1 is proven to stand beside the rows."""
     inner = workload_model(workload, "jax")
     calls: list[int] = []
@@ -842,7 +868,7 @@ def test_the_probes_read_one_trace_of_the_forward_derivative(workload: str) -> N
     assert bound.output_shape == (jac.shape[1],)
     assert bound.row_bytes is not None
     assert bound.row_bytes > 0
-    assert len(calls) == 2
+    assert len(calls) == 3
 
     def one(u: Any, h: Any) -> Any:
         x = u if h is None else jnp.concatenate([u, h], axis=-1)

@@ -1,5 +1,5 @@
 """Chunks cut to the CPU's cache by the cost model (``batchjac._plan.fit_cache``), from the
-working set of a row that JAX's probes read from their trace (``jax_cost.peak_row_bytes``),
+working set of a row read from the trace that told JAX's output shape (``jax_cost.peak_row_bytes``),
 and the quick first build weighed against all the chunks of a call."""
 
 from __future__ import annotations

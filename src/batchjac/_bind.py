@@ -23,7 +23,7 @@ from . import _backends
 from ._config import default_max_memory, parse_bytes, probes_enabled
 from ._errors import BatchJacError, RebindWarning
 from ._plan import ModeArg, Plan, make_plan
-from ._probes import check_model, diagnose, probe_batch, run_probes
+from ._probes import check_model, diagnose, run_probes
 from ._spec import BatchSpec
 from ._tuning import persist_probes, recall_probes
 
@@ -108,15 +108,13 @@ _PROBES = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefi
 def _start_probes(bound: _backends.BoundModel, spec: BatchSpec, name: str, backend: str) -> bool:
     """Start the probes beside the caller's first kernel, if the output shape is known
     without them (the plan needs it). False: the caller runs them now."""
-    if not spec.n:
-        return False
-    # the rows the probes will read: JAX traces them once here, for the output shape and the
-    # working set of a row (the plan's), and the probes read that trace
-    batch = probe_batch(spec)
-    shape = bound.output_shape_of(*batch)
+    u, ctx = spec.chunk(0, min(spec.n, 2)) if spec.n else (None, ())
+    shape = bound.output_shape_of(u, ctx) if u is not None and len(u) else None
     if shape is None:
         return False
-    bound.row_bytes = bound.row_working_set(*batch)
+    # (JAX: from the trace that told the shape; the plan cuts chunks to the cache with it)
+    assert u is not None
+    bound.row_bytes = bound.row_working_set(u, ctx)
 
     settings = bound.in_thread()  # the caller's framework settings (JAX's x64 mode)
 
@@ -124,7 +122,7 @@ def _start_probes(bound: _backends.BoundModel, spec: BatchSpec, name: str, backe
         # not while the caller traces its kernel (both would take turns at Python's lock)
         bound.compiling.wait(PROBE_WAIT)
         with settings:
-            run_probes(bound, spec, name, batch)
+            run_probes(bound, spec, name)
         _remember_code(bound, backend)
         # the verdict's file (an fsync: 5-20 ms) is written after the caller stops waiting
         persist_probes(bound, backend, later=_PROBES.submit)

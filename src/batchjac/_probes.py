@@ -18,7 +18,7 @@ from ._spec import BatchSpec
 PROBE_ROWS = 4
 
 
-def probe_batch(spec: BatchSpec) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+def _probe_batch(spec: BatchSpec) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """Up to PROBE_ROWS finite rows of the user's data (the known inputs matter), at least 2."""
     u, ctx = spec.chunk(0, min(spec.n, 64))
     if spec.n:
@@ -40,11 +40,8 @@ def probe_batch(spec: BatchSpec) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     return u[rows], tuple(c[rows] for c in ctx)
 
 
-def run_probes(bound: BoundModel, spec: BatchSpec, name: str,
-               batch: tuple[np.ndarray, tuple[np.ndarray, ...]] | None = None) -> None:
-    """The probes, on ``batch`` (:func:`probe_batch` of ``spec``, made already by a caller
-    that traced it: a backend's traces of these arrays are reused)."""
-    u, ctx = batch if batch is not None else probe_batch(spec)
+def run_probes(bound: BoundModel, spec: BatchSpec, name: str) -> None:
+    u, ctx = _probe_batch(spec)
     rows = u.shape[0]
     if bound.rows_apart(u, ctx):
         # deterministic, rows kept apart, output rows at axis 0, all proven without values
@@ -53,7 +50,8 @@ def run_probes(bound: BoundModel, spec: BatchSpec, name: str,
         if shape is not None:
             _check_connected(bound, spec, name, u, ctx)
             bound.output_shape = shape
-            bound.row_bytes = bound.row_working_set(u, ctx)
+            if bound.row_bytes is None:
+                bound.row_bytes = bound.row_working_set(u, ctx)
             bound.probed = True
             return
     y0 = bound.forward(u, ctx)

@@ -459,9 +459,9 @@ class BoundModel(ABC):
 
     def row_working_set(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float | None:
         """Bytes one row of a forward derivative (the model and one tangent) holds at its peak,
-        by an estimate from a trace the probes made of these rows, where the kernels run on
-        the host's CPU (the planner keeps a chunk's temporaries within its cache,
-        :func:`batchjac._plan.fit_cache`); None when there is no such estimate."""
+        by an estimate from a trace made of these rows already (no new one), where the
+        kernels run on the host's CPU (the planner keeps a chunk's temporaries within its
+        cache, :func:`batchjac._plan.fit_cache`); None when there is no such estimate."""
         return None
 
     def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
