@@ -876,3 +876,32 @@ def test_the_probes_read_one_trace_of_the_forward_derivative(workload: str) -> N
 
     ref = jax.vmap(jax.jacrev(one), in_axes=(0, None if known is None else 0))(unknown, known)
     np.testing.assert_allclose(jac, np.asarray(ref), rtol=1e-4, atol=1e-6)
+
+
+def test_the_executable_writer_waits_for_the_kernels_to_be_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer serializes a new executable once no kernel was called for WRITE_DELAY (the
+    chunks after a call's first keep it waiting), and no later than MAX_WRITE_WAIT after it
+    was queued: on a fake clock, with kernel calls that stop, and ones that never stop."""
+    from batchjac._backends import jax_executables as jx
+
+    clock = [100.0]
+    calls: list[float] = []  # when the "chunks" call a kernel (fake seconds)
+
+    def sleep(seconds: float) -> None:
+        end = clock[0] + seconds
+        while calls and calls[0] <= end:  # a chunk launched while the writer sleeps
+            clock[0] = calls.pop(0)
+            jx.used()
+        clock[0] = end
+
+    monkeypatch.setattr(jx.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(jx.time, "sleep", sleep)
+    jx.used()
+    calls[:] = [100.03, 100.06, 100.09]  # three more chunks, 30 ms apart
+    jx._quiet(queued=100.0)
+    assert clock[0] == pytest.approx(100.09 + jx.WRITE_DELAY)
+    jx.used()
+    calls[:] = [clock[0] + 0.01 * i for i in range(1, 1000)]  # a kernel called without end
+    start = clock[0]
+    jx._quiet(queued=start)
+    assert clock[0] == pytest.approx(start + jx.MAX_WRITE_WAIT)

@@ -174,7 +174,7 @@ def _chunking(n: int, per_row: int, chunk_size: int | None, max_memory: int
 #: the last-level cache assumed where the machine does not say (this project's CPU: 32 MB)
 CACHE_FALLBACK = 32 << 20
 #: a Jacobian kernel's temporaries a row, per tangent or backward pass, against those of the
-#: forward derivative with one tangent that the probes traced (``BoundModel.row_bytes``):
+#: forward derivative with one tangent (``BoundModel.row_bytes``, from a trace):
 #: measured with XLA's buffer assignment (JAX, per row, against the traced estimate): W1
 #: 2.3-2.8 KB against 1.0 KB for 4-5 passes, W3 forward 8.2 KB against 6.1 KB for 4, W4 227 KB
 #: against 43 KB for 10; 0.75 a pass keeps the estimate above each

@@ -748,9 +748,12 @@ class JaxKernel(Kernel):
 
     def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+        from .jax_executables import used
+
         self._check_asked()
         if self.variant is None:
             self._first_call(u, ctx)
+        used()
         return self._result(self._fn(self._bound.args, u, tuple(ctx)),  # runs in the background
                             isinstance(u, jax.Array))
 
@@ -1023,8 +1026,9 @@ class JaxSecondKernel(Kernel):
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
                  ) -> dict[str, np.ndarray]:
-        from .jax_executables import release
+        from .jax_executables import release, used
 
+        used()
         out = self._fn(self._bound.args, u, tuple(ctx))
         if isinstance(u, jax.Array):  # JAX arrays in: left on their device
             res = dict(out)

@@ -19,7 +19,9 @@ the user's program in batchjac's directory; this one touches batchjac's kernels 
 Nothing here is ever an error: a payload that fails to load, a module with host callbacks
 (their executables hold pointers into this process) or one that cannot be serialized is
 compiled as usual. ``BATCHJAC_CACHE=off`` reads and writes nothing. Writing happens in a
-background thread once the call that compiled has its result (:func:`release`): serializing
+background thread once the call that compiled has its result (:func:`release`) and no kernel
+has been called for :data:`WRITE_DELAY` (:func:`used`: a call in chunks keeps it waiting, at
+most :data:`MAX_WRITE_WAIT`): serializing
 W3's executable beside its first run took 4-8 ms of the run's two cores. A directory that
 never held an executable is not searched (:meth:`~batchjac._tunecache.TuneCache.has_payloads`):
 the key, the module's text hashed, costs 1-12 ms on a first call (W1-W3), and is then made
@@ -44,10 +46,30 @@ from .._tunecache import TuneKey, default_cache
 
 #: compilations shorter than this are not worth a file (reading one back costs a few ms)
 MIN_COMPILE_SECONDS = 0.02
-#: seconds the writer waits before it serializes an executable: its key and serialization
-#: hold Python's lock for 2-10 ms, which the call that compiled, returning meanwhile, would
-#: otherwise wait for (Python hands its lock over every 5 ms)
+#: seconds without a kernel call the writer waits for before it serializes an executable:
+#: its key and serialization hold Python's lock for 2-10 ms (and a core), which the call that
+#: compiled, returning meanwhile, would otherwise wait for (Python hands its lock over every
+#: 5 ms); the chunks after the first one of a call keep it waiting (W6's 10,000 Hessians in 6
+#: chunks: a first call of 347 ms against the native 273 when it wrote after the first chunk)
 WRITE_DELAY = 0.05
+#: ... but no longer than this after the executable was queued
+MAX_WRITE_WAIT = 2.0
+#: when a kernel was last called or returned (time.monotonic), for the writer's wait
+_LAST_USE = [0.0]
+
+
+def used() -> None:
+    """A kernel is called now (the writer waits for a quiet moment, :data:`WRITE_DELAY`)."""
+    _LAST_USE[0] = time.monotonic()
+
+
+def _quiet(queued: float) -> None:
+    while True:
+        now = time.monotonic()
+        wait = min(_LAST_USE[0] + WRITE_DELAY, queued + MAX_WRITE_WAIT) - now
+        if wait <= 0:
+            return
+        time.sleep(wait)
 
 _WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="batchjac-executables")
@@ -104,14 +126,17 @@ def compile(lowered: Any, options: dict[str, str] | None = None, *,
 
 
 def release() -> None:
-    """Queue the executables compiled so far for writing: called when a call has its result."""
+    """Queue the executables compiled so far for writing: called when a call (or a chunk of
+    one) has its result."""
+    used()
     if not _PENDING:
         return
     with _PENDING_LOCK:
         pending = _PENDING[:]
         _PENDING.clear()
+    queued = time.monotonic()
     for cache, key, compiled, lowered, options in pending:
-        _WRITER.submit(_store, cache, key, compiled, lowered, options)
+        _WRITER.submit(_store, cache, key, compiled, lowered, options, queued)
 
 
 def _load(payload: bytes) -> Any:
@@ -125,12 +150,12 @@ def _load(payload: bytes) -> Any:
 
 
 def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
-           options: dict[str, str]) -> None:
+           options: dict[str, str], queued: float = 0.0) -> None:
     import pickle
 
     from jax.experimental import serialize_executable
 
-    time.sleep(WRITE_DELAY)  # (the call that compiled returns before this takes Python's lock)
+    _quiet(queued or time.monotonic())  # (the calls return before this takes Python's lock)
     if key is None:  # (not searched for: made here, after the call)
         key = _key(lowered, options)
     if key is None or key.digest() in _SEEN:
