@@ -349,12 +349,11 @@ class JaxBound(BoundModel):
             shape = closed.out_avals[0].shape
         else:
             try:  # (the jaxpr is kept: a row's working set is read from it)
-                forward = jax.make_jaxpr(self._batch)(self.args, u, tuple(ctx))
+                forward, out = jax.make_jaxpr(self._batch, return_shape=True)(self.args, u, tuple(ctx))
             except Exception:  # the probes, run in full, will explain it
                 return None
             self._forward_trace = ((u, tuple(ctx)), forward)
-            shape = getattr(forward.out_avals[0], "shape", None) if len(forward.out_avals) == 1 \
-                else None
+            shape = getattr(out, "shape", None)  # (a tuple or mapping of outputs: the probes)
         if shape is None or len(shape) < 1 or shape[0] != u.shape[0]:
             return None
         return tuple(int(s) for s in shape[1:])
