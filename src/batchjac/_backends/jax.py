@@ -372,11 +372,10 @@ class JaxBound(BoundModel):
         closed = self._traced_tangent(u, ctx, trace=False)
         if closed is not None and not isinstance(closed, Exception):
             return jax_cost.peak_row_bytes(closed, u.shape[0])
-        found = self.__dict__.get("_forward_trace")
-        if found is None or found[0][0] is not u or len(found[0][1]) != len(ctx) \
-                or not all(a is b for a, b in zip(found[0][1], ctx)):
+        forward = _traced_for(self.__dict__.get("_forward_trace"), u, ctx)
+        if forward is None:
             return None
-        peak = jax_cost.peak_row_bytes(found[1], u.shape[0])
+        peak = jax_cost.peak_row_bytes(forward, u.shape[0])
         return None if peak is None else 2 * peak
 
     def _traced_tangent(self, u: Any, ctx: tuple[Any, ...], *, trace: bool = True) -> Any:
@@ -384,10 +383,9 @@ class JaxBound(BoundModel):
         derivative along ``t``), or the exception tracing it raised: the one trace the abstract
         probes read (rows kept apart, the connection, the output shape), made once for the
         probes' rows (``trace=False``: only if made already)."""
-        found = self._tangent
-        if found is not None and found[0][0] is u and len(found[0][1]) == len(ctx) \
-                and all(a is b for a, b in zip(found[0][1], ctx)):
-            return found[1]
+        found = _traced_for(self._tangent, u, ctx)
+        if found is not None:
+            return found
         if not trace:
             return None
 
@@ -1159,6 +1157,15 @@ def _leaf_key(leaf: Any) -> Hashable:
     except TypeError:
         return ("id", id(leaf))
     return leaf
+
+
+def _traced_for(found: tuple[tuple[Any, tuple[Any, ...]], Any] | None, u: Any,
+                ctx: tuple[Any, ...]) -> Any:
+    """The trace of a ``((u, ctx), trace)`` record if it was made of these very arrays."""
+    if found is None or found[0][0] is not u or len(found[0][1]) != len(ctx) \
+            or not all(a is b for a, b in zip(found[0][1], ctx)):
+        return None
+    return found[1]
 
 
 def _default_device() -> Any:
