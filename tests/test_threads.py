@@ -120,3 +120,55 @@ def test_threads_binding_one_model_bind_and_probe_it_once(monkeypatch: pytest.Mo
                                    rtol=1e-12)
     assert len(_backends._bound[model]) == 1  # one bound model for the one signature
     assert len(probes) == 1, f"the probes ran {len(probes)} times for one model"
+
+
+@pytest.mark.parametrize(("backend", "module", "kernel_class", "first"), [
+    ("tensorflow", "tensorflow", "TFKernel", "_establish"),
+    ("jax", "jax", "JaxKernel", "_first_call"),
+    ("torch", "torch", "TorchKernel", "_first_call"),
+])
+def test_threads_meeting_a_new_kernel_establish_it_once(
+        backend: str, module: str, kernel_class: str, first: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race behind a VectorizationFallbackWarning in the 20-thread case above (1 CI run in
+    a few dozen, TensorFlow forward mode): threads calling one kernel for the first time each
+    ran its first call, and TensorFlow's reset the path another thread was building on it.
+    The first call is made slow here, so every thread arrives while it runs: one runs it, the
+    others wait for its choice and compute with it."""
+    import importlib
+
+    cls = getattr(importlib.import_module(f"batchjac._backends.{module}"), kernel_class)
+    slow, entered = getattr(cls, first), []
+
+    def first_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        entered.append(id(self))
+        time.sleep(0.2)
+        return slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, first, first_call)
+    model, reference = tanh_model(backend)
+    rng = np.random.default_rng(19300)
+    u = rng.uniform(-1.5, 1.5, (7, K)).astype(np.float32)
+    h = rng.normal(size=(7, H)).astype(np.float32)
+    ref = reference(u, h)
+    batchjac.jacobian(model, u[:3], h[:3], mode="forward", chunk_size=3)  # bound and probed
+    entered.clear()
+    start, results = threading.Barrier(8), []
+
+    def work() -> None:
+        start.wait(timeout=LIMIT_S)
+        try:
+            results.append(batchjac.jacobian(model, u, h, mode="forward", chunk_size=7))
+        except Exception as e:  # reported below
+            results.append(e)
+
+    pool = [threading.Thread(target=work, daemon=True) for _ in range(8)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(timeout=LIMIT_S)
+    assert len(results) == 8
+    for jac in results:
+        assert isinstance(jac, np.ndarray), jac
+        assert max_relative_error(jac, ref) <= RTOL[np.dtype(np.float32)]
+    assert len(entered) == 1, f"{len(entered)} threads ran the new kernel's first call"

@@ -335,13 +335,16 @@ def settle(bound: Any, kernel: Any, args: Callable[[], tuple[Any, Any]]) -> None
     remembered = getattr(kernel, "remembered", None)
     if remembered is not None:
         if kernel.untimed and worth(bound, 0, 1):
-            kernel.remembered = None
-            kernel.use(*remembered)
-            kernel.untimed = False
+            with kernel.building:
+                kernel.remembered = None
+                kernel.use(*remembered)
+                kernel.untimed = False
         return
     if kernel.untimed and worth(bound, 0, max(1, len(kernel.variants) - 1)):
-        kernel.retune(*args())
-        kernel.raced = not kernel.untimed
+        with kernel.building:  # (another thread's settle may have raced it meanwhile)
+            if kernel.untimed:
+                kernel.retune(*args())
+                kernel.raced = not kernel.untimed
 
 
 class Stopwatch:

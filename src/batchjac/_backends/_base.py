@@ -240,16 +240,26 @@ class Kernel(ABC):
         choosing compiles and times several builds, worth it only for the size kept)."""
         return self(u, ctx)
 
+    @property
+    def building(self) -> threading.RLock:
+        """Held while the kernel chooses or changes its build (its first call, :meth:`use`,
+        :meth:`retune`): threads sharing a kernel establish it once, and the others wait, then
+        run its choice. Without it, TensorFlow's first call in one thread reset the paths
+        another thread was building on the same kernel, which then fell back to a slower path
+        as if the model could not be vectorised. Calls of the chosen build take no lock."""
+        return self.__dict__.setdefault("_building", threading.RLock())  # (atomic: one lock)
+
     def use(self, variant: str, why: str = "fixed") -> None:
         """Run as ``variant`` from now on (one of ``variants``); ``why`` goes into the note."""
         if variant not in self.variants:
             from .._errors import InputError
 
             raise InputError(f"This kernel has no variant {variant!r}; it has {self.variants}.")
-        self._forced = variant
-        self._forced_why = why
-        if self.variant is not None:  # already running: switch now
-            self._select(variant, f"{variant} ({why})")
+        with self.building:
+            self._forced = variant
+            self._forced_why = why
+            if self.variant is not None:  # already running: switch now
+                self._select(variant, f"{variant} ({why})")
 
     #: why the variant was fixed (a store's record, a decision remembered on disk)
     _forced_why: str = "fixed"

@@ -749,7 +749,9 @@ class JaxKernel(Kernel):
 
         self._check_asked()
         if self.variant is None:
-            self._first_call(u, ctx)
+            with self.building:  # (threads sharing the kernel: one chooses its build)
+                if self.variant is None:
+                    self._first_call(u, ctx)
         used()
         return self._result(self._fn(self._bound.args, u, tuple(ctx)),  # runs in the background
                             isinstance(u, jax.Array))

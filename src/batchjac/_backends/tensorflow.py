@@ -472,8 +472,13 @@ class TFKernel(Kernel):
         self.variant, self.note = variant, note
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[np.ndarray | None, np.ndarray]:
+        established = None
         if self.variant is None:
-            out = self._establish(u, ctx)
+            with self.building:  # (threads sharing the kernel: one establishes it)
+                if self.variant is None:
+                    established = (self._establish(u, ctx),)
+        if established is not None:
+            out = established[0]
         else:
             if self.path is not None and _path_mode(self.path) != self.mode and \
                     not fallback_allowed():  # an earlier call fell back; this one asks the mode
@@ -829,7 +834,9 @@ class TFSecondKernel(Kernel):
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
                  ) -> dict[str, np.ndarray]:
         if self.variant is None:
-            self._first_call(u, ctx)
+            with self.building:  # (threads sharing the kernel: one chooses its build)
+                if self.variant is None:
+                    self._first_call(u, ctx)
         assert self.variant is not None
         tried, self._tried = self._tried, None
         try:

@@ -678,12 +678,19 @@ class TorchKernel(Kernel):
         bound = self._bound
         ut, ct = bound.tensors(u, ctx)
         with bound.calling():
-            if self._path is not None:
-                if self._path[0] != self.planned and not fallback_allowed():
-                    raise asked_mode_failed(self.planned, str(bound.forward_failure), _FORWARD_CAUSE)
-                y, jac = self._run(self._path, ut, ct)
+            first = None
+            if self._path is None:
+                with self.building:  # (threads sharing the kernel: one chooses its path)
+                    if self._path is None:
+                        first = self._first_call(ut, ct)
+            path = self._path
+            if first is not None:
+                y, jac = first
             else:
-                y, jac = self._first_call(ut, ct)
+                assert path is not None
+                if path[0] != self.planned and not fallback_allowed():
+                    raise asked_mode_failed(self.planned, str(bound.forward_failure), _FORWARD_CAUSE)
+                y, jac = self._run(path, ut, ct)
         if isinstance(u, torch.Tensor):  # tensors in, tensors out, on the device
             return (y if self.with_outputs else None), jac
         return (_to_numpy(y) if self.with_outputs else None), _to_numpy(jac)
