@@ -600,6 +600,39 @@ def test_a_cache_that_never_held_an_executable_costs_the_call_no_key(
     np.testing.assert_allclose(got, mlp_jacobian(mlp_weights(sizes, 6), x), rtol=2e-4, atol=1e-5)
 
 
+def test_the_executable_writer_thread_exists_before_the_call_has_its_result(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's thread is made when an executable is queued, not when the call's result
+    is there (the thread's stack is mapped memory, and the first call of W2 waited 15-20 ms
+    there for XLA's freeing of its temporaries); the executable is still written."""
+    import concurrent.futures
+    import os
+    from pathlib import Path
+
+    from batchjac._backends import jax_executables as jx
+
+    monkeypatch.setattr(jx, "MIN_COMPILE_SECONDS", 0.0)
+    writer = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                   thread_name_prefix="batchjac-executables")
+    monkeypatch.setattr(jx, "_WRITER", writer)
+    threads_at_release: list[int] = []
+    original = jx.release
+
+    def release() -> None:
+        threads_at_release.append(len(writer._threads))
+        original()
+
+    monkeypatch.setattr(jx, "release", release)
+    sizes = (6, 10, 3)
+    x = data((30, 6), seed=35)
+    jac = batchjac.jacobian(jax_examples.mlp(sizes, seed=8), x)
+    assert threads_at_release and threads_at_release[0] == 1, threads_at_release
+    jx.flush()
+    writer.shutdown()
+    assert list(Path(os.environ["BATCHJAC_CACHE_DIR"]).rglob("*.bin")), "no executable written"
+    np.testing.assert_allclose(jac, mlp_jacobian(mlp_weights(sizes, 8), x), rtol=2e-4, atol=1e-5)
+
+
 def test_close_widths_are_computed_in_forward_mode() -> None:
     """JAX's forward mode traces and compiles quicker where the widths are close (5 unknowns,
     4 outputs: forward_bias); the Jacobian is the reference's either way."""

@@ -122,7 +122,15 @@ def compile(lowered: Any, options: dict[str, str] | None = None, *,
             and time.perf_counter() - start >= MIN_COMPILE_SECONDS:
         with _PENDING_LOCK:
             _PENDING.append((cache, key, compiled, lowered, options))
+        _WRITER.submit(_started)  # the writer's thread made now, not when the call returns
     return compiled, False
+
+
+def _started() -> None:
+    """Nothing: submitted once an executable is queued, so that the writer's thread exists
+    before the call's result. Made by :func:`release` instead, it waited 15-20 ms for the
+    memory map (XLA freeing the first call's temporaries: a thread's stack is mapped memory)
+    on W2's first call."""
 
 
 def release() -> None:
@@ -151,11 +159,13 @@ def _load(payload: bytes) -> Any:
 
 def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
            options: dict[str, str], queued: float = 0.0) -> None:
+    # before the imports too: importing serialize_executable holds Python's lock for ~20 ms,
+    # which a first call returning meanwhile waited for (W2's: 40 ms of 420)
+    _quiet(queued or time.monotonic())  # (the calls return before this takes Python's lock)
     import pickle
 
     from jax.experimental import serialize_executable
 
-    _quiet(queued or time.monotonic())  # (the calls return before this takes Python's lock)
     if key is None:  # (not searched for: made here, after the call)
         key = _key(lowered, options)
     if key is None or key.digest() in _SEEN:
