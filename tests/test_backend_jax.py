@@ -626,7 +626,8 @@ def test_the_executable_writer_thread_exists_before_the_call_has_its_result(
     sizes = (6, 10, 3)
     x = data((30, 6), seed=35)
     jac = batchjac.jacobian(jax_examples.mlp(sizes, seed=8), x)
-    assert threads_at_release and threads_at_release[0] == 1, threads_at_release
+    assert threads_at_release, "release was not called"
+    assert threads_at_release[0] == 1, threads_at_release
     jx.flush()
     writer.shutdown()
     assert list(Path(os.environ["BATCHJAC_CACHE_DIR"]).rglob("*.bin")), "no executable written"

@@ -588,3 +588,31 @@ def test_hvp_without_a_cluster_computes_locally() -> None:
     got = batchjac.hvp(lambda z: torch.sin(z).sum(-1), x, v=v, client=None, scheduler=None,
                        rows_per_task=2)
     np.testing.assert_allclose(got, -np.sin(x) * v, rtol=1e-10, atol=1e-12)
+
+
+def test_jax_probes_run_beside_the_first_hessian_kernel_and_still_refuse_a_model(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JAX Hessian's first call probes the model in the probes' thread while its kernel
+    compiles (as jacobian's does: W6's first call waited 10 ms of 250 for them before); what
+    they find still refuses the model: rows that interact raise, and no result comes back."""
+    import threading
+
+    jnp = pytest.importorskip("jax.numpy")
+    from batchjac import _bind
+
+    where: list[str] = []
+    original = _bind.run_probes
+    monkeypatch.setattr(_bind, "run_probes", lambda *a, **k: where.append(
+        threading.current_thread().name) or original(*a, **k))
+    a = rng(1610).normal(size=(3, 4)).astype(np.float32)
+    x = rng(1611).normal(size=(7, 3)).astype(np.float32)
+    hess = batchjac.hessian(lambda z: jnp.sin(z @ jnp.asarray(a)), x)
+    assert len(where) == 1, where
+    assert where[0].startswith("batchjac-probes"), where
+    s = np.sin(x @ a)  # d2 sin(x a)_o / dx_i dx_j = -sin(.)_o a_io a_jo
+    np.testing.assert_allclose(hess, -s[:, :, None, None] * np.einsum("io,jo->oij", a, a)[None],
+                               rtol=2e-4, atol=1e-5)
+    with pytest.raises(batchjac.RowInteractionError):
+        batchjac.hessian(lambda z: jnp.sin((z - z.mean(0)) @ jnp.asarray(a)), x)
+    assert len(where) == 2, where
+    assert where[1].startswith("batchjac-probes"), where

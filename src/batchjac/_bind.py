@@ -16,8 +16,9 @@ import types
 import warnings
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from . import _backends
 from ._config import default_max_memory, parse_bytes, probes_enabled
@@ -28,6 +29,8 @@ from ._spec import BatchSpec
 from ._tuning import persist_probes, recall_probes
 
 BackendName = Literal["tensorflow", "torch", "jax"]
+
+T = TypeVar("T")
 
 #: rows of a framework's (device) arrays copied to the host for the one-off probes (which
 #: read the first 64 rows)
@@ -130,6 +133,30 @@ def _start_probes(bound: _backends.BoundModel, spec: BatchSpec, name: str, backe
     bound.output_shape = shape
     bound._probing = _PROBES.submit(probe)  # type: ignore[attr-defined]
     return True
+
+
+def beside_probes(bound: _backends.BoundModel, compute: Callable[[], T],
+                  dropped: Callable[[], object] = lambda: None) -> T:
+    """``compute()``, then the probes started beside it (:func:`prepare` with ``overlap``)
+    waited for: what they found (a model they refuse) is raised, and the result dropped, with
+    ``dropped()`` called; where the computation failed, a probe's finding explains it better
+    and is raised in its place. The one way the verbs hand out a result computed beside the
+    probes."""
+    try:
+        result = compute()
+    except BaseException as failure:
+        try:
+            probed(bound)
+        except BatchJacError as found:
+            dropped()
+            raise found from failure
+        raise
+    try:
+        probed(bound)  # before the result is handed out: a probe may refuse the model
+    except BaseException:
+        dropped()
+        raise
+    return result
 
 
 def probed(bound: _backends.BoundModel) -> None:

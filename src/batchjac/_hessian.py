@@ -26,7 +26,7 @@ from . import _backends, _tuning as tuning
 from ._arrays import OutputArg, deliver, named_results, native_options, resolve
 from ._autotune import ROWS_COMPILATIONS, tune_rows, tuned_rows
 from ._backends._base import SECOND_RESULT
-from ._bind import BackendName, prepare
+from ._bind import BackendName, beside_probes, prepare
 from ._config import default_max_memory, parse_bytes
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
@@ -256,12 +256,18 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
                              return_outputs=return_outputs, return_jacobian=return_jacobian,
                              nan_policy=nan_policy, options=options, explain=explain,
                              progress=progress, compute_chunks=compute_chunks)
-        bound = prepare(model, _plain(spec), name, options)
-        plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
-                           max_memory=max_memory)
-        return deliver(_compute(bound, spec, kind, plan, return_outputs=return_outputs,
-                                return_jacobian=return_jacobian, out=out, explain=explain,
-                                progress=progress), delivery)
+        # (JAX: the probes beside the first kernel's compilation, as jacobian's; W6's first
+        # call waited 10 ms of 250 for them)
+        bound = prepare(model, _plain(spec), name, options, overlap=out is None)
+
+        def compute() -> Any:
+            plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
+                               max_memory=max_memory)
+            return _compute(bound, spec, kind, plan, return_outputs=return_outputs,
+                            return_jacobian=return_jacobian, out=out, explain=explain,
+                            progress=progress)
+
+        return deliver(beside_probes(bound, compute), delivery)
     except StoreError:  # about the output, not the model or inputs: no context to add
         raise
     except BatchJacError as e:

@@ -14,7 +14,7 @@ import numpy as np
 from . import _backends, _fastpath, _tuning as tuning
 from ._arrays import OutputArg, deliver, in_memory, native_options, on_host, resolve
 from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
-from ._bind import BackendName, plan_for, prepare, probed
+from ._bind import BackendName, beside_probes, plan_for, prepare
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._loaders import as_model
@@ -233,23 +233,10 @@ def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
              progress: bool | Callable[[int], None] = False,
              fast_key: tuple[Any, ...] | None = None) -> Any:
     bound = prepare(model, spec, backend, options, overlap=out is None)
-    try:
-        result = _compute_bound(model, bound, spec, backend, mode=mode, chunk_size=chunk_size,
-                                max_memory=max_memory, return_outputs=return_outputs, out=out,
-                                explain=explain, progress=progress, fast_key=fast_key)
-    except BaseException as failure:
-        try:
-            probed(bound)
-        except BatchJacError as found:  # a probe's finding explains the failure better
-            _fastpath.forget(fast_key)
-            raise found from failure
-        raise
-    try:
-        probed(bound)  # before the result is handed out: a probe may refuse the model
-    except BaseException:
-        _fastpath.forget(fast_key)
-        raise
-    return result
+    return beside_probes(bound, lambda: _compute_bound(
+        model, bound, spec, backend, mode=mode, chunk_size=chunk_size, max_memory=max_memory,
+        return_outputs=return_outputs, out=out, explain=explain, progress=progress,
+        fast_key=fast_key), dropped=lambda: _fastpath.forget(fast_key))
 
 
 def _compute_bound(model: Any, bound: _backends.BoundModel, spec: BatchSpec, backend: str, *,
