@@ -181,3 +181,32 @@ def test_a_race_choice_holds_for_other_chunk_sizes(monkeypatch: Any) -> None:
     assert "timed 48 rows" in notes[0], notes
     assert "as timed for another chunk size" in notes[1], notes
     np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_the_untimed_first_build_follows_the_calls_work(monkeypatch: Any) -> None:
+    """A first call too small to repay a race takes the forward Laplacian, untimed, where the
+    call's rows times the model's weights repay its trace (FORWARD_LAPLACIAN_WORK), the plain
+    build below that; both give torch.func's values, and a race may still replace either."""
+    from batchjac._backends.torch import TorchSecondKernel
+
+    r = rng(8)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+    weights = sum(p.numel() for p in model.parameters())  # 81
+    x = r.normal(size=(40, 3))
+    _, lap = references(lambda a, b: model(a), x, np.zeros((40, 0)))
+    for threshold, build in ((40 * weights + 1, "plain"), (40 * weights, "a forward Laplacian (one pass)")):
+        monkeypatch.setattr(TorchSecondKernel, "FORWARD_LAPLACIAN_WORK", threshold)
+        fresh = torch.nn.Sequential(*(m for m in model))  # a new model: a new first call
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            got = batchjac.laplacian(fresh, x, backend="torch", explain=True)
+        note = next(line for line in err.getvalue().splitlines() if "kernel:" in line)
+        assert f"{build} (not timed" in note, note
+        np.testing.assert_allclose(got, lap, rtol=1e-10, atol=1e-12)
+    # the call's rows count, not only the chunk's: 4 chunks of 10 rows, the work of 40
+    fresh = torch.nn.Sequential(*(m for m in model))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        got = batchjac.laplacian(fresh, x, backend="torch", explain=True, chunk_size=10)
+    assert "a forward Laplacian (one pass) (not timed" in err.getvalue(), err.getvalue()
+    np.testing.assert_allclose(got, lap, rtol=1e-10, atol=1e-12)

@@ -420,7 +420,8 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
 
     # the tuning policy: a kernel with several builds (TensorFlow: graph, XLA) races them
     # only when the work seen repays it, in a ledger of second-order work
-    result = tuning.timed(ledger_of, kernel, spec.n, run, new=new, built_seconds=build.seconds)
+    with _backends.call_rows(spec.n):  # what a kernel's first build weighs its cost against
+        result = tuning.timed(ledger_of, kernel, spec.n, run, new=new, built_seconds=build.seconds)
     tuning.settle(ledger_of, kernel,
                   lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n), kernel.chunk_size))
     if explain and kernel.note:
