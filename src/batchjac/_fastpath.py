@@ -91,9 +91,10 @@ def forget(k: tuple[Any, ...] | None) -> None:
 
 
 def finite(inputs: tuple[np.ndarray, ...]) -> bool:
-    """No NaN/Inf (a False may be an overflow of finite values: the full path then checks
-    element by element): the sum is ~5x cheaper than ``isfinite().all()``."""
-    return all(a.dtype.kind != "f" or bool(np.isfinite(a.sum(dtype=np.float64))) for a in inputs)
+    """No NaN/Inf. ``isfinite().all()`` (vectorised in numpy 2) is exact and beat a float64
+    sum at every size measured here: 5,000 float32 2.3 against 4.2 us, 2^20 79 against
+    378 us, 2^23 float64 2.4 against 3.3 ms."""
+    return all(a.dtype.kind != "f" or bool(np.isfinite(a).all()) for a in inputs)
 
 
 def same_layout(entry: Entry, inputs: tuple[np.ndarray, ...]) -> bool:

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 
@@ -37,19 +37,28 @@ Order = Literal["forward-over-reverse", "forward-over-forward"]
 SECOND_RESULT: dict[str, str] = {"hessian": "hessians", "diagonal": "diagonals",
                                  "laplacian": "laplacians", "hvp": "hvps"}
 
+V = TypeVar("V")
+
+
+@contextlib.contextmanager
+def _scoped(var: contextvars.ContextVar[V], value: V) -> Iterator[None]:
+    """``var`` set to ``value`` within the block (this thread's and task's context only): the
+    one shape of the call-scoped settings below."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 #: whether the call at hand may pay for racing a kernel's builds on its first call: the tuning
 #: policy (:mod:`batchjac._tuning`) decides and sets it around the call; kernels read it
 _ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_race_allowed", default=False)
 
 
-@contextlib.contextmanager
-def allowed(flag: bool) -> Iterator[None]:
+def allowed(flag: bool) -> contextlib.AbstractContextManager[None]:
     """Within this block, kernels meeting their first call may race their builds (``flag``)."""
-    token = _ALLOWED.set(flag)
-    try:
-        yield
-    finally:
-        _ALLOWED.reset(token)
+    return _scoped(_ALLOWED, flag)
 
 
 #: the rows of the call at hand (0: not known), set around it by the caller: a kernel's first
@@ -57,14 +66,9 @@ def allowed(flag: bool) -> Iterator[None]:
 _CALL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("batchjac_call_rows", default=0)
 
 
-@contextlib.contextmanager
-def call_rows(n: int) -> Iterator[None]:
+def call_rows(n: int) -> contextlib.AbstractContextManager[None]:
     """Within this block, the call at hand computes ``n`` rows (see :func:`rows_at_hand`)."""
-    token = _CALL_ROWS.set(n)
-    try:
-        yield
-    finally:
-        _CALL_ROWS.reset(token)
+    return _scoped(_CALL_ROWS, n)
 
 
 def rows_at_hand() -> int:
@@ -90,14 +94,9 @@ def race_allowed() -> bool:
 _ASKED: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_mode_asked", default=False)
 
 
-@contextlib.contextmanager
-def mode_asked(flag: bool) -> Iterator[None]:
+def mode_asked(flag: bool) -> contextlib.AbstractContextManager[None]:
     """Within this block, the mode of the kernels called was asked for (``flag``)."""
-    token = _ASKED.set(flag)
-    try:
-        yield
-    finally:
-        _ASKED.reset(token)
+    return _scoped(_ASKED, flag)
 
 
 def fallback_allowed() -> bool:
@@ -111,13 +110,9 @@ def fallback_allowed() -> bool:
 _RACING: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_mode_race", default=False)
 
 
-@contextlib.contextmanager
-def mode_race() -> Iterator[None]:
-    token = _RACING.set(True)
-    try:
-        yield
-    finally:
-        _RACING.reset(token)
+def mode_race() -> contextlib.AbstractContextManager[None]:
+    """Within this block, the kernels called are timed mode against mode."""
+    return _scoped(_RACING, True)
 
 
 def in_mode_race() -> bool:
