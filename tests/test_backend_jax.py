@@ -799,6 +799,8 @@ def test_the_mode_race_times_full_builds_not_the_quick_one(monkeypatch: pytest.M
     assert not bound.tuned  # no race yet: the first call's work does not repay one
     (first,) = bound._kernels.values()
     assert set(first._compiled) == {"quick"}
+    # priced at what it compiles: the other mode's kernel and this one's full build
+    assert bound.mode_race_builds(first.mode, 64, False) == 2
     with monkeypatch.context() as patch:
         race_now(patch)  # (the fast path hands the due race to the full path)
         assert_jac_close(batchjac.jacobian(model, x), ref)
@@ -807,6 +809,10 @@ def test_the_mode_race_times_full_builds_not_the_quick_one(monkeypatch: pytest.M
     for mode in ("forward", "reverse"):
         kernel = bound.kernel(mode, 64, False)
         assert set(kernel._compiled) - {"quick"}, (mode, set(kernel._compiled))
+    # the other mode's kernel, built for the race, compiled no quick build of its own
+    other = bound.kernel("reverse" if first.mode == "forward" else "forward", 64, False)
+    assert "quick" not in other._compiled, set(other._compiled)
+    assert bound.mode_race_builds(first.mode, 64, False) == 1
 
 
 def test_the_first_build_follows_the_chunks_work_and_autotune_off_compiles_the_default(

@@ -292,8 +292,9 @@ def _choose(bound: _backends.BoundModel, spec: BatchSpec, plan: Plan, with_outpu
                          result_row_bytes=spec.dtype.itemsize * m * (spec.k + with_outputs))
         plan = tuning.reuse(bound, plan, spec.n, with_outputs)
     tuning.recall(bound, backend, plan, with_outputs)
-    if plan.uncertain and ((plan.chunk_size, with_outputs) in bound.tuned
-                           or tuning.worth(bound, spec.n, compilations=1)):
+    if plan.uncertain and ((plan.chunk_size, with_outputs) in bound.tuned or tuning.worth(
+            bound, spec.n, compilations=bound.mode_race_builds(plan.mode, plan.chunk_size,
+                                                               with_outputs))):
         plan = tune(bound, spec, plan, with_outputs)
     if rows_free:
         tuning.recall_rows(bound, backend, plan, with_outputs)

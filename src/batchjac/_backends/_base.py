@@ -228,6 +228,12 @@ class Kernel(ABC):
     #: the variant fixed with :meth:`use`, which the first call then takes without timing
     _forced: str | None = None
 
+    @property
+    def provisional_builds(self) -> int:
+        """Builds :meth:`provisional` would compile before it runs (JAX: the full build beside
+        a quick first one), which a mode race on this kernel costs on top of the other mode's."""
+        return 0
+
     def provisional(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                     ) -> tuple[np.ndarray | None, np.ndarray]:
         """Like a call, for timing the kernel against other modes and chunk sizes: a kernel
@@ -483,6 +489,14 @@ class BoundModel(ABC):
     def has_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> bool:
         """Whether that kernel exists already (using it costs no compilation)."""
         return (mode, chunk_size, with_outputs) in self._kernels
+
+    def mode_race_builds(self, mode: Mode, chunk_size: int, with_outputs: bool) -> int:
+        """The compilations a race of the two modes at this chunk size costs: the other mode's
+        kernel, and whatever the existing kernel of ``mode`` still has to compile to be timed
+        (JAX: a full build beside its quick first one), or that kernel too if it is new."""
+        with self._kernels_lock:
+            kernel = self._kernels.get((mode, chunk_size, with_outputs))
+        return 1 + (1 if kernel is None else kernel.provisional_builds)
 
     def refresh(self) -> bool:
         """Called before each use; e.g. re-sync weights of a float64 copy of the model.

@@ -628,9 +628,11 @@ class JaxKernel(Kernel):
             return "default"
         self.work = jax_cost.work(self._jaxpr)
         # the quick build's cost is per element of every chunk of the call (W4's 2,000 images
-        # in chunks of 100: 3.1e7 elements a chunk, 6e8 a call, 0.88 against 0.48 s)
+        # in chunks of 100: 3.1e7 elements a chunk, 6e8 a call, 0.88 against 0.48 s); never in
+        # a mode race, which times full builds (provisional): a quick one would be compiled
+        # for nothing
         chunks = max(1, -(-rows_at_hand() // self.chunk_size))
-        if self.work.elements * chunks <= self.QUICK_ELEMENTS:
+        if self.work.elements * chunks <= self.QUICK_ELEMENTS and not in_mode_race():
             return "quick"
         return "no-ynnpack" if self.work.products >= self.WIDE_PRODUCTS else "default"
 
@@ -728,6 +730,12 @@ class JaxKernel(Kernel):
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                  ) -> tuple[np.ndarray | None, np.ndarray]:
         return self.launch(u, ctx)()
+
+    @property
+    def provisional_builds(self) -> int:
+        """A quick first build that :meth:`provisional` replaces by a full one: 1."""
+        return int("quick" in self._compiled and
+                   not any(v != "quick" for v in self._compiled))
 
     def provisional(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                     ) -> tuple[np.ndarray | None, np.ndarray]:
