@@ -734,8 +734,7 @@ class JaxKernel(Kernel):
     @property
     def provisional_builds(self) -> int:
         """A quick first build that :meth:`provisional` replaces by a full one: 1."""
-        return int("quick" in self._compiled and
-                   not any(v != "quick" for v in self._compiled))
+        return int(set(self._compiled) == {"quick"})
 
     def provisional(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                     ) -> tuple[np.ndarray | None, np.ndarray]:
