@@ -348,6 +348,47 @@ def test_rebound_globals_attributes_and_grown_lists_are_not_stale() -> None:
     assert_jac_close(batchjac.jacobian(g, x, backend="jax"), -5 * base)
 
 
+def test_weights_changed_deep_in_nested_params_or_layer_objects_are_not_stale() -> None:
+    """A Flax-style nested dict of params (the kernel 4 dicts below the closure) and a model
+    object holding a list of layer objects: the walk stopped 3 levels down, and a weight
+    replaced there kept its old value baked into the compiled kernel (silently wrong J)."""
+    rng = np.random.default_rng(2201)
+    x = data((8, 3), seed=2201)
+    w1 = jnp.asarray(rng.normal(size=(3, 3)), jnp.float32)
+    w2 = jnp.asarray(rng.normal(size=(3, 3)), jnp.float32)
+    params = {"params": {"Encoder_0": {"Block_0": {"Dense_0": {"kernel": w1}}}}}
+
+    def f(v: Any) -> Any:
+        return jnp.sin(v) @ params["params"]["Encoder_0"]["Block_0"]["Dense_0"]["kernel"]
+
+    def reference(w: Any) -> np.ndarray:  # J[n, j, i] = cos(x[n, i]) w[i, j]
+        return np.einsum("ni,ij->nji", np.cos(x.astype(np.float64)), np.asarray(w, np.float64))
+
+    assert_jac_close(batchjac.jacobian(f, x), reference(w1))
+    params["params"]["Encoder_0"]["Block_0"]["Dense_0"]["kernel"] = w2
+    assert_jac_close(batchjac.jacobian(f, x), reference(w2))
+
+    class Layer:
+        def __init__(self, w: Any) -> None:
+            self.w = w
+
+    class Net:
+        def __init__(self) -> None:
+            self.blocks = [[Layer(w1)]]
+
+        def __call__(self, v: Any) -> Any:
+            out = jnp.sin(v)
+            for block in self.blocks:
+                for layer in block:
+                    out = out @ layer.w
+            return out
+
+    net = Net()
+    assert_jac_close(batchjac.jacobian(net, x, backend="jax"), reference(w1))
+    net.blocks[0][0].w = w2
+    assert_jac_close(batchjac.jacobian(net, x, backend="jax"), reference(w2))
+
+
 def test_unused_unknowns_get_zero_columns() -> None:
     model = jax_examples.mlp((3, 16, 2))
     x = data((20, 5), seed=18)

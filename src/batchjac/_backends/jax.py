@@ -865,6 +865,11 @@ def in_blocks(body: Callable[[Any, tuple[Any, ...]], Any], rows: int, u: Any,
 # -- values a traced function bakes in -------------------------------------------------------
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _MAX_VISITS = 2000
+#: hops through functions and objects (closure cells, globals, attributes) the walk of
+#: :func:`_captured_values` follows; dicts, lists and tuples cost none
+_MAX_HOPS = 4
+#: nested containers and hops together, at most (Python's recursion stays bounded)
+_MAX_NESTING = 64
 
 
 class JaxSecondKernel(Kernel):
@@ -1083,54 +1088,68 @@ class _Sites:
 
 def _captured_values(fn: Any, sites: _Sites | None = None) -> list[Any]:
     """Arrays ``fn`` reads from closures, referenced globals, defaults, partial arguments and
-    callable objects' attributes (a few levels deep), and the plain scalars among its
-    closure cells, globals and defaults: the values jax.jit bakes into a trace. ``sites``
-    collects where each was read (see :class:`_Sites`)."""
+    callable objects' attributes, and the plain scalars among its closure cells, globals and
+    defaults: the values jax.jit bakes into a trace. ``sites`` collects where each was read
+    (see :class:`_Sites`).
+
+    Dicts, lists and tuples are walked to any depth (a Flax-style ``params["params"]
+    ["Encoder_0"]["Dense_0"]["kernel"]``); what is limited is the number of hops through
+    functions and objects (:data:`_MAX_HOPS`: a model object, its list of layer objects, their
+    weights is two), and the objects visited in all (:data:`_MAX_VISITS`)."""
     found: list[Any] = []
     seen: set[int] = set()
     log = sites if sites is not None else _Sites()
 
-    def visit(obj: Any, depth: int, scalars: bool) -> None:
+    def visit(obj: Any, hops: int, scalars: bool, nested: int = 0) -> None:
         if _is_array(obj) or isinstance(obj, _SCALARS):
             if _is_array(obj) or scalars:
                 found.append(obj)
             return
-        if id(obj) in seen or len(seen) > _MAX_VISITS or depth > 3 or \
+        if id(obj) in seen or len(seen) > _MAX_VISITS or nested > _MAX_NESTING or \
                 isinstance(obj, (types.ModuleType, type)):
             return
-        seen.add(id(obj))
         if isinstance(obj, dict):
+            seen.add(id(obj))
             log.sizes.append((obj, len(obj)))
             for key in list(obj)[:256]:
-                visit(log.read(obj, key, obj[key]), depth + 1, scalars)
-        elif isinstance(obj, (list, tuple)):
+                visit(log.read(obj, key, obj[key]), hops, scalars, nested + 1)
+            return
+        if isinstance(obj, (list, tuple)):
+            seen.add(id(obj))
             log.sizes.append((obj, len(obj)))
             for i, v in enumerate(obj[:256]):
-                visit(log.read(obj, i, v), depth + 1, scalars)
-        elif isinstance(obj, types.FunctionType):
+                visit(log.read(obj, i, v), hops, scalars, nested + 1)
+            return
+        if hops >= _MAX_HOPS:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
             code = log.read(obj, "__code__", obj.__code__)
-            visit_code(code, obj.__globals__, depth)
+            visit_code(code, obj.__globals__, hops, nested)
             for cell in log.read(obj, "__closure__", obj.__closure__) or ():
                 with contextlib.suppress(ValueError):  # an empty cell has no contents
-                    visit(log.read(cell, "cell_contents", cell.cell_contents), depth + 1, True)
-            visit(log.read(obj, "__defaults__", obj.__defaults__) or (), depth + 1, True)
-            visit(log.read(obj, "__kwdefaults__", obj.__kwdefaults__) or {}, depth + 1, True)
+                    visit(log.read(cell, "cell_contents", cell.cell_contents), hops + 1, True,
+                          nested + 1)
+            visit(log.read(obj, "__defaults__", obj.__defaults__) or (), hops + 1, True, nested + 1)
+            visit(log.read(obj, "__kwdefaults__", obj.__kwdefaults__) or {}, hops + 1, True,
+                  nested + 1)
         elif isinstance(obj, types.MethodType):
-            visit(obj.__self__, depth + 1, False)
-            visit(obj.__func__, depth + 1, False)
+            visit(obj.__self__, hops + 1, False, nested + 1)
+            visit(obj.__func__, hops + 1, False, nested + 1)
         elif isinstance(obj, functools.partial):
-            visit(obj.func, depth + 1, False)
-            visit(obj.args, depth + 1, True)
-            visit(obj.keywords, depth + 1, True)
+            visit(obj.func, hops + 1, False, nested + 1)
+            visit(obj.args, hops + 1, True, nested + 1)
+            visit(obj.keywords, hops + 1, True, nested + 1)
         elif hasattr(obj, "__dict__"):  # a callable object or a container of weights
-            visit(vars(obj), depth + 1, False)  # arrays only: other attributes may be counters
+            # arrays only: other attributes may be counters
+            visit(vars(obj), hops + 1, False, nested + 1)
 
-    def visit_code(code: types.CodeType, glb: dict[str, Any], depth: int) -> None:
+    def visit_code(code: types.CodeType, glb: dict[str, Any], hops: int, nested: int) -> None:
         for name in _global_names(code):
             value = glb.get(name, _Sites._MISSING)
             log.read(glb, name, value)
             if value is not _Sites._MISSING:
-                visit(value, depth + 1, True)
+                visit(value, hops + 1, True, nested + 1)
 
     visit(fn, 0, False)
     return found
