@@ -337,6 +337,36 @@ def test_reshape_copies_a_zero_dimension_unless_allowzero(allowzero: int) -> Non
     assert_rel_close(jac, expected)
 
 
+def test_new_weights_in_the_external_data_file_are_a_new_model(tmp_path: Path) -> None:
+    """The weights of y = tanh(x @ W) live in an external data file beside the .onnx file.
+    Re-exported with new W, the .onnx file's bytes are the same (the graph and the data's
+    offsets did not change); the module loaded for the old weights must not be reused."""
+    helper, numpy_helper = onnx.helper, onnx.numpy_helper
+    rng = np.random.default_rng(2202)
+    x = rng.normal(size=(6, 3)).astype("float32")
+    path, data = tmp_path / "m.onnx", tmp_path / "m.data"
+
+    def export(w: np.ndarray) -> bytes:
+        model = _graph([helper.make_node("MatMul", ["x", "W"], ["t"]),
+                        helper.make_node("Tanh", ["t"], ["y"])])
+        model.graph.initializer.append(numpy_helper.from_array(w, "W"))
+        data.unlink(missing_ok=True)  # (onnx refuses to write over an existing data file)
+        onnx.save_model(model, str(path), save_as_external_data=True, location=data.name,
+                        size_threshold=0)
+        return path.read_bytes()
+
+    def reference(w: np.ndarray) -> np.ndarray:  # J[n, j, i] = (1 - tanh^2) W[i, j]
+        t = np.tanh(x.astype(np.float64) @ w)
+        return np.einsum("nj,ij->nji", 1 - t ** 2, w.astype(np.float64))
+
+    w1, w2 = (rng.normal(size=(3, 3)).astype("float32") for _ in range(2))
+    first = export(w1)
+    assert data.exists()
+    assert_rel_close(batchjac.jacobian(str(path), x), reference(w1))
+    assert export(w2) == first  # the main file is byte-identical: only the data file changed
+    assert_rel_close(batchjac.jacobian(str(path), x), reference(w2))
+
+
 def test_a_corrupt_onnx_file_is_a_load_error(tmp_path: Path) -> None:
     path = tmp_path / "broken.onnx"
     path.write_bytes(b"\x08\x07this is not protobuf" * 3)

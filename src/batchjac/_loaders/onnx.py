@@ -45,14 +45,16 @@ from typing import Any
 
 import onnx
 import torch
-from onnx import defs
+from onnx import defs, external_data_helper
 
 from .._errors import ModelLoadError
 
 #: converted modules by the sha256 of the model's bytes: the same file or ModelProto gives the
 #: same module object, so compiled kernels, probes and tuning decisions are found again
 _MODULES: OrderedDict[str, torch.nn.Module] = OrderedDict()
-_FILES: dict[tuple[str, int, int], str] = {}  # (path, mtime_ns, size) -> sha256 of its bytes
+#: (path, mtime_ns, size) of a file -> (the key of its module, its external data files and their
+#: stamps when it was loaded)
+_FILES: dict[tuple[str, int, int], tuple[str, tuple[str, ...], tuple[Any, ...]]] = {}
 _KEEP = 8
 _LOCK = threading.Lock()
 
@@ -61,28 +63,57 @@ _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 def load_file(path: str | os.PathLike[str]) -> torch.nn.Module:
     """The PyTorch module of the ONNX model in ``path`` (its external data files, if any, are
-    read from beside it)."""
+    read from beside it). The same file gives the same module while neither it nor any of
+    its external data files changed (path, modification time and size of each): a model
+    re-exported with new weights in its external data, and the same graph, is a new model."""
     full = os.path.realpath(path)
     st = os.stat(full)
     stamp = (full, st.st_mtime_ns, st.st_size)
     with _LOCK:
-        key = _FILES.get(stamp)
-        if key is not None and key in _MODULES:
-            _MODULES.move_to_end(key)
-            return _MODULES[key]
+        found = _FILES.get(stamp)
+        if found is not None and found[0] in _MODULES and _stamps(found[1]) == found[2]:
+            _MODULES.move_to_end(found[0])
+            return _MODULES[found[0]]
     data = Path(full).read_bytes()
-    key = hashlib.sha256(data).hexdigest()
-    _FILES[stamp] = key
-    with _LOCK:
-        if key in _MODULES:
-            return _MODULES[key]
     try:
-        model = onnx.load_model(full)
+        model = onnx.load_model_from_string(data)
+        externals = _external_files(model, os.path.dirname(full))
+        stamps = _stamps(externals)
+        if externals:
+            external_data_helper.load_external_data_for_model(model, os.path.dirname(full))
     except Exception as e:
         raise ModelLoadError(f"Cannot load the model {str(path)!r}: it is not a readable ONNX file "
                              f"({type(e).__name__}: {_first_line(e)}). Is it corrupt or truncated, "
                              f"or a model of another format?") from e
+    digest = hashlib.sha256(data)
+    digest.update(repr(stamps).encode())  # (the weights outside the file, by their stamps)
+    key = digest.hexdigest()
+    with _LOCK:
+        _FILES[stamp] = (key, externals, stamps)
+        if key in _MODULES:
+            return _MODULES[key]
     return _remember(key, _convert(model, repr(str(path))))
+
+
+def _external_files(model: onnx.ModelProto, base: str) -> tuple[str, ...]:
+    """The external data files the model's tensors name, as full paths (sorted, once each)."""
+    ext = external_data_helper
+    names = {ext.ExternalDataInfo(t).location for t in ext._get_all_tensors(model)
+             if ext.uses_external_data(t)}
+    return tuple(sorted(os.path.realpath(os.path.join(base, n)) for n in names))
+
+
+def _stamps(files: tuple[str, ...]) -> tuple[tuple[str, int, int] | None, ...]:
+    """(path, mtime_ns, size) of each file; None for one that is missing."""
+    out: list[tuple[str, int, int] | None] = []
+    for f in files:
+        try:
+            st = os.stat(f)
+        except OSError:
+            out.append(None)
+        else:
+            out.append((f, st.st_mtime_ns, st.st_size))
+    return tuple(out)
 
 
 def load_proto(model: Any) -> torch.nn.Module:
