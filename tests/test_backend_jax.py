@@ -675,6 +675,30 @@ def test_the_executable_writer_thread_exists_before_the_call_has_its_result(
     np.testing.assert_allclose(jac, mlp_jacobian(mlp_weights(sizes, 8), x), rtol=2e-4, atol=1e-5)
 
 
+def test_a_store_of_a_small_job_compiles_its_kernel_once(tmp_path: Any) -> None:
+    """A store computes every chunk with the backend's first build ("default", recorded in
+    its plan); the kernel made for it compiled the quick build first (a small job), which the
+    store then replaced: two XLA compilations where one does."""
+    from batchjac._backends import jax_executables
+
+    sizes = (6, 10, 3)
+    model = jax_examples.mlp(sizes, seed=9)
+    x = data((40, 6), seed=36)
+    compiled: list[dict[str, str]] = []
+    original = jax_executables.compile
+
+    def counted(lowered: Any, options: Any = None, **kw: Any) -> Any:
+        compiled.append(dict(options or {}))
+        return original(lowered, options, **kw) if options is not None else original(lowered, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax_executables, "compile", counted)
+        store = batchjac.jacobian(model, x, out=str(tmp_path / "j.zarr"))
+    assert compiled == [{}], compiled  # the default build, once (not the quick one first)
+    np.testing.assert_allclose(np.asarray(store.open()[:]), mlp_jacobian(mlp_weights(sizes, 9), x),
+                               rtol=2e-4, atol=1e-5)
+
+
 def test_close_widths_are_computed_in_forward_mode() -> None:
     """JAX's forward mode traces and compiles quicker where the widths are close (5 unknowns,
     4 outputs: forward_bias); the Jacobian is the reference's either way."""

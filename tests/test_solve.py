@@ -377,7 +377,8 @@ class _FakeBound:
         self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
         self.log: list[int] = []
 
-    def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
+    def kernel(self, mode: str, size: int, with_outputs: bool,
+               variant: str | None = None) -> _FakeKernel:  # (one implementation: no variants)
         return self._kernels.setdefault((mode, size, with_outputs), _FakeKernel(size, self.log))
 
     def has_kernel(self, mode: str, size: int, with_outputs: bool) -> bool:
@@ -427,7 +428,8 @@ class _ModeKernel(_FakeKernel):
 class _EagerBound(_FakeBound):
     compiles_kernels = False  # as PyTorch: a kernel of a new size costs nothing to make
 
-    def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
+    def kernel(self, mode: str, size: int, with_outputs: bool,
+               variant: str | None = None) -> _FakeKernel:  # (one implementation: no variants)
         return self._kernels.setdefault((mode, size, with_outputs),
                                         _ModeKernel(mode, size, self.log))
 

@@ -765,9 +765,9 @@ class _Evaluator:
         if mode is None:
             mode = time_modes(self.bound, u_pad, ctx_pad, True, self.mode)[0]
         self.modes[size] = mode
-        kernel = self.bound.kernel(mode, size, True)
-        if not self.adaptive and kernel.variant != kernel.variants[0]:
-            kernel.use(kernel.variants[0])  # no timing-based choice of implementation either
+        # not adaptive: the first build, no timing-based choice of implementation either
+        kernel = self.bound.kernel(mode, size, True,
+                                   variant=None if self.adaptive else _backends.FIRST_VARIANT)
         out = call(kernel, u_pad, ctx_pad, f"a solver step ({rows} active instances)", rows=rows,
                    zero_check=False)  # a zero Jacobian stalls its instance: the status says so
         y, jac = out["outputs"], out["jacobians"]

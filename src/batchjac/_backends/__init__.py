@@ -13,10 +13,21 @@ import weakref
 from typing import Any
 
 from .._errors import BackendNotAvailableError, InputError
-from ._base import Backend, BoundModel, Kernel, Mode, Signature, call_rows, mode_asked, mode_race
+from ._base import (
+    FIRST_VARIANT,
+    Backend,
+    BoundModel,
+    Kernel,
+    Mode,
+    Signature,
+    call_rows,
+    mode_asked,
+    mode_race,
+)
 
-__all__ = ["Backend", "BoundModel", "Kernel", "Mode", "Signature", "array_framework", "array_ops",
-           "bind", "call_rows", "detect", "get_backend", "mode_asked", "mode_race"]
+__all__ = ["FIRST_VARIANT", "Backend", "BoundModel", "Kernel", "Mode", "Signature",
+           "array_framework", "array_ops", "bind", "call_rows", "detect", "get_backend",
+           "mode_asked", "mode_race"]
 
 # name -> (module implementing it, framework module it needs, install hint)
 REGISTRY: dict[str, tuple[str, str, str]] = {

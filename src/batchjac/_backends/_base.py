@@ -119,6 +119,24 @@ def in_mode_race() -> bool:
     return _RACING.get()
 
 
+#: the variant the kernel being built will be fixed to (:meth:`BoundModel.kernel` with a
+#: ``variant``: a store's recorded build, or :data:`FIRST_VARIANT`, a new store's): a kernel
+#: that compiles in its constructor compiles that build first, not the one it would choose
+#: for a first call and then replace (JAX's quick build, then a store's default: two)
+_WANTED: contextvars.ContextVar[str | None] = contextvars.ContextVar("batchjac_wanted_variant",
+                                                                    default=None)
+
+
+#: ``BoundModel.kernel(..., variant=FIRST_VARIANT)``: fixed to the kernel's first variant
+#: (``variants[0]``), the one a new store records, never a timed choice
+FIRST_VARIANT = "(first)"
+
+
+def wanted_variant() -> str | None:
+    """The variant the kernel under construction is for, where its caller fixed one."""
+    return _WANTED.get()
+
+
 def other_mode(mode: Mode) -> Mode:
     return "reverse" if mode == "forward" else "forward"
 
@@ -402,7 +420,8 @@ class BoundModel(ABC):
             if kernel is not None:
                 self._kernels.move_to_end(key)
         if kernel is None:
-            kernel = self.build_kernel(mode, chunk_size, with_outputs)  # (outside the lock)
+            with _scoped(_WANTED, variant):  # (outside the lock)
+                kernel = self.build_kernel(mode, chunk_size, with_outputs)
             with self._kernels_lock:
                 kernel = self._kernels.setdefault(key, kernel)  # another thread's, if first
                 self._kernels.move_to_end(key)
@@ -410,6 +429,8 @@ class BoundModel(ABC):
                     self._kernels.popitem(last=False)
         # a variant the kernel no longer offers (XLA failed to compile this model, here and in
         # the run that recorded "xla") is left as it is: the fallback is the same every time
+        if variant == FIRST_VARIANT:
+            variant = kernel.variants[0]
         if variant is not None and kernel.variant != variant and variant in kernel.variants:
             kernel.use(variant)
         return kernel

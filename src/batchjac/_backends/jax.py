@@ -622,8 +622,13 @@ class JaxKernel(Kernel):
         (:data:`WIDE_PRODUCTS`), else "default"."""
         from .._config import autotune_enabled
         from . import jax_cost
-        from ._base import rows_at_hand
+        from ._base import FIRST_VARIANT, rows_at_hand, wanted_variant
 
+        wanted = wanted_variant()
+        if wanted == FIRST_VARIANT:
+            return "default"  # (variants[0])
+        if wanted is not None and wanted.split("/")[0] in self._OPTIONS:
+            return wanted.split("/")[0]  # the build the caller fixes (a store's): compiled once
         if jax.default_backend() != "cpu" or not autotune_enabled() or self._jaxpr is None:
             return "default"
         self.work = jax_cost.work(self._jaxpr)

@@ -164,10 +164,11 @@ def _settle_variant(bound: Any, mode: str, chunk_size: int, with_outputs: bool) 
     plan so that resumed chunks and chunks computed on Dask workers use it too: the backend's
     first variant (XLA for TensorFlow), never a timed choice, because two uninterrupted runs
     of the same command must write the same bytes as well."""
-    kernel = bound.kernel(mode, chunk_size, with_outputs)
-    variant: str = kernel.variants[0]
-    kernel.use(variant)
-    return variant
+    from .._backends import FIRST_VARIANT
+
+    kernel = bound.kernel(mode, chunk_size, with_outputs, variant=FIRST_VARIANT)
+    first: str = kernel.variants[0]  # (what it is fixed to: ``variant`` is set by its first call)
+    return first
 
 
 def _arrays(meta: dict[str, Any], spec: BatchSpec, with_outputs: bool) -> list[ArraySpec]:
