@@ -1214,12 +1214,7 @@ class TorchSecondKernel(Kernel):
         y, jac = y.detach(), jac.reshape(rows, *out_shape, *ushape)
         if v is not None:
             return y, jac, second.reshape(rows, *out_shape, *ushape)
-        if self.kind == "hessian":
-            return y, jac, second.reshape(rows, *out_shape, *ushape, *ushape)
-        diag = torch.diagonal(second, dim1=-2, dim2=-1)  # (rows, m, k)
-        if self.kind == "diagonal":
-            return y, jac, diag.reshape(rows, *out_shape, *ushape)
-        return y, jac, diag.sum(-1).reshape(rows, *out_shape)
+        return y, jac, self._of_hessian(second, out_shape, ushape)
 
     def _forward_laplacian(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -1300,12 +1295,19 @@ class TorchSecondKernel(Kernel):
         # ht: (k_j, m, rows, *unk_i) -> (rows, m, k_i, k_j)
         h = ht.reshape(k, m, rows, k).permute(2, 1, 3, 0)
         jac = jt.movedim(0, 1).reshape(rows, *out_shape, *ushape)
+        return y, jac, self._of_hessian(h, out_shape, ushape)
+
+    def _of_hessian(self, h: torch.Tensor, out_shape: tuple[int, ...], ushape: tuple[int, ...]
+                    ) -> torch.Tensor:
+        """The kind's result from the Hessians ``h`` (rows, m, k, k): themselves, their
+        diagonal or its sum, shaped per instance."""
+        rows = h.shape[0]
         if self.kind == "hessian":
-            return y, jac, h.reshape(rows, *out_shape, *ushape, *ushape)
+            return h.reshape(rows, *out_shape, *ushape, *ushape)
         diag = torch.diagonal(h, dim1=-2, dim2=-1)  # (rows, m, k)
         if self.kind == "diagonal":
-            return y, jac, diag.reshape(rows, *out_shape, *ushape)
-        return y, jac, diag.sum(-1).reshape(rows, *out_shape)
+            return diag.reshape(rows, *out_shape, *ushape)
+        return diag.sum(-1).reshape(rows, *out_shape)
 
     def _diagonal_ff(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
