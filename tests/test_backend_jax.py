@@ -608,6 +608,52 @@ def test_a_later_process_loads_the_compiled_kernel_instead_of_compiling(
     assert np.abs(jac - got).max() > 1e-2  # (the weights do matter)
 
 
+def test_a_warm_process_loads_the_build_an_earlier_race_chose(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """A process whose race chose a build (and a mode) leaves that build's executable on disk;
+    the next process's first call loads it, no compilation at all, where it compiled its quick
+    build first (a full one replacing it later) and, when the race had flipped the mode, a
+    quick build of the other mode than the one on disk."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from batchjac._backends import jax_executables
+
+    monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)  # tiny test kernels
+    race_now(monkeypatch)
+    sizes = (6, 16, 3)
+    x = data((600, 6), seed=37)
+    model = jax_examples.mlp(sizes, seed=8)
+    got = batchjac.jacobian(model, x)
+    jax_executables.flush()
+    kernel = list(bound_of(model)._kernels.values())[-1]  # (the race's: the last one used)
+    assert kernel.raced
+    assert kernel.variant in kernel.variants
+    np.save(tmp_path / "x.npy", x)
+    code = f"""
+        import numpy as np, batchjac
+        from batchjac import _backends
+        from batchjac._examples import jax as jax_examples
+        model = jax_examples.mlp({sizes}, seed=8)
+        jac = batchjac.jacobian(model, np.load({str(tmp_path / 'x.npy')!r}))
+        np.save({str(tmp_path / 'jac.npy')!r}, jac)
+        (bound,) = _backends._bound[model].values()
+        kernel = list(bound._kernels.values())[-1]
+        print("COMPILES", bound.compile_count, "MODE", kernel.mode, "VARIANT", kernel.variant)
+    """
+    src = str(Path(batchjac.__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+                          env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"COMPILES 0 MODE {kernel.mode} VARIANT {kernel.variant}" in proc.stdout, proc.stdout
+    np.testing.assert_allclose(np.load(tmp_path / "jac.npy"), got, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, mlp_jacobian(mlp_weights(sizes, 8), x), rtol=2e-4, atol=1e-5)
+
+
 def test_a_cache_that_never_held_an_executable_costs_the_call_no_key(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """In a directory that never held an executable the lookup is skipped: the key (the

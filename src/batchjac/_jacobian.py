@@ -260,9 +260,13 @@ def _compute_bound(model: Any, bound: _backends.BoundModel, spec: BatchSpec, bac
             sys.stderr.write(f"batchjac: {plan.reason}\n")
         log.debug("batchjac plan: %s", plan.reason)
         new = not bound.has_kernel(plan.mode, plan.chunk_size, return_outputs)
+        # an earlier process's choice of build, which a new kernel may find compiled on disk
+        found = tuning.recalled(bound, backend, plan.mode, plan.chunk_size, return_outputs) \
+            if new else ...
         with tuning.Stopwatch() as build:
-            kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs)
-        tuning.recall_variant(bound, backend, kernel)
+            kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs,
+                                  recalled=found["variant"] if isinstance(found, dict) else None)
+        tuning.recall_variant(bound, backend, kernel, found)
         if out is None and fast_key is not None:  # the next call with these shapes skips to here
             _fastpath.remember(fast_key, model, bound, plan, spec, backend)
         if out is None and plan.n_chunks == 1:

@@ -143,13 +143,27 @@ def recall_rows(bound: Any, backend: str, plan: Plan, with_outputs: bool) -> Non
         _persisted(bound).add(rows_key)
 
 
-def recall_variant(bound: Any, backend: str, kernel: Any) -> None:
-    """Before a kernel's first call: the build an earlier race chose, fixed (one compilation)."""
+def recalled(bound: Any, backend: str, mode: str, chunk_size: int, with_outputs: bool,
+             variants: Any = str) -> dict[str, Any] | None:
+    """The build an earlier race chose for the kernel of this mode, chunk size and outputs
+    flag (``{"variant": ..., "timings": ...}``), from the disk cache; None if none did (or
+    if it is not one of ``variants``: the cache's one warning says so)."""
+    if not autotune_enabled():
+        return None
+    cache, key = _key(bound, backend, "variant", f"{mode}/{chunk_size}/{int(with_outputs)}")
+    found = cache.get(key, validate={"variant": variants}) if key is not None else None
+    return found  # type: ignore[no-any-return]
+
+
+def recall_variant(bound: Any, backend: str, kernel: Any, found: Any = ...) -> None:
+    """Before a kernel's first call: the build an earlier race chose, fixed (one compilation);
+    ``found`` is what :func:`recalled` read for it already, where it did."""
     if not autotune_enabled() or len(kernel.variants) < 2 or kernel.variant is not None:
         return
-    cache, key = _key(bound, backend, "variant",
-                      f"{kernel.mode}/{kernel.chunk_size}/{int(kernel.with_outputs)}")
-    found = cache.get(key, validate={"variant": set(kernel.variants)}) if key is not None else None
+    if found is ... or (found is not None and found["variant"] not in kernel.variants):
+        # (read here, or again: a variant this kernel lacks is ignored with the cache's warning)
+        found = recalled(bound, backend, kernel.mode, kernel.chunk_size, kernel.with_outputs,
+                         variants=set(kernel.variants))
     if found is None:
         return
     why = f"remembered: {found.get('timings', '')}"

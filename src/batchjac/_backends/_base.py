@@ -137,6 +137,19 @@ def wanted_variant() -> str | None:
     return _WANTED.get()
 
 
+#: the variant an earlier process's race chose for the kernel being built (read from the
+#: tuning cache, :meth:`BoundModel.kernel` with ``recalled``): a hint, not a constraint. A
+#: kernel that keeps its builds on disk (JAX's executables) loads that build first where it
+#: finds it there, instead of compiling its cheap first build and replacing it later
+_RECALLED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "batchjac_recalled_variant", default=None)
+
+
+def recalled_variant() -> str | None:
+    """The variant an earlier race chose for the kernel under construction, if known."""
+    return _RECALLED.get()
+
+
 def other_mode(mode: Mode) -> Mode:
     return "reverse" if mode == "forward" else "forward"
 
@@ -412,15 +425,17 @@ class BoundModel(ABC):
         """Compile the chunk kernel (called once per mode, chunk size and outputs flag)."""
 
     def kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
-               variant: str | None = None) -> Kernel:
-        """The cached kernel; ``variant`` fixes its implementation (see :class:`Kernel`)."""
+               variant: str | None = None, recalled: str | None = None) -> Kernel:
+        """The cached kernel; ``variant`` fixes its implementation (see :class:`Kernel`);
+        ``recalled`` is the variant an earlier process chose, a hint to a new kernel's first
+        build (:func:`recalled_variant`)."""
         key = (mode, chunk_size, with_outputs)
         with self._kernels_lock:
             kernel = self._kernels.get(key)
             if kernel is not None:
                 self._kernels.move_to_end(key)
         if kernel is None:
-            with _scoped(_WANTED, variant):  # (outside the lock)
+            with _scoped(_WANTED, variant), _scoped(_RECALLED, recalled):  # (outside the lock)
                 kernel = self.build_kernel(mode, chunk_size, with_outputs)
             with self._kernels_lock:
                 kernel = self._kernels.setdefault(key, kernel)  # another thread's, if first

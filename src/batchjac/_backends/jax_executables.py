@@ -126,6 +126,25 @@ def compile(lowered: Any, options: dict[str, str] | None = None, *,
     return compiled, False
 
 
+def load(lowered: Any, options: dict[str, str] | None = None, *,
+         starting: Callable[[], object] = lambda: None) -> Any:
+    """The executable an earlier process compiled for this module and options, or None (no
+    compilation here: the caller decides what to compile instead)."""
+    options = dict(options or {})
+    cache = default_cache()
+    if not (cache.enabled and cache.has_payloads()):
+        return None
+    key = _key(lowered, options)
+    payload = cache.get_bytes(key) if key is not None else None
+    loaded = _load(payload) if payload is not None else None
+    if loaded is None:
+        return None
+    assert key is not None
+    _SEEN.add(key.digest())
+    starting()
+    return loaded
+
+
 def _started() -> None:
     """Nothing: submitted once an executable is queued, so that the writer's thread exists
     before the call's result. Made by :func:`release` instead, it waited 15-20 ms for the
