@@ -48,11 +48,31 @@ def fd_reference(forward64: Any, u: np.ndarray) -> np.ndarray:
     return central_differences(forward64, np.asarray(u, np.float64))
 
 
+def run_in_fresh_process(code: str) -> str:
+    """Run ``code`` (dedented) in a new Python process with warnings as errors and this
+    checkout's batchjac first on the path; its stdout (the process must exit 0)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    import batchjac
+
+    src = str(Path(batchjac.__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+                          env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 def rng(seed: int = 0) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-__all__ = ["ATOL", "RTOL", "assert_close", "assert_jac_close", "central_differences", "fd_reference", "rng"]
+__all__ = ["ATOL", "RTOL", "assert_close", "assert_jac_close", "central_differences", "fd_reference", "rng",
+           "run_in_fresh_process"]
 
 
 def race_now(monkeypatch: Any) -> None:

@@ -28,7 +28,7 @@ from batchjac.examples import (  # noqa: E402
 )
 
 from .conformance import SEED_SIZES, BackendConformance  # noqa: E402
-from .helpers import assert_jac_close, central_differences, race_now  # noqa: E402
+from .helpers import assert_jac_close, central_differences, race_now, run_in_fresh_process  # noqa: E402
 
 
 def x64() -> contextlib.AbstractContextManager[Any]:
@@ -569,9 +569,6 @@ def test_a_later_process_loads_the_compiled_kernel_instead_of_compiling(
     there, the same bits); a model of the same code with other weights compiles its own (the
     weights are constants of the module the key hashes) and gets its own Jacobians."""
     import os
-    import subprocess
-    import sys
-    import textwrap
     from pathlib import Path
 
     from batchjac._backends import jax_executables
@@ -594,12 +591,8 @@ def test_a_later_process_loads_the_compiled_kernel_instead_of_compiling(
         (bound,) = _backends._bound[model].values()
         print("COMPILES", bound.compile_count, "TRACES", bound.trace_count)
     """
-    src = str(Path(batchjac.__file__).resolve().parents[1])
-    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
-                          env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "COMPILES 0 TRACES 1" in proc.stdout  # traced (the key), not compiled
+    stdout = run_in_fresh_process(code)
+    assert "COMPILES 0 TRACES 1" in stdout  # traced (the key), not compiled
     np.testing.assert_array_equal(np.load(tmp_path / "jac.npy"), got)
     other = jax_examples.mlp(sizes, seed=4)  # the same code, other weights
     jac = batchjac.jacobian(other, x)
@@ -614,11 +607,6 @@ def test_a_warm_process_loads_the_build_an_earlier_race_chose(
     the next process's first call loads it, no compilation at all, where it compiled its quick
     build first (a full one replacing it later) and, when the race had flipped the mode, a
     quick build of the other mode than the one on disk."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
 
     from batchjac._backends import jax_executables
 
@@ -644,12 +632,8 @@ def test_a_warm_process_loads_the_build_an_earlier_race_chose(
         kernel = list(bound._kernels.values())[-1]
         print("COMPILES", bound.compile_count, "MODE", kernel.mode, "VARIANT", kernel.variant)
     """
-    src = str(Path(batchjac.__file__).resolve().parents[1])
-    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
-                          env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"COMPILES 0 MODE {kernel.mode} VARIANT {kernel.variant}" in proc.stdout, proc.stdout
+    stdout = run_in_fresh_process(code)
+    assert f"COMPILES 0 MODE {kernel.mode} VARIANT {kernel.variant}" in stdout, stdout
     np.testing.assert_allclose(np.load(tmp_path / "jac.npy"), got, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, mlp_jacobian(mlp_weights(sizes, 8), x), rtol=2e-4, atol=1e-5)
 

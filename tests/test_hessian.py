@@ -21,7 +21,7 @@ import batchjac
 from batchjac._plan import second_bytes_per_row
 from batchjac.examples import mlp_jacobian, mlp_weights
 
-from .helpers import assert_jac_close, central_differences, rng
+from .helpers import assert_jac_close, central_differences, rng, run_in_fresh_process
 
 BACKENDS = ("torch", "jax", "tensorflow")
 ORDERS = ("forward-over-reverse", "forward-over-forward")
@@ -454,11 +454,6 @@ def test_a_later_process_loads_the_compiled_jax_hessian_kernel(
     """The second-order JAX kernel's executable is remembered on disk as the first-order
     one's: a later process traces it and loads it (no XLA compilation) and gets the same
     Hessians, which match float64 central differences of the closed-form Jacobian."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
 
     pytest.importorskip("jax")
     from batchjac._backends import jax_executables
@@ -484,12 +479,8 @@ def test_a_later_process_loads_the_compiled_jax_hessian_kernel(
         (bound,) = _backends._bound[model].values()
         print("COMPILES", bound.compile_count)
     """
-    src = str(Path(batchjac.__file__).resolve().parents[1])
-    proc = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
-                          env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "COMPILES 0" in proc.stdout
+    stdout = run_in_fresh_process(code)
+    assert "COMPILES 0" in stdout
     np.testing.assert_array_equal(np.load(tmp_path / "h.npy"), got)
 
 

@@ -523,3 +523,19 @@ def test_auto_mode_without_a_measured_bias_is_reverse_from_k_equal_m() -> None:
     assert choose_mode("auto", 3, 2)[0] == "reverse"
     assert choose_mode("auto", 3, 2, forward_bias=2.0)[0] == "forward"
     assert choose_mode("auto", 2, 3)[0] == "forward"
+
+
+def test_a_forward_hessian_is_weighed_against_forward_over_reverse() -> None:
+    """A backend that pushes a full Hessian forward (JAX) takes it where its
+    ``1 + k + k(k+1)/2`` Taylor terms are fewer than forward over reverse's ``(1 + k)(1 + m)``:
+    W6's shapes (5 unknowns, 4 outputs: 21 < 30), not W7H's (3 unknowns, 1 output: 10 > 8);
+    a backend without one keeps the old rule."""
+    from batchjac._plan import choose_order
+
+    order, why = choose_order("auto", "hessian", 5, 4, forward_hessian=True)
+    assert order == "forward-over-forward", why
+    assert why.startswith("21 second-order Taylor terms"), why
+    assert "< 30" in why, why
+    assert choose_order("auto", "hessian", 3, 1, forward_hessian=True)[0] == "forward-over-reverse"
+    assert choose_order("auto", "hessian", 5, 4)[0] == "forward-over-reverse"
+    assert choose_order("auto", "hessian", 8, 4, forward_hessian=True)[0] == "forward-over-reverse"

@@ -352,7 +352,8 @@ def plan_second(spec: BatchSpec, bound: _backends.BoundModel, kind: SecondKindAr
     return make_second_plan(kind=kind, n=spec.n, k=spec.k, m=m, in_elems=in_elems,
                             dtype=spec.dtype, order=mode, chunk_size=chunk_size,
                             max_memory=budget,
-                            reductions_over_forward=bound.reductions_over_forward)
+                            reductions_over_forward=bound.reductions_over_forward,
+                            forward_hessian=bound.forward_hessian)
 
 
 def result_shapes(spec: BatchSpec, output_shape: tuple[int, ...], kind: SecondKindArg

@@ -262,7 +262,7 @@ class SecondPlan:
 
 
 def choose_order(order: OrderArg, kind: SecondKindArg, k: int, m: int,
-                 reductions_over_forward: bool = True
+                 reductions_over_forward: bool = True, forward_hessian: bool = False
                  ) -> tuple[Literal["forward-over-reverse", "forward-over-forward"], str]:
     """Forward over reverse (``jacfwd(jacrev)``) by default; forward over forward where the
     shapes favour it: the diagonal and the Laplacian (``k`` passes of a second-order tangent
@@ -270,7 +270,11 @@ def choose_order(order: OrderArg, kind: SecondKindArg, k: int, m: int,
     ``k`` tangents through ``m`` gradients), and full Hessians of more outputs than unknowns
     (``k^2`` tangent pairs against ``m k``). A backend whose second forward pass is dear
     (``reductions_over_forward=False``: PyTorch, TensorFlow) takes forward over reverse for
-    the reductions of at most as many outputs as unknowns."""
+    the reductions of at most as many outputs as unknowns. A backend that pushes a full
+    Hessian forward in one pass (``forward_hessian``: JAX's rule set, ``1 + k + k(k+1)/2``
+    terms a value) takes it where those are fewer than forward over reverse's
+    ``(1 + k)(1 + m)`` (the primal and ``m`` gradients, each with ``k`` tangents): W6's 5
+    unknowns and 4 outputs, 21 against 30."""
     if order in ORDERS:
         return order, f"mode={order!r} was asked for"  # type: ignore[return-value]
     if order != "auto":
@@ -283,6 +287,11 @@ def choose_order(order: OrderArg, kind: SecondKindArg, k: int, m: int,
     if kind in ("diagonal", "laplacian"):
         return "forward-over-forward", (f"{k} second-order tangents, one per unknown, and no "
                                         f"{k}x{k} block per output")
+    terms = 1 + k + k * (k + 1) // 2
+    if kind == "hessian" and forward_hessian and terms < (1 + k) * (1 + m):
+        return "forward-over-forward", (f"{terms} second-order Taylor terms a value, one pass, "
+                                        f"< {(1 + k) * (1 + m)} of {m} gradients along {k} "
+                                        f"tangents")
     if kind == "hessian" and k < m:
         return "forward-over-forward", f"{k} unknowns < {m} outputs: {k * k} tangent pairs < {m * k}"
     if kind == "hvp":
@@ -311,10 +320,11 @@ def second_bytes_per_row(kind: SecondKindArg, order: str, k: int, m: int, in_ele
 
 def make_second_plan(*, kind: SecondKindArg, n: int, k: int, m: int, in_elems: int,
                      dtype: np.dtype, order: OrderArg, chunk_size: int | None,
-                     max_memory: int, reductions_over_forward: bool = True) -> SecondPlan:
+                     max_memory: int, reductions_over_forward: bool = True,
+                     forward_hessian: bool = False) -> SecondPlan:
     """The order and chunk size of a second-order call; a chunk_size over the memory budget
     is kept with a :class:`ChunkMemoryWarning`, as :func:`make_plan` does."""
-    chosen, why = choose_order(order, kind, k, m, reductions_over_forward)
+    chosen, why = choose_order(order, kind, k, m, reductions_over_forward, forward_hessian)
     per_row = second_bytes_per_row(kind, chosen, k, m, in_elems, dtype.itemsize)
     size, budget_rows, source, note = _chunking(n, per_row, chunk_size, max_memory)
     if note:

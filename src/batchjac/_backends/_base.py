@@ -389,6 +389,10 @@ class BoundModel(ABC):
     #: second-order tangents) than forward over reverse for few outputs: measured side by
     #: side on W7 (3 unknowns, 1 output, 10,000 rows), JAX 0.86x, PyTorch 1.9x, TensorFlow 1.8x
     reductions_over_forward: ClassVar[bool] = True
+    #: whether forward over forward computes a full Hessian in one pass of second-order
+    #: Taylor terms (``1 + k + k(k+1)/2`` a value, :mod:`.jax_laplacian`), which the order
+    #: choice then weighs against forward over reverse (``_plan.choose_order``)
+    forward_hessian: ClassVar[bool] = False
     #: how many tangent passes one backward pass weighs, in the mode choice the shapes leave
     #: open (``_plan.choose_mode``: forward while ``k < forward_bias * m``); 1 unless measured
     forward_bias: ClassVar[float] = 1.0

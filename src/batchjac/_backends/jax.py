@@ -142,6 +142,8 @@ class JaxBound(BoundModel):
     #: TensorFlow (ForwardAccumulator: 399 against 147 ms) and PyTorch (1.14 s against 0.25 s)
     #: forward mode costs more, and they keep the default
     forward_bias: ClassVar[float] = 1.5
+    #: full Hessians pushed forward by :mod:`.jax_laplacian`'s rule set (JaxSecondKernel)
+    forward_hessian: ClassVar[bool] = True
 
     def __init__(self, model: Any, signature: Signature, *, params: Any = _NO_PARAMS,
                  per_instance: bool = False, device: Any = None) -> None:
@@ -901,20 +903,29 @@ _MAX_HOPS = 4
 _MAX_NESTING = 64
 
 
+#: the second-order kinds forward over forward pushes through :mod:`.jax_laplacian`'s rule
+#: set (value, ``k`` tangents and the second-order terms in one pass), with their names
+FORWARD_RULES = {"laplacian": "a forward Laplacian", "diagonal": "a forward Hessian diagonal",
+                 "hessian": "a forward Hessian"}
+
+
 class JaxSecondKernel(Kernel):
     """A second-order kernel (:data:`~batchjac._backends._base.SecondKind`), compiled ahead of
     time for its chunk shape as :class:`JaxKernel` is, per instance under ``vmap``:
 
     - forward over reverse: ``jacfwd(jacrev(f))``, the native ``jax.hessian``; ``hvp`` is
       ``jvp(jacrev(f), (x,), (v,))`` (one tangent, no Hessian formed);
-    - forward over forward: ``jacfwd(jacfwd(f))`` for full Hessians; for the diagonal,
-      ``jvp`` of ``jvp`` along each unit tangent ``e_j`` twice (``d2 f/dx_j^2`` with no
-      ``k x k`` block per output), ``vmap``-ed over the ``k`` tangents; for the Laplacian, a
-      forward Laplacian (:mod:`.jax_laplacian`: the value, the ``k`` tangents and one summed
-      second-order term in one pass, the primal and first-order work done once), or, where
-      the model has a primitive without a rule there, ``jvp`` of ``jvp`` summed (the note
-      names the primitive). No race between them: the forward Laplacian does a subset of
-      the other's work (W7: ``k + 2`` matrix products a layer against ``2k + 1``).
+    - forward over forward: the rule set of :mod:`.jax_laplacian`, one pass of the value,
+      its ``k`` tangents and the second-order terms, the primal and first-order work done
+      once: one summed term for the Laplacian (W7: ``k + 2`` matrix products a layer against
+      ``2k + 1`` for ``jvp`` of ``jvp``), ``k`` for the diagonal, the ``k(k+1)/2`` pairs of
+      the upper triangle for the full Hessian (W6: 21 terms where ``jacfwd(jacrev)`` pushes
+      30; kernels of 10,000 rows in fresh processes, first call 261-296 ms against the
+      native ``jit(vmap(hessian))`` 284-346 ms, steady 51-62 against 67-89 ms). Where the
+      model has a primitive without a rule there (the note names it): ``jvp`` of ``jvp``
+      along each unit tangent ``e_j``, ``vmap``-ed over the ``k`` tangents (the diagonal,
+      summed for the Laplacian), ``jacfwd(jacfwd(f))`` (the full Hessian). No race between
+      them: the rule set does a subset of the other's work.
 
     One build (XLA's defaults), no race: these kernels are new and their variants unmeasured.
     The executable is remembered on disk (:mod:`batchjac._backends.jax_executables`).
@@ -926,7 +937,8 @@ class JaxSecondKernel(Kernel):
         self.kind, self.order = kind, order
         self.chunk_size, self.with_outputs, self.with_jacobian = chunk_size, with_outputs, with_jacobian
         self._bound = bound
-        #: why the forward Laplacian could not be used (its primitive): ``jvp`` of ``jvp``
+        #: why the forward rule set could not be used (its primitive): ``jvp`` of ``jvp``
+        #: (the diagonal, the Laplacian) or ``jacfwd(jacfwd)`` (the Hessian) instead
         self.laplacian_failed = ""
         u_spec, ctx_spec = bound._specs(chunk_size)
         if kind == "hvp":
@@ -946,20 +958,24 @@ class JaxSecondKernel(Kernel):
         except Exception as e:
             raise bound._explain(e) from e
         self.note = f"{kind}: {order}"
-        if kind == "laplacian" and order == "forward-over-forward":
-            self.note += (f", jvp of jvp along each unknown ({self.laplacian_failed})"
-                          if self.laplacian_failed else ", a forward Laplacian (one pass)")
+        if kind in FORWARD_RULES and order == "forward-over-forward":
+            other = "jacfwd of jacfwd" if kind == "hessian" else "jvp of jvp along each unknown"
+            self.note += (f", {other} ({self.laplacian_failed})" if self.laplacian_failed
+                          else f", {FORWARD_RULES[kind]} (one pass)")
 
     def _compile(self, lowered: Any) -> tuple[Any, bool]:
         """The executable (loaded from the disk cache, or compiled) and whether it was loaded.
         The forward Laplacian on the CPU is compiled without XLA's YNNPACK fusions, which
         fold its elementwise terms into the matrix products badly: W7's kernel (20,000 rows,
         bare, side by side under load) took 272 ms with them, 108 ms without, the native
-        trace of ``jit(vmap(hessian))`` 180 ms (default build; 214 ms without them)."""
+        trace of ``jit(vmap(hessian))`` 180 ms (default build; 214 ms without them). The
+        forward Hessian keeps the defaults (W6 steady, one bench run each: 18.4 ms with them,
+        22.0 without)."""
         from . import jax_executables
 
         starting = self._bound.compiling.set
-        if self.uses_forward_laplacian and jax.default_backend() == "cpu":
+        if self.uses_forward_rules and self.kind == "laplacian" and \
+                jax.default_backend() == "cpu":
             try:
                 return jax_executables.compile(lowered, JaxKernel._OPTIONS["no-ynnpack"],
                                                starting=starting)
@@ -968,8 +984,9 @@ class JaxSecondKernel(Kernel):
         return jax_executables.compile(lowered, starting=starting)
 
     @property
-    def uses_forward_laplacian(self) -> bool:
-        return self.kind == "laplacian" and self.order == "forward-over-forward" and \
+    def uses_forward_rules(self) -> bool:
+        """Whether the kernel pushes the second-order terms forward (:mod:`.jax_laplacian`)."""
+        return self.kind in FORWARD_RULES and self.order == "forward-over-forward" and \
             not self.laplacian_failed
 
     def _body(self, args: Any, u: Any, ctx: tuple[Any, ...]) -> dict[str, Any]:
@@ -978,8 +995,8 @@ class JaxSecondKernel(Kernel):
         k = int(np.prod(ushape, dtype=np.int64))
         kind, order = self.kind, self.order
         found = None
-        if kind == "laplacian" and order == "forward-over-forward":
-            found = self._forward_laplacian(one, u, ctx)
+        if kind in FORWARD_RULES and order == "forward-over-forward":
+            found = self._forward_rules(one, u, ctx)
 
         def per_instance(u_i: Any, c_i: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             """``(y, J, result)`` of one instance."""
@@ -1035,23 +1052,32 @@ class JaxSecondKernel(Kernel):
     #: blocks): a GPU's cache is not what a block of rows would be sized for (unmeasured)
     LAPLACIAN_BLOCK_ROWS = 2048
 
-    def _forward_laplacian(self, one: Callable[[Any, tuple[Any, ...]], Any], u: Any,
-                           ctx: tuple[Any, ...]) -> tuple[Any, Any, Any] | None:
-        """``(y, J, Laplacian)`` of the chunk in one pass per instance (:mod:`.jax_laplacian`,
+    def _forward_rules(self, one: Callable[[Any, tuple[Any, ...]], Any], u: Any,
+                       ctx: tuple[Any, ...]) -> tuple[Any, Any, Any] | None:
+        """``(y, J, result)`` of the chunk in one pass per instance (:mod:`.jax_laplacian`,
         over the jaxpr of one instance's function, ``vmap``-ed over the rows), or None where
         that jaxpr has a primitive without a rule (``self.laplacian_failed`` names it; the
-        body then computes ``jvp`` of ``jvp``, the same values). Decided here, once, while
-        the kernel is traced."""
+        body then computes the same values the other way). Decided here, once, while the
+        kernel is traced."""
         from . import jax_laplacian
 
         ushape = tuple(u.shape[1:])
+        kind = self.kind
         specs = (jax.ShapeDtypeStruct(ushape, u.dtype),
                  tuple(jax.ShapeDtypeStruct(tuple(c.shape[1:]), c.dtype) for c in ctx))
         closed = jax_laplacian.trace(one, *specs)
+        push = {"laplacian": jax_laplacian.run, "diagonal": jax_laplacian.run_diagonal,
+                "hessian": jax_laplacian.run_hessian}[kind]
 
         def per_instance(u_i: Any, c_i: tuple[Any, ...]) -> tuple[Any, Any, Any]:
-            y, d, lap = jax_laplacian.run(closed, u_i, *jax.tree_util.tree_leaves(c_i))
-            return y, jnp.moveaxis(d, 0, -1).reshape((*y.shape, *ushape)), lap
+            y, d, second = push(closed, u_i, *jax.tree_util.tree_leaves(c_i))
+            jac = jnp.moveaxis(d, 0, -1).reshape((*y.shape, *ushape))
+            if kind == "diagonal":
+                second = jnp.moveaxis(second, 0, -1).reshape((*y.shape, *ushape))
+            elif kind == "hessian":
+                second = jnp.moveaxis(second, (0, 1), (-2, -1)).reshape(
+                    (*y.shape, *ushape, *ushape))
+            return y, jac, second
 
         size = int(u.shape[0])
         try:

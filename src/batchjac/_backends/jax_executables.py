@@ -105,16 +105,10 @@ def compile(lowered: Any, options: dict[str, str] | None = None, *,
 
     options = dict(options or {})
     cache = default_cache()
-    searched = cache.enabled and cache.has_payloads()
-    key = _key(lowered, options) if searched else None
-    if key is not None:
-        payload = cache.get_bytes(key)
-        if payload is not None:
-            loaded = _load(payload)
-            if loaded is not None:
-                _SEEN.add(key.digest())
-                starting()
-                return loaded, True
+    searched, key, loaded = _lookup(cache, lowered, options)
+    if loaded is not None:
+        starting()
+        return loaded, True
     starting()
     start = time.perf_counter()
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
@@ -130,19 +124,24 @@ def load(lowered: Any, options: dict[str, str] | None = None, *,
          starting: Callable[[], object] = lambda: None) -> Any:
     """The executable an earlier process compiled for this module and options, or None (no
     compilation here: the caller decides what to compile instead)."""
-    options = dict(options or {})
-    cache = default_cache()
-    if not (cache.enabled and cache.has_payloads()):
-        return None
-    key = _key(lowered, options)
+    _, _, loaded = _lookup(default_cache(), lowered, dict(options or {}))
+    if loaded is not None:
+        starting()
+    return loaded
+
+
+def _lookup(cache: Any, lowered: Any, options: dict[str, str]
+            ) -> tuple[bool, TuneKey | None, Any]:
+    """``(searched, key, executable or None)``: whether the cache holds payloads to search,
+    the module's key where it does, and the executable stored under it, loaded."""
+    searched = cache.enabled and cache.has_payloads()
+    key = _key(lowered, options) if searched else None
     payload = cache.get_bytes(key) if key is not None else None
     loaded = _load(payload) if payload is not None else None
-    if loaded is None:
-        return None
-    assert key is not None
-    _SEEN.add(key.digest())
-    starting()
-    return loaded
+    if loaded is not None:
+        assert key is not None
+        _SEEN.add(key.digest())
+    return searched, key, loaded
 
 
 def _started() -> None:

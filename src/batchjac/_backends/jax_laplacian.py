@@ -23,20 +23,34 @@ affine in them). The rules:
 - ``jit``/``closed_call``/``custom_jvp_call``/``checkpoint``: their jaxpr, recursively (for
   ``custom_jvp_call`` the function itself, not its rule, as ``jax.experimental.jet`` does).
 
+The same walk gives the whole Hessian (:func:`run_hessian`, forward second-order Taylor mode)
+when ``l`` holds, instead of the one summed term, the second derivatives along every pair of
+unit tangents ``a <= b``, ``(k(k+1)/2, *p.shape)`` (:class:`_Form` says which): the rules are
+the same with ``sum_k j_k^2`` read as the products ``j_a j_b`` of each pair, the product rule's
+``2 sum_k B(ja_k, jb_k)`` as ``B(ja_a, jb_b) + B(ja_b, jb_a)``, and a linear operation applied
+to each pair's term. A dense layer then costs ``1 + k + k(k+1)/2`` matrix products (W6's 5
+unknowns: 21) where ``jacfwd(jacrev(f))`` pushes ``k`` tangents through the primal and ``m``
+gradients (W6's 4 outputs: about ``2k(1 + m)`` = 50), and its program is a few operations a
+layer, which XLA compiles sooner.
+
 An equation with no rule raises :class:`Unsupported` naming its primitive, during the trace:
-the caller then computes the Laplacian the other way (``jvp`` of ``jvp``) and says why.
+the caller then computes the result the other way (``jvp`` of ``jvp``, ``jax.hessian``) and
+says why.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+if TYPE_CHECKING:  # (at run time told apart by their attributes, as jax_cost does:
+    # importing jax.extend for the classes costs ~23 ms of a first call, W6's ~300)
+    from jax.extend.core import ClosedJaxpr, Jaxpr
 
 
 class Unsupported(Exception):
@@ -64,7 +78,8 @@ _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_ca
 _AFFINE = frozenset({
     "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "concatenate", "pad",
     "slice", "dynamic_slice", "dynamic_update_slice", "gather", "reduce_sum", "select_n",
-    "copy", "copy_p", "rev", "cumsum", "split", "convert_element_type", "real",
+    "copy", "copy_p", "rev", "cumsum", "split", "convert_element_type", "real", "stack",
+    "unstack",
 })
 #: linear in each operand (the others kept)
 _BILINEAR = frozenset({"dot_general", "conv_general_dilated", "mul"})
@@ -132,56 +147,104 @@ def _bcast(j: Any, shape: tuple[int, ...]) -> Any:
     return jnp.broadcast_to(j, (k, *shape))
 
 
-def _lap_bcast(lap: Any, shape: tuple[int, ...]) -> Any:
-    return lap if lap is None or tuple(lap.shape) == shape else jnp.broadcast_to(lap, shape)
+class _Form:
+    """What the second-order part ``l`` of a :class:`_Dual` holds: the Laplacian's one summed
+    term, shaped as the value (``pairs`` "sum"), or the second derivatives along pairs of unit
+    tangents ``(a, b)``, ``(T, *p.shape)``: every pair ``a <= b`` ("triangle": the Hessian's
+    upper triangle, ``T = k(k+1)/2``, in :func:`numpy.triu_indices` order) or ``a = b``
+    ("diagonal", ``T = k``)."""
+
+    def __init__(self, k: int, pairs: str) -> None:
+        self.k, self.full = k, pairs != "sum"
+        self.a, self.b = np.triu_indices(k) if pairs == "triangle" else (np.arange(k),) * 2
+        self.diagonal = pairs == "diagonal"
+
+    def outer(self, ja: Any, jb: Any) -> Any:
+        """The second-order term of ``g(x)`` per unit of ``g''``: ``sum_k ja_k jb_k`` or
+        ``ja_a jb_b`` per pair (``ja``, ``jb`` tangents ``(k, *s)`` of one shape)."""
+        if not self.full:
+            return jnp.sum(ja * jb, axis=0)
+        return ja * jb if self.diagonal else ja[self.a] * jb[self.b]
+
+    def cross(self, ja: Any, jb: Any) -> Any:
+        """The product rule's cross term of ``x * z``: ``2 sum_k ja_k jb_k`` or
+        ``ja_a jb_b + ja_b jb_a`` per pair."""
+        if not self.full:
+            return 2 * jnp.sum(ja * jb, axis=0)
+        return 2 * ja * jb if self.diagonal else ja[self.a] * jb[self.b] + ja[self.b] * jb[self.a]
+
+    def cross_of(self, bb: Callable[[Any, Any], Any], ja: Any, jb: Any) -> Any:
+        """:meth:`cross` for a bilinear ``bb`` (a matrix product of two varying operands)."""
+        if not self.full:
+            return 2 * jnp.sum(jax.vmap(bb)(ja, jb), axis=0)
+        if self.diagonal:
+            return 2 * jax.vmap(bb)(ja, jb)
+        return jax.vmap(bb)(ja[self.a], jb[self.b]) + jax.vmap(bb)(ja[self.b], jb[self.a])
+
+    def map(self, fn: Callable[..., Any], *ls: Any) -> Any:
+        """A linear operation applied to second-order parts (to each pair's term)."""
+        return jax.vmap(fn)(*ls) if self.full else fn(*ls)
+
+    def bcast(self, l: Any, shape: tuple[int, ...]) -> Any:  # noqa: E741 - the paper's name
+        if l is None:
+            return None
+        if self.full:
+            return _bcast(l, shape)
+        return l if tuple(l.shape) == shape else jnp.broadcast_to(l, shape)
+
+    def zeros(self, p: Any) -> Any:
+        p = jnp.asarray(p)
+        return jnp.zeros((len(self.a), *p.shape), p.dtype) if self.full else jnp.zeros_like(p)
 
 
 def _plus(a: Any, b: Any) -> Any:
     return b if a is None else a if b is None else a + b
 
 
-def _sumsq(j: Any) -> Any:
-    return jnp.sum(j * j, axis=0)
-
-
-def _through(d: _Dual, y: Any, d1: Any, d2: Any) -> _Dual:
+def _through(d: _Dual, y: Any, d1: Any, d2: Any, form: _Form) -> _Dual:
     """``g(d)`` for an elementwise ``g`` with ``y = g(d.p)``, ``g' = d1``, ``g'' = d2``."""
     lap = None if d.l is None else d.l * d1
     if d2 is not None:
-        lap = _plus(lap, d2 * _sumsq(d.j))
+        lap = _plus(lap, d2 * form.outer(d.j, d.j))
     return _Dual(y, d.j * d1, lap)
 
 
-def _mul(a: Any, b: Any) -> Any:
+def _mul(a: Any, b: Any, form: _Form) -> Any:
     """The product of two values, either of them a :class:`_Dual`."""
     if not isinstance(a, _Dual) and not isinstance(b, _Dual):
         return a * b
     if not isinstance(b, _Dual):
         a, b = b, a
+    # (the derivatives are broadcast to the result's shape before the product: a scalar
+    # times a vector is a ``mul`` of shapes () and (n,), whose tangents (k,) would otherwise
+    # meet the vector's (n,) axis)
     if not isinstance(a, _Dual):  # b varies
         y = a * b.p
-        return _Dual(y, _bcast(b.j * a, y.shape), _lap_bcast(None if b.l is None else b.l * a,
-                                                             y.shape))
+        shape = tuple(y.shape)
+        return _Dual(y, _bcast(b.j, shape) * a,
+                     None if b.l is None else form.bcast(b.l, shape) * a)
     y = a.p * b.p
-    ja, jb = _bcast(a.j, y.shape), _bcast(b.j, y.shape)
-    lap = _plus(_plus(None if a.l is None else a.l * b.p, None if b.l is None else a.p * b.l),
-                2 * jnp.sum(ja * jb, axis=0))
-    return _Dual(y, ja * b.p + a.p * jb, _lap_bcast(lap, y.shape))
+    shape = tuple(y.shape)
+    ja, jb = _bcast(a.j, shape), _bcast(b.j, shape)
+    la, lb = form.bcast(a.l, shape), form.bcast(b.l, shape)
+    lap = _plus(_plus(None if la is None else la * b.p, None if lb is None else a.p * lb),
+                form.cross(ja, jb))
+    return _Dual(y, ja * b.p + a.p * jb, lap)
 
 
-def _recip(d: _Dual) -> _Dual:
+def _recip(d: _Dual, form: _Form) -> _Dual:
     r = 1 / d.p
-    return _through(d, r, -r * r, 2 * r * r * r)
+    return _through(d, r, -r * r, 2 * r * r * r, form)
 
 
-def _log(d: _Dual) -> _Dual:
+def _log(d: _Dual, form: _Form) -> _Dual:
     r = 1 / d.p
-    return _through(d, jnp.log(d.p), r, -r * r)
+    return _through(d, jnp.log(d.p), r, -r * r, form)
 
 
-def _exp(d: _Dual) -> _Dual:
+def _exp(d: _Dual, form: _Form) -> _Dual:
     y = jnp.exp(d.p)
-    return _through(d, y, y, y)
+    return _through(d, y, y, y, form)
 
 
 def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
@@ -197,9 +260,11 @@ def _floating(x: Any) -> bool:
     return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
 
 
-def _linear(eqn: Any, ins: list[Any], vary: list[int], affine: bool) -> list[Any]:
+def _linear(eqn: Any, ins: list[Any], vary: list[int], affine: bool, form: _Form
+            ) -> list[Any]:
     """An operation linear in its varying operands (affine: the others' floating values
-    as zeros in the derivatives): the tangents ``vmap``-ed over ``k``, the Laplacians once."""
+    as zeros in the derivatives): the tangents ``vmap``-ed over ``k``, the second-order
+    parts through :meth:`_Form.map`."""
     primals = [a.p if isinstance(a, _Dual) else a for a in ins]
     outs = _bind(eqn, primals)
     zeros = [i for i, a in enumerate(primals) if affine and i not in vary and _floating(a)]
@@ -212,15 +277,22 @@ def _linear(eqn: Any, ins: list[Any], vary: list[int], affine: bool) -> list[Any
             args[i] = t
         return _bind(eqn, args)
 
-    jacs = jax.vmap(apply)(*[ins[i].j for i in vary])
     laps: list[Any] = [None] * len(outs)
-    if any(ins[i].l is not None for i in vary):
-        laps = apply(*[ins[i].l if ins[i].l is not None else jnp.zeros_like(ins[i].p)
-                       for i in vary])
+    if form.full and any(ins[i].l is not None for i in vary):
+        # the tangents and the pairs' terms in one operation ((k + T) slices, one product)
+        k = form.k
+        both = jax.vmap(apply)(*[jnp.concatenate([ins[i].j, ins[i].l if ins[i].l is not None
+                                                  else form.zeros(ins[i].p)]) for i in vary])
+        jacs, laps = [t[:k] for t in both], [t[k:] for t in both]
+    else:
+        jacs = jax.vmap(apply)(*[ins[i].j for i in vary])
+        if any(ins[i].l is not None for i in vary):
+            laps = form.map(apply, *[ins[i].l if ins[i].l is not None else form.zeros(ins[i].p)
+                                     for i in vary])
     return [_Dual(y, j, lp) if _floating(y) else y for y, j, lp in zip(outs, jacs, laps)]
 
 
-def _bilinear_both(eqn: Any, ins: list[Any]) -> list[Any]:
+def _bilinear_both(eqn: Any, ins: list[Any], form: _Form) -> list[Any]:
     """``B(a, b)`` with both operands varying: the product rule."""
     a, b = ins
     (y,) = _bind(eqn, [a.p, b.p])
@@ -229,11 +301,11 @@ def _bilinear_both(eqn: Any, ins: list[Any]) -> list[Any]:
         return _bind(eqn, [x, z])[0]
 
     jac = jax.vmap(bb, in_axes=(0, None))(a.j, b.p) + jax.vmap(bb, in_axes=(None, 0))(a.p, b.j)
-    lap = 2 * jnp.sum(jax.vmap(bb)(a.j, b.j), axis=0)
+    lap = form.cross_of(bb, a.j, b.j)
     if a.l is not None:
-        lap = lap + bb(a.l, b.p)
+        lap = lap + form.map(lambda x: bb(x, b.p), a.l)
     if b.l is not None:
-        lap = lap + bb(a.p, b.l)
+        lap = lap + form.map(lambda z: bb(a.p, z), b.l)
     return [_Dual(y, jac, lap)]
 
 
@@ -244,16 +316,16 @@ def _pick(a: Any, b: Any, y: Any, name: str) -> Any:
     return jnp.where(wins, 1.0, jnp.where(pa == pb, 0.5, 0.0)).astype(y.dtype)
 
 
-def _equation(eqn: Any, ins: list[Any]) -> list[Any]:
+def _equation(eqn: Any, ins: list[Any], form: _Form) -> list[Any]:
     name = eqn.primitive.name
     vary = [i for i, a in enumerate(ins) if isinstance(a, _Dual)]
     if not vary or name in _FLAT:
         return _bind(eqn, [a.p if isinstance(a, _Dual) else a for a in ins])
     if name in _CALLS:
         sub = eqn.params[_CALLS[name]]
-        if isinstance(sub, ClosedJaxpr):
-            return _eval(sub.jaxpr, sub.consts, ins)
-        return _eval(sub, [], ins)
+        if hasattr(sub, "consts"):  # a ClosedJaxpr
+            return _eval(sub.jaxpr, sub.consts, ins, form)
+        return _eval(sub, [], ins, form)
     if name in ("add", "sub", "add_any") or (name == "neg" and len(ins) == 1):
         primals = [a.p if isinstance(a, _Dual) else a for a in ins]
         (y,) = _bind(eqn, primals)
@@ -261,7 +333,7 @@ def _equation(eqn: Any, ins: list[Any]) -> list[Any]:
         jac = lap = None
         for i in vary:
             neg = name == "neg" or (name == "sub" and i == 1)
-            j, lp = _bcast(ins[i].j, shape), _lap_bcast(ins[i].l, shape)
+            j, lp = _bcast(ins[i].j, shape), form.bcast(ins[i].l, shape)
             if neg:
                 j, lp = -j, None if lp is None else -lp
             jac, lap = _plus(jac, j), _plus(lap, lp)
@@ -270,24 +342,24 @@ def _equation(eqn: Any, ins: list[Any]) -> list[Any]:
                                                               jnp.inexact):
         return _bind(eqn, [ins[0].p])
     if name in _AFFINE:
-        return _linear(eqn, ins, vary, affine=True)
+        return _linear(eqn, ins, vary, True, form)
     if name == "mul":
-        return [_mul(ins[0], ins[1])]
+        return [_mul(ins[0], ins[1], form)]
     if name in _BILINEAR:
-        return _linear(eqn, ins, vary, affine=False) if len(vary) == 1 \
-            else _bilinear_both(eqn, ins)
+        return _linear(eqn, ins, vary, False, form) if len(vary) == 1 \
+            else _bilinear_both(eqn, ins, form)
     if name == "div":
         a, b = ins
         if not isinstance(b, _Dual):
-            return _linear(eqn, ins, vary, affine=False)
-        return [_mul(a, _recip(b))]
+            return _linear(eqn, ins, vary, False, form)
+        return [_mul(a, _recip(b, form), form)]
     if name == "pow":
         a, b = ins
         if not isinstance(b, _Dual):  # x ** c
             (y,) = _bind(eqn, [a.p, b])
             d1 = b * a.p ** (b - 1)
-            return [_through(a, y, d1, b * (b - 1) * a.p ** (b - 2))]
-        return [_exp(_mul(_log(a) if isinstance(a, _Dual) else jnp.log(a), b))]
+            return [_through(a, y, d1, b * (b - 1) * a.p ** (b - 2), form)]
+        return [_exp(_mul(_log(a, form) if isinstance(a, _Dual) else jnp.log(a), b, form), form)]
     if name in ("max", "min"):
         a, b = ins
         (y,) = _bind(eqn, [x.p if isinstance(x, _Dual) else x for x in ins])
@@ -297,28 +369,28 @@ def _equation(eqn: Any, ins: list[Any]) -> list[Any]:
         for d, wt in ((a, w), (b, 1 - w)):
             if isinstance(d, _Dual):
                 jac = _plus(jac, _bcast(d.j, shape) * wt)
-                lap = _plus(lap, None if d.l is None else _lap_bcast(d.l, shape) * wt)
+                lap = _plus(lap, None if d.l is None else form.bcast(d.l, shape) * wt)
         return [_Dual(y, jac, lap)]
     if len(ins) == 1:
         (y,) = _bind(eqn, [ins[0].p])
         derivs = _unary(name, ins[0].p, y, eqn.params)
         if derivs is not None:
-            return [_through(ins[0], y, *derivs)]
+            return [_through(ins[0], y, *derivs, form)]
     raise Unsupported(name)
 
 
-def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], form: _Form) -> list[Any]:
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
-        return v.val if isinstance(v, Literal) else env[v]
+        return v.val if hasattr(v, "val") else env[v]  # a Literal's value
 
     for v, c in zip(jaxpr.constvars, consts):
         env[v] = c
     for v, a in zip(jaxpr.invars, args):
         env[v] = a
     for eqn in jaxpr.eqns:
-        outs = _equation(eqn, [read(v) for v in eqn.invars])
+        outs = _equation(eqn, [read(v) for v in eqn.invars], form)
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
@@ -329,15 +401,42 @@ def trace(fn: Callable[..., Any], *specs: Any) -> ClosedJaxpr:
     return jax.make_jaxpr(fn)(*specs)
 
 
+def _push(closed: ClosedJaxpr, u: Any, rest: Sequence[Any], pairs: str
+          ) -> tuple[Any, Any, Any, _Form]:
+    """``(y, J, l, form)``: the walk of ``closed`` from ``u`` along its unit tangents."""
+    k = int(np.prod(u.shape, dtype=np.int64))
+    form = _Form(k, pairs)
+    seed = jnp.eye(k, dtype=u.dtype).reshape((k, *u.shape))
+    (out,) = _eval(closed.jaxpr, closed.consts, [_Dual(u, seed, None), *rest], form)
+    if not isinstance(out, _Dual):
+        out = jnp.asarray(out)
+        return out, jnp.zeros((k, *out.shape), out.dtype), form.zeros(out), form
+    shape = tuple(out.p.shape)
+    lap = form.zeros(out.p) if out.l is None else form.bcast(out.l, shape)
+    return out.p, _bcast(out.j, shape), lap, form
+
+
 def run(closed: ClosedJaxpr, u: Any, *rest: Any) -> tuple[Any, Any, Any]:
     """``(y, J, L)`` of ``closed`` (a function of ``(u, *rest)`` with one output) at ``u``:
     ``J`` ``(k, *y.shape)`` along the unit tangents of ``u`` (``k = u.size``, in ``u``'s
     row-major order), ``L`` the Laplacian over ``u``. Raises :class:`Unsupported`."""
-    k = int(np.prod(u.shape, dtype=np.int64))
-    seed = jnp.eye(k, dtype=u.dtype).reshape((k, *u.shape))
-    (out,) = _eval(closed.jaxpr, closed.consts, [_Dual(u, seed, None), *rest])
-    if not isinstance(out, _Dual):
-        out = jnp.asarray(out)
-        return out, jnp.zeros((k, *out.shape), out.dtype), jnp.zeros_like(out)
-    lap = jnp.zeros_like(out.p) if out.l is None else out.l
-    return out.p, _bcast(out.j, tuple(out.p.shape)), _lap_bcast(lap, tuple(out.p.shape))
+    y, jac, lap, _ = _push(closed, u, rest, "sum")
+    return y, jac, lap
+
+
+def run_diagonal(closed: ClosedJaxpr, u: Any, *rest: Any) -> tuple[Any, Any, Any]:
+    """``(y, J, D)`` as :func:`run`, with ``D`` ``(k, *y.shape)`` the Hessian's diagonal over
+    ``u`` (the second derivative along each unit tangent)."""
+    y, jac, diag, _ = _push(closed, u, rest, "diagonal")
+    return y, jac, diag
+
+
+def run_hessian(closed: ClosedJaxpr, u: Any, *rest: Any) -> tuple[Any, Any, Any]:
+    """``(y, J, H)`` as :func:`run`, with ``H`` ``(k, k, *y.shape)`` the Hessian over ``u``
+    (symmetric: its upper triangle computed, the lower one a copy)."""
+    y, jac, tri, form = _push(closed, u, rest, "triangle")
+    k = form.k
+    index = np.zeros((k, k), dtype=np.int32)
+    index[form.a, form.b] = np.arange(len(form.a))
+    index[form.b, form.a] = np.arange(len(form.a))
+    return y, jac, tri[index.reshape(-1)].reshape((k, k, *tri.shape[1:]))
