@@ -484,12 +484,14 @@ def test_a_later_process_loads_the_compiled_jax_hessian_kernel(
     np.testing.assert_array_equal(np.load(tmp_path / "h.npy"), got)
 
 
-def test_tensorflow_one_output_takes_the_nested_tapes(monkeypatch: Any) -> None:
-    """One output (a PINN's u): the untimed first call computes by nested ``batch_jacobian``
-    tapes (the tiled builds repeat the forward and reverse pass once per unknown there); the
-    Hessian, its diagonal and the Laplacian equal float64 central differences of the analytic
-    Jacobian; where the tapes cannot be built (pfor fails) the tiled graph gives the same
-    values and says why; a race times all three builds."""
+def test_tensorflow_one_output_takes_the_forward_hessian_then_the_nested_tapes(
+        monkeypatch: Any) -> None:
+    """One output (a PINN's u): the untimed first call computes the Hessian by the forward
+    Hessian (one pass of the rule set), and where it cannot by nested ``batch_jacobian`` tapes
+    (the tiled builds repeat the forward and reverse pass once per unknown there), the
+    diagonal by the tapes; the Hessian, its diagonal and the Laplacian equal float64 central
+    differences of the analytic Jacobian; where neither can be built (no rule, pfor fails)
+    the tiled graph gives the same values and says why; a race times all four builds."""
     pytest.importorskip("tensorflow")
     from batchjac._backends import tensorflow as tfb
 
@@ -517,8 +519,19 @@ def test_tensorflow_one_output_takes_the_nested_tapes(monkeypatch: Any) -> None:
     f = mlp("tensorflow", layers)
     hess, diag, lap, said = computed(f)
     assert hess.shape == (23, 1, 3, 3)
+    assert "forward-hessian (" in said, said
+    assert "a forward Hessian (one pass)" in said, said
+    close(hess, diag, lap)
+
+    def no_rule(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("no forward-Laplacian rule for the operation FakeOp")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tfb.TFSecondKernel, "_forward_rules", no_rule)
+        hess, diag, lap, said = computed(f, chunk_size=26)  # a new kernel
     assert "tapes (" in said, said
     assert "nested batch_jacobian tapes" in said, said
+    assert "forward Hessian failed: no forward-Laplacian rule for the operation FakeOp" in said
     close(hess, diag, lap)
 
     def no_pfor(*args: Any, **kwargs: Any) -> Any:
@@ -526,6 +539,7 @@ def test_tensorflow_one_output_takes_the_nested_tapes(monkeypatch: Any) -> None:
 
     with monkeypatch.context() as patched:
         patched.setattr(tfb.TFSecondKernel, "_nested_tapes", no_pfor)
+        patched.setattr(tfb.TFSecondKernel, "_forward_rules", no_rule)
         hess, diag, lap, said = computed(f, chunk_size=25)  # a new kernel
     assert "graph (" in said, said
     assert "nested tapes failed: pfor could not vectorize" in said, said
@@ -536,6 +550,7 @@ def test_tensorflow_one_output_takes_the_nested_tapes(monkeypatch: Any) -> None:
     assert "timed one chunk: graph" in said, said
     assert "xla" in said, said
     assert "tapes " in said, said
+    assert "forward-hessian " in said, said
     close(hess, diag, lap)
 
 

@@ -1,4 +1,4 @@
-"""A forward Laplacian for TensorFlow models (the rule set of
+"""A forward Laplacian, and a forward Hessian, for TensorFlow models (the rule set of
 :mod:`batchjac._backends.torch_laplacian`, on TensorFlow's graph): the outputs, their
 Jacobians and their Laplacians over the unknowns in one pass, ``k + 2`` matrix products a
 dense layer where the trace of the Hessian (nested ``batch_jacobian`` tapes) costs ``2k + 2``.
@@ -13,6 +13,11 @@ additions and the shape operations (affine in what varies: the tangent is the
 operation of the tangents, constants as zeros), and the elementwise functions met most (tanh,
 sin, cos, exp, sigmoid, log, relu, softplus, square). An operation without a rule raises
 :class:`NotImplementedError`, and the kernel keeps its other builds.
+
+:func:`run_hessian` walks the same rules carrying, instead of the one summed term, the second
+derivatives along every pair of unit tangents ``a <= b``, ``(k(k+1)/2, *x.shape)`` (as
+:mod:`.jax_laplacian` does: ``sum_k j_k^2`` read as ``j_a j_b`` per pair, the product rule's
+cross term as ``ja_a jb_b + ja_b jb_a``, a linear operation applied to each pair's term).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 #: affine in the floating inputs that vary: the tangent is the operation applied to the
@@ -64,6 +70,39 @@ def _unary(kind: str, x: tf.Tensor, y: tf.Tensor) -> tuple[Any, Any] | None:
     return None
 
 
+class _Form:
+    """What the second-order part of a value holds: the Laplacian's one summed term, shaped as
+    the value (``full`` False), or the second derivatives along each pair of unit tangents
+    ``a <= b``, ``(T, *shape)``, ``T = k(k+1)/2`` (``full``: the Hessian's upper triangle, in
+    :func:`numpy.triu_indices` order)."""
+
+    def __init__(self, k: int, full: bool) -> None:
+        self.k, self.full = k, full
+        self.a, self.b = np.triu_indices(k)
+
+    def outer(self, ja: tf.Tensor, jb: tf.Tensor) -> tf.Tensor:
+        """``sum_k ja_k jb_k``, or ``ja_a jb_b`` per pair: the term of ``g''``."""
+        if not self.full:
+            return tf.reduce_sum(ja * jb, 0)
+        return tf.gather(ja, self.a) * tf.gather(jb, self.b)
+
+    def cross(self, ja: tf.Tensor, jb: tf.Tensor) -> tf.Tensor:
+        """The product rule's cross term: ``2 sum_k ja_k jb_k``, or ``ja_a jb_b + ja_b jb_a``."""
+        if not self.full:
+            return 2 * tf.reduce_sum(ja * jb, 0)
+        return (tf.gather(ja, self.a) * tf.gather(jb, self.b)
+                + tf.gather(ja, self.b) * tf.gather(jb, self.a))
+
+    def zeros(self, p: tf.Tensor) -> tf.Tensor:
+        return tf.zeros((len(self.a), *p.shape), p.dtype) if self.full else tf.zeros_like(p)
+
+    def fit(self, lap: tf.Tensor, shape: Any) -> tf.Tensor:
+        """A second-order part made to broadcast, row for row, against values of ``shape``."""
+        if self.full:
+            return lap if _broadcasts(lap, shape) else _full(lap, shape)
+        return lap if lap.shape == shape else tf.broadcast_to(lap, shape)
+
+
 def _rebuild(op: tf.Operation, inputs: list[tf.Tensor]) -> list[tf.Tensor]:
     """``op`` created again in the current graph on ``inputs`` (its attributes as they were)."""
     graph = tf.compat.v1.get_default_graph()
@@ -77,6 +116,24 @@ def run(concrete: Any, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]
     """``(y, J, L)`` of the model ``concrete`` (a ConcreteFunction of ``(u, *ctx)``) inside
     the caller's traced function: ``J`` ``(k, *y.shape)`` along the unit tangents of ``u``
     (``(rows, k)``), ``L`` the sum of the second derivatives along them."""
+    return _push(concrete, u, ctx, _Form(int(u.shape[1]), full=False))
+
+
+def run_hessian(concrete: Any, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]
+                ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """``(y, J, H)`` as :func:`run`, with ``H`` ``(k, k, *y.shape)`` the Hessian over ``u``
+    (symmetric: its upper triangle computed, the lower one gathered from it)."""
+    k = int(u.shape[1])
+    form = _Form(k, full=True)
+    y, jac, tri = _push(concrete, u, ctx, form)
+    index = np.zeros((k, k), dtype=np.int32)
+    index[form.a, form.b] = np.arange(len(form.a))
+    index[form.b, form.a] = np.arange(len(form.a))
+    return y, jac, tf.reshape(tf.gather(tri, index.reshape(-1)), (k, k, *tri.shape[1:]))
+
+
+def _push(concrete: Any, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], form: _Form
+          ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     graph = concrete.graph
     k = int(u.shape[1])
     # the unit tangents are the same for every row: kept as one row (k, 1, k), which matrix
@@ -94,14 +151,16 @@ def run(concrete: Any, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]
     for op in graph.get_operations():
         if op.type in _SKIP or (op.type == "Placeholder" and op.outputs[0].ref() in placeholders):
             continue
-        outs = _apply(op, [values[t.ref()] for t in op.inputs], k)
+        outs = _apply(op, [values[t.ref()] for t in op.inputs], k, form)
         for t, v in zip(op.outputs, outs):
             values[t.ref()] = v
     (out,) = [values[t.ref()] for t in graph.outputs]
     if not isinstance(out, tuple):
-        return out, tf.zeros((k, *out.shape), out.dtype), tf.zeros_like(out)
+        return out, tf.zeros((k, *out.shape), out.dtype), form.zeros(out)
     y, jac, lap = out
-    return y, _full(jac, y.shape), tf.zeros_like(y) if lap is None else lap
+    if lap is None:
+        return y, _full(jac, y.shape), form.zeros(y)
+    return y, _full(jac, y.shape), _full(lap, y.shape) if form.full else form.fit(lap, y.shape)
 
 
 def _full(jac: tf.Tensor, shape: Any) -> tf.Tensor:
@@ -121,7 +180,7 @@ def _plus(a: tf.Tensor | None, b: tf.Tensor | None) -> tf.Tensor | None:
     return b if a is None else a if b is None else a + b
 
 
-def _apply(op: tf.Operation, ins: list[Any], k: int) -> list[Any]:
+def _apply(op: tf.Operation, ins: list[Any], k: int, form: _Form) -> list[Any]:
     vary = [i for i, a in enumerate(ins) if isinstance(a, tuple)]
     primals = [a[0] if isinstance(a, tuple) else a for a in ins]
     if not vary:
@@ -131,9 +190,13 @@ def _apply(op: tf.Operation, ins: list[Any], k: int) -> list[Any]:
         (y,) = _rebuild(op, primals)
         _, jac, lap = ins[0]
         w, tb = primals[1], op.get_attr("transpose_b")
-        prod = tf.linalg.matmul(tf.reshape(jac, (-1, jac.shape[-1])), w, transpose_b=tb)
-        return [(y, tf.reshape(prod, (k, *jac.shape[1:-1], y.shape[-1])),
-                 None if lap is None else tf.linalg.matmul(lap, w, transpose_b=tb))]
+        def times_w(t: tf.Tensor) -> tf.Tensor:  # (lead, ..., in) -> (lead, ..., out)
+            prod = tf.linalg.matmul(tf.reshape(t, (-1, t.shape[-1])), w, transpose_b=tb)
+            return tf.reshape(prod, (t.shape[0], *t.shape[1:-1], y.shape[-1]))
+
+        if lap is not None:
+            lap = times_w(lap) if form.full else tf.linalg.matmul(lap, w, transpose_b=tb)
+        return [(y, times_w(jac), lap)]
     if kind in ("BiasAdd", "AddV2", "Add", "Sub") and len(ins) == 2:
         if kind == "BiasAdd" and 1 in vary:
             raise NotImplementedError("no forward-Laplacian rule for a varying bias")
@@ -145,8 +208,8 @@ def _apply(op: tf.Operation, ins: list[Any], k: int) -> list[Any]:
                 j, lp = -j, None if lp is None else -lp
             if not _broadcasts(j, y.shape):
                 j = _full(j, y.shape)
-            if lp is not None and lp.shape != y.shape:
-                lp = tf.broadcast_to(lp, y.shape)
+            if lp is not None:
+                lp = form.fit(lp, y.shape)
             jac, lap = _plus(jac, j), _plus(lap, lp)
         return [(y, jac, lap)]
     if len(ins) == 1:
@@ -157,15 +220,17 @@ def _apply(op: tf.Operation, ins: list[Any], k: int) -> list[Any]:
             d1, d2 = derivs
             new_lap = None if lap is None else lap * d1
             if d2 is not None:
-                new_lap = _plus(new_lap, d2 * tf.reduce_sum(jac * jac, 0))
+                new_lap = _plus(new_lap, d2 * form.outer(jac, jac))
             return [(y, jac * d1, new_lap)]
     # the rules below need each value's tangents at its full shape
-    ins = [(a[0], _full(a[1], a[0].shape), a[2]) if isinstance(a, tuple) else a for a in ins]
+    ins = [(a[0], _full(a[1], a[0].shape),
+            _full(a[2], a[0].shape) if form.full and a[2] is not None else a[2])
+           if isinstance(a, tuple) else a for a in ins]
     if kind == "Mul" and vary == [0, 1]:
         (a, ja, la), (b, jb, lb) = ins
         (y,) = _rebuild(op, primals)
         lap = _plus(_plus(None if lb is None else a * lb, None if la is None else b * la),
-                    2 * tf.reduce_sum(ja * jb, 0))
+                    form.cross(ja, jb))
         return [(y, a * jb + b * ja, lap)]
     linear = kind in _AFFINE or (kind in _MULTILINEAR and len(vary) == 1 and
                                  (kind != "RealDiv" or vary == [0]))
@@ -186,8 +251,9 @@ def _apply(op: tf.Operation, ins: list[Any], k: int) -> list[Any]:
     jacs = tf.vectorized_map(tangent, tuple(ins[i][1] for i in vary))
     laps: Any = [None] * len(outs)
     if any(ins[i][2] is not None for i in vary):
-        laps = tangent(tuple(ins[i][2] if ins[i][2] is not None else tf.zeros_like(primals[i])
-                             for i in vary))
+        parts = tuple(ins[i][2] if ins[i][2] is not None else form.zeros(primals[i])
+                      for i in vary)
+        laps = tf.vectorized_map(tangent, parts) if form.full else tangent(parts)
     return [(y, j, lp) if y.dtype.is_floating else y for y, j, lp in zip(outs, jacs, laps)]
 
 
