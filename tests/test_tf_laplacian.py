@@ -24,8 +24,8 @@ from batchjac._bind import prepare  # noqa: E402
 from batchjac._validate import normalize  # noqa: E402
 
 
-def references(f: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(J, Laplacian)`` of the batch function ``f`` by TensorFlow's nested tapes."""
+def nested_tapes(f: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(y, J, H)`` of the batch function ``f`` by TensorFlow's nested tapes."""
     xt = tf.constant(x)
     with tf.GradientTape() as outer:
         outer.watch(xt)
@@ -33,15 +33,21 @@ def references(f: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             inner.watch(xt)
             y = f(xt)
         jac = inner.batch_jacobian(y, xt)
-    hess = outer.batch_jacobian(jac, xt)
-    return jac.numpy(), tf.linalg.trace(hess).numpy()
+    return y.numpy(), jac.numpy(), outer.batch_jacobian(jac, xt).numpy()
 
 
-def _kernel(model: Any, x: np.ndarray, *known: np.ndarray) -> tuple[Any, np.ndarray, tuple[np.ndarray, ...]]:
+def references(f: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(J, Laplacian)`` of the batch function ``f`` by TensorFlow's nested tapes."""
+    _, jac, hess = nested_tapes(f, x)
+    return jac, np.trace(hess, axis1=-2, axis2=-1)
+
+
+def _kernel(model: Any, x: np.ndarray, *known: np.ndarray, kind: str = "laplacian",
+            build: str = "forward-laplacian") -> tuple[Any, np.ndarray, tuple[np.ndarray, ...]]:
     spec = normalize((x, *known), wrt=None, dtype=None, nan_policy="raise")
     bound = prepare(model, spec, "tensorflow", {})
-    kernel = bound.second_kernel("laplacian", "forward-over-reverse", spec.n, True, True)
-    kernel.use("forward-laplacian")
+    kernel = bound.second_kernel(kind, "forward-over-reverse", spec.n, True, True)
+    kernel.use(build)
     u, ctx = spec.chunk(0, spec.n)
     return kernel, u, ctx
 
@@ -73,19 +79,11 @@ def test_rules_match_the_nested_tapes(block_rows: int | None, monkeypatch: Any) 
     out = kernel(u, ctx)
     assert "a forward Laplacian" in kernel.note
     # the reference differentiates w.r.t. all 5 inputs: the unknowns' block of it
-    xh = np.concatenate([x, h], 1)
-    xt = tf.constant(xh)
-    with tf.GradientTape() as outer:
-        outer.watch(xt)
-        with tf.GradientTape() as inner:
-            inner.watch(xt)
-            y = f(xt)
-        jac = inner.batch_jacobian(y, xt)
-    hess = outer.batch_jacobian(jac, xt).numpy()[..., :3, :3]
-    want_lap = np.trace(hess, axis1=-2, axis2=-1)
+    y, jac, hess = nested_tapes(f, np.concatenate([x, h], 1))
+    want_lap = np.trace(hess[..., :3, :3], axis1=-2, axis2=-1)
     np.testing.assert_allclose(out["laplacians"], want_lap, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(out["jacobians"], jac.numpy()[..., :3], rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(out["outputs"], y.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out["jacobians"], jac[..., :3], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out["outputs"], y, rtol=1e-12, atol=1e-12)
     assert np.abs(want_lap).max() > 0.1  # a curved model: the test could fail
 
 
@@ -233,23 +231,13 @@ def test_the_forward_hessian_matches_the_nested_tapes(block_rows: int | None,
         return tf.math.log(1 + s * s) + tf.reduce_sum(s, -1, keepdims=True)
 
     x, h = r.normal(size=(13, 3)), r.normal(size=(13, 2))
-    spec = normalize((x, h), wrt=None, dtype=None, nan_policy="raise")
-    bound = prepare(f, spec, "tensorflow", {})
-    kernel = bound.second_kernel("hessian", "forward-over-reverse", spec.n, True, True)
-    kernel.use("forward-hessian")
-    u, ctx = spec.chunk(0, spec.n)
+    kernel, u, ctx = _kernel(f, x, h, kind="hessian", build="forward-hessian")
     out = kernel(u, ctx)
     assert "a forward Hessian (one pass)" in kernel.note
-    xt = tf.constant(np.concatenate([x, h], 1))
-    with tf.GradientTape() as outer:
-        outer.watch(xt)
-        with tf.GradientTape() as inner:
-            inner.watch(xt)
-            y = f(xt)
-        jac = inner.batch_jacobian(y, xt)
-    hess = outer.batch_jacobian(jac, xt).numpy()[..., :3, :3]
+    y, jac, hess = nested_tapes(f, np.concatenate([x, h], 1))
+    hess = hess[..., :3, :3]
     np.testing.assert_allclose(out["hessians"], hess, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(out["jacobians"], jac.numpy()[..., :3], rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(out["outputs"], y.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out["jacobians"], jac[..., :3], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out["outputs"], y, rtol=1e-12, atol=1e-12)
     off = hess - np.diagonal(hess, axis1=-2, axis2=-1)[..., None] * np.eye(3)
     assert np.abs(off).max() > 0.1  # mixed terms present: a wrong pairing would fail
