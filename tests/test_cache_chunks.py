@@ -67,7 +67,7 @@ def test_the_smallest_chunk_is_kept_for_huge_rows(monkeypatch: pytest.MonkeyPatc
     assert plan.n_chunks == -(-10_000 // _plan.MIN_CACHE_ROWS)
 
 
-def test_the_cache_size_is_the_machines_last_level_or_the_fallback(
+def test_the_cache_size_is_the_machines_last_level_capped_or_the_fallback(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import glob
 
@@ -83,6 +83,10 @@ def test_the_cache_size_is_the_machines_last_level_or_the_fallback(
     _plan.cache_bytes.cache_clear()
     try:
         assert _plan.cache_bytes() == 16384 * 1024
+        # a virtual machine's share of a large shared L3 (105 MB on 2 cores): capped
+        (tmp_path / "index3" / "size").write_text("107520K\n")
+        _plan.cache_bytes.cache_clear()
+        assert _plan.cache_bytes() == _plan.CACHE_CAP == 32 << 20
         monkeypatch.setattr(glob, "glob", lambda pattern: [])
         _plan.cache_bytes.cache_clear()
         assert _plan.cache_bytes() == _plan.CACHE_FALLBACK

@@ -16,7 +16,7 @@ import pytest
 
 import batchjac
 
-from .helpers import race_now, rng
+from .helpers import race_now, rng, run_in_fresh_process
 
 torch = pytest.importorskip("torch")
 
@@ -145,8 +145,8 @@ def test_untraceable_model_keeps_the_order_and_says_why() -> None:
 
 
 def test_race_where_the_work_repays_it(monkeypatch: Any) -> None:
-    """A first call runs the order's own computation untimed; once a race pays, both builds
-    are timed and the faster kept, with the closed form's values."""
+    """A first call runs the forward Laplacian untimed; once a race pays, both builds are
+    timed and the faster kept, with the closed form's values."""
     x = rng(6).normal(size=(64, 3)) * 2
 
     def f(z: Any) -> Any:
@@ -155,7 +155,7 @@ def test_race_where_the_work_repays_it(monkeypatch: Any) -> None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         lap = batchjac.laplacian(f, x, backend="torch", explain=True)
-    assert "plain (not timed" in err.getvalue()
+    assert "a forward Laplacian (one pass) (not timed" in err.getvalue()
     np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
     race_now(monkeypatch)
     err = io.StringIO()
@@ -183,30 +183,103 @@ def test_a_race_choice_holds_for_other_chunk_sizes(monkeypatch: Any) -> None:
     np.testing.assert_allclose(lap, -np.sin(x).sum(-1), rtol=1e-12, atol=1e-12)
 
 
-def test_the_untimed_first_build_follows_the_calls_work(monkeypatch: Any) -> None:
-    """A first call too small to repay a race takes the forward Laplacian, untimed, where the
-    call's rows times the model's weights repay its trace (FORWARD_LAPLACIAN_WORK), the plain
-    build below that; both give torch.func's values, and a race may still replace either."""
-    from batchjac._backends.torch import TorchSecondKernel
-
+def test_the_untimed_first_build_is_the_forward_laplacian_at_any_size() -> None:
+    """A first call too small to repay a race takes the forward Laplacian, untimed, however
+    few its rows (its trace costs a forward pass; the plain build's first use imports
+    torch._dynamo), chunked or not, with torch.func's values."""
     r = rng(8)
     model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
-    weights = sum(p.numel() for p in model.parameters())  # 81
-    x = r.normal(size=(40, 3))
-    _, lap = references(lambda a, b: model(a), x, np.zeros((40, 0)))
-    for threshold, build in ((40 * weights + 1, "plain"), (40 * weights, "a forward Laplacian (one pass)")):
-        monkeypatch.setattr(TorchSecondKernel, "FORWARD_LAPLACIAN_WORK", threshold)
+    x = r.normal(size=(5, 3))
+    _, lap = references(lambda a, b: model(a), x, np.zeros((5, 0)))
+    for chunk in (None, 2):
         fresh = torch.nn.Sequential(*(m for m in model))  # a new model: a new first call
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            got = batchjac.laplacian(fresh, x, backend="torch", explain=True)
+            got = batchjac.laplacian(fresh, x, backend="torch", explain=True, chunk_size=chunk)
         note = next(line for line in err.getvalue().splitlines() if "kernel:" in line)
-        assert f"{build} (not timed" in note, note
+        assert "a forward Laplacian (one pass) (not timed" in note, note
         np.testing.assert_allclose(got, lap, rtol=1e-10, atol=1e-12)
-    # the call's rows count, not only the chunk's: 4 chunks of 10 rows, the work of 40
-    fresh = torch.nn.Sequential(*(m for m in model))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        got = batchjac.laplacian(fresh, x, backend="torch", explain=True, chunk_size=10)
-    assert "a forward Laplacian (one pass) (not timed" in err.getvalue(), err.getvalue()
-    np.testing.assert_allclose(got, lap, rtol=1e-10, atol=1e-12)
+
+
+def test_a_chunk_runs_in_blocks_of_rows_within_the_cache(monkeypatch: Any) -> None:
+    """A chunk whose carried values outgrow the cache runs in evened blocks of rows (the
+    last one shorter, its own tape), each row the value torch.func gives it; the known
+    inputs are cut with the unknowns."""
+    from batchjac._backends.torch import TorchSecondKernel
+
+    monkeypatch.setattr("batchjac._plan.cache_bytes", lambda: 3 * 4 * 6 * 8 * 10)  # 10 rows
+    monkeypatch.setattr(TorchSecondKernel, "MIN_BLOCK_ROWS", 4)
+    monkeypatch.setattr(TorchSecondKernel, "PROBE_ROWS", 3)
+    f, _, _ = curved(9)
+    r = rng(9)
+    x, h = r.normal(size=(47, 3)), r.normal(size=(47, 2))
+    # (x and h as two arrays: the model is called on their columns side by side)
+    kernel, u, ctx = _kernel(lambda z: f(z[:, :3], z[:, 3:]), x, h)
+    assert len(ctx) == 1
+    kernel.use("forward-laplacian")
+    seen: list[int] = []
+    real = TorchSecondKernel._block_rows
+
+    def block_rows(self: Any, *args: Any) -> int:
+        seen.append(real(self, *args))
+        return seen[-1]
+
+    monkeypatch.setattr(TorchSecondKernel, "_block_rows", block_rows)
+    out = kernel(u, ctx)
+    jac, lap = references(f, x, h)
+    # the widest carried value is 6 wide (float64): 3 x 4 x 48 B a row, 10 rows of the cache
+    # make 5 blocks of 47 rows: 10, 10, 10, 10, 7
+    assert seen == [10]
+    assert sorted(key[0][0] for key in kernel._graphs) == [3, 7, 10]
+    np.testing.assert_allclose(out["laplacians"], lap, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out["jacobians"], jac, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out["outputs"], f(torch.tensor(x), torch.tensor(h)).numpy(),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_in_place_views_and_several_outputs_are_recorded_as_they_compute() -> None:
+    """In-place operations (ReLU(inplace=True), ``add_`` through a view of a value) and
+    operations of several outputs (``split``, ``unbind``) recorded under functionalize: the
+    tape's Laplacian is torch.func's; operations the output does not use are dropped."""
+    r = rng(10)
+    w = torch.tensor(r.normal(size=(3, 6)))
+
+    def f(x: Any) -> Any:
+        z = x @ w
+        unused = torch.exp(z).sum()  # noqa: F841 - dropped from the tape
+        a, b = z.split(3, dim=-1)
+        a = a * 2 + torch.tanh(b)
+        a[:, 0].add_(torch.sin(b[:, 1]))  # mutates a through a view of it
+        a = torch.nn.functional.relu(a, inplace=True)
+        cols = a.unbind(-1)
+        return (cols[0] * cols[1] + cols[2] ** 2)[:, None]
+
+    x = r.normal(size=(11, 3))
+    xt = torch.tensor(x)
+    tape = torch_laplacian.trace(f, xt)
+    names = [torch_laplacian._name(op[0]) for op in tape.ops]
+    assert "exp" not in names, names
+    assert "split" in names, names
+    assert "unbind" in names, names
+    y, dy, lap = torch_laplacian.run(tape, [xt], 0)
+    jac, want = references(lambda a, b: f(a), x, np.zeros((11, 0)))
+    np.testing.assert_allclose(y.numpy(), f(torch.tensor(x)).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(lap.numpy(), want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dy.permute(1, 2, 0).numpy(), jac, rtol=1e-10, atol=1e-12)
+
+
+def test_a_fresh_process_computes_the_laplacian_without_torch_dynamo() -> None:
+    """The first Laplacian of a fresh process imports neither TorchDynamo nor Inductor
+    (``make_fx`` would: 2.2 s of W7's first call) nor forward mode's decompositions."""
+    out = run_in_fresh_process("""
+        import sys
+        import numpy as np
+        import torch
+        import batchjac
+        net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        x = np.random.default_rng(11).normal(size=(700, 3)).astype(np.float32)
+        lap = batchjac.laplacian(net, x)
+        print(lap.shape, sorted(m for m in ("torch._dynamo", "torch._inductor",
+              "torch._decomp.decompositions_for_jvp") if m in sys.modules))
+    """)
+    assert out.strip() == "(700, 1) []", out

@@ -78,7 +78,7 @@ _MODE_DEPENDENT = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropo
 #: exists, make sure to enter_dual_level() first", fell back to reverse mode with a warning
 #: blaming the model, or returned zero Jacobians. Forward-mode computations hold this lock
 #: (they run one at a time; reverse mode, whose torch.func state is per thread, does not).
-_FORWARD_AD = threading.Lock()
+_FORWARD_AD = threading.RLock()  # (re-entered by _load_forward_ad under it)
 
 _SILENCED = threading.Lock()
 _silenced_count: dict[tuple[str, type[Warning]], int] = {}
@@ -987,7 +987,8 @@ class TorchSecondKernel(Kernel):
         self.chunk_size, self.with_outputs, self.with_jacobian = chunk_size, with_outputs, with_jacobian
         self._bound = bound
         bound.trace_count += 1
-        _load_forward_ad()
+        # (forward mode's decompositions, 0.37 s in a fresh process, are loaded where
+        # torch.func's forward mode runs: the forward Laplacian and plain autograd need none)
         self.note = f"{kind}: {order}"
         #: the forward Laplacian's graph of the model per input shapes, with the weights'
         #: identities and versions it was traced with (a graph holds the weights it saw)
@@ -995,10 +996,12 @@ class TorchSecondKernel(Kernel):
         #: why the forward Laplacian could not run for this model (the order's own then)
         self.laplacian_failed = ""
         if kind == "laplacian":
-            # the order's own computation, or the forward Laplacian (one pass, see
-            # batchjac._backends.torch_laplacian), which costs a trace of the model into ATen
-            # operations (~1 s the first time in a process, ~20 ms after): taken, and timed
-            # against the other, only when the tuning policy says the work repays it
+            # the forward Laplacian (one pass, see batchjac._backends.torch_laplacian), whose
+            # trace into ATen operations costs one forward pass of a block, or the order's own
+            # computation, whose torch.func passes import torch._dynamo on their first use
+            # (W7, fresh processes, first calls: 1,000 rows 36 ms against 1.72 s, 100,000
+            # rows 1.5 against 4.0 s): the first untimed, the other timed against it only
+            # when the tuning policy says the work repays a race
             self.variants = ("plain", "forward-laplacian")
             self.variant = None
         elif order == "forward-over-reverse" and self._autograd_passes() <= self.AUTOGRAD_PASSES:
@@ -1022,7 +1025,7 @@ class TorchSecondKernel(Kernel):
     @property
     def cheap_first(self) -> str | None:
         if self.kind == "laplacian":
-            return "plain"
+            return self.variants[-1]  # the forward Laplacian, "plain" where it failed
         return "autograd" if "autograd" in self.variants else None
 
     #: rows of the chunk the race times each build on (an eager kernel runs any size): a
@@ -1051,35 +1054,17 @@ class TorchSecondKernel(Kernel):
         elif race_allowed():
             self._race(u, ctx)
         else:
-            work = self._call_work(u)
-            if "forward-laplacian" in self.variants and work >= self.FORWARD_LAPLACIAN_WORK:
+            if "forward-laplacian" in self.variants:
                 # (where it cannot be traced, _compute computes the plain build and says why)
-                self._select("forward-laplacian", f"{untimed_note()}; {work:.2g} rows x "
-                                                  f"weights, enough to repay its trace")
+                self._select("forward-laplacian", f"{untimed_note()}; its trace costs a "
+                                                  f"forward pass, the plain build's first "
+                                                  f"use imports torch._dynamo")
             elif "autograd" in self.variants:
                 self._select("autograd", f"plain autograd: torch.func would load "
                                          f"torch._dynamo first; {untimed_note()}")
             else:
                 self._select("plain", untimed_note())
             self.untimed = True
-
-    #: the untimed first build of a Laplacian is the forward Laplacian where the call's rows
-    #: times the model's weights (~ its multiply-adds a row) reach this: its trace into ATen
-    #: operations costs ~0.1 s more in a fresh process than the plain build's first use (which
-    #: loads the same decompositions), and it computes in half the time. Measured on W7
-    #: (33,537 weights), fresh processes, first calls: 1,000 rows 0.93 s against 0.84 s plain,
-    #: 100,000 rows 2.1-2.2 s against 2.8-3.2 s (the native trace of vmap(hessian) 3.2 s);
-    #: even at ~8,000 rows, 2.7e8
-    FORWARD_LAPLACIAN_WORK = 3e8
-
-    def _call_work(self, u: torch.Tensor) -> float:
-        """The rows of the call at hand (at least this chunk's) times the model's weights."""
-        from ._base import rows_at_hand
-
-        module = self._bound.module  # (its own parameters: _weights adds batchjac's casts)
-        held = list(module.parameters()) if module is not None else _weights(self._bound)
-        weights = sum(t.numel() for t in held if t.is_floating_point())
-        return float(max(rows_at_hand(), u.shape[0]) * weights)
 
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         if not self.untimed or self._forced is not None or len(self.variants) < 2:
@@ -1153,6 +1138,7 @@ class TorchSecondKernel(Kernel):
             if found is not None:
                 return found
             self._select("plain", self.autograd_failed)
+        _load_forward_ad()  # (torch.func's forward mode, from here on)
         if self.kind in ("diagonal", "laplacian") and self.order == "forward-over-forward":
             return self._diagonal_ff(u, ctx)
         if self.kind == "hessian" and self.order == "forward-over-forward":
@@ -1216,24 +1202,34 @@ class TorchSecondKernel(Kernel):
             return y, jac, second.reshape(rows, *out_shape, *ushape)
         return y, jac, self._of_hessian(second, out_shape, ushape)
 
+    #: the forward Laplacian runs a chunk on the CPU in blocks of rows whose values, each
+    #: carrying ``k + 1`` derivatives, keep about this many of the widest within the CPU's
+    #: last-level cache (``batchjac._plan.cache_bytes``): an eager kernel's operations each
+    #: read and write whole arrays, from memory once they outgrow it. W7 (k=3, 128 wide,
+    #: float32: ~6 KB a row, blocks of ~5,300 rows): one chunk of 100,000 rows 1.3 s in one
+    #: block, 0.5 s in blocks (chunks of 6,252 rows took 5.0 us a row, of 25,008 7.0, of
+    #: 100,032 12.8)
+    LAPLACIAN_LIVE_VALUES = 3
+    #: rows of the small trace that measures the widest value, and the fewest rows a block
+    #: (fewer are dispatch-bound: each operation is a Python call)
+    PROBE_ROWS, MIN_BLOCK_ROWS = 64, 256
+
     def _forward_laplacian(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(y, J, Laplacian)`` in one forward pass (:mod:`.torch_laplacian`), or None where
-        the model cannot be traced into ATen operations or one of them has no forward
-        derivative (the note says why; ``jvp`` of ``jvp`` then, the same values)."""
+        """``(y, J, Laplacian)`` in one forward pass (:mod:`.torch_laplacian`), in blocks of
+        rows (:meth:`_block_rows`), or None where the model cannot be traced into ATen
+        operations or one of them has no forward derivative (the note says why; the order's
+        own build then, the same values)."""
         from . import torch_laplacian
 
-        bound = self._bound
         k, m, out_shape, ushape = self._shapes(u)
         rows = u.shape[0]
-        weights = tuple((id(t), t._version) for t in _weights(bound))
-        key = (tuple(u.shape), *(tuple(c.shape) for c in ctx))
         try:
-            graph, seen = self._graphs.get(key, (None, None))
-            if graph is None or seen != weights:
-                graph = torch_laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
-                self._graphs[key] = (graph, weights)
-            y, dy, lap = torch_laplacian.run(graph, [u, *ctx], 0)
+            block = self._block_rows(u, ctx, k)
+            parts = []
+            for s in range(0, rows, block):
+                us, cs = u[s:s + block], tuple(c[s:s + block] for c in ctx)
+                parts.append(torch_laplacian.run(self._tape(us, cs), [us, *cs], 0))
         except (BatchJacError, Warning):
             raise
         except Exception as e:
@@ -1241,8 +1237,43 @@ class TorchSecondKernel(Kernel):
             self.laplacian_failed = f"forward Laplacian: {_first_line(e)[:200]}"
             self.variants = ("plain",)
             return None
+        if len(parts) == 1:
+            y, dy, lap = parts[0]
+        else:
+            y, lap = (torch.cat([p[i] for p in parts]) for i in (0, 2))
+            dy = torch.cat([p[1] for p in parts], dim=1)
         jac = dy.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
         return y, jac, lap.reshape(rows, *out_shape)
+
+    def _tape(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> Any:
+        """The model's ATen operations for these shapes, recorded once (again where the
+        weights changed: a tape holds the weights it saw)."""
+        from . import torch_laplacian
+
+        bound = self._bound
+        weights = tuple((id(t), t._version) for t in _weights(bound))
+        key = (tuple(u.shape), *(tuple(c.shape) for c in ctx))
+        tape, seen = self._graphs.get(key, (None, None))
+        if tape is None or seen != weights:
+            tape = torch_laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
+            self._graphs[key] = (tape, weights)
+        return tape
+
+    def _block_rows(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], k: int) -> int:
+        """Rows a block of the forward Laplacian (:data:`LAPLACIAN_LIVE_VALUES`), evened over
+        the chunk; the whole chunk on an accelerator, or where it is small."""
+        from .._plan import cache_bytes
+
+        rows = u.shape[0]
+        if u.device.type != "cpu" or rows <= 2 * self.MIN_BLOCK_ROWS:
+            return rows
+        probe = self.PROBE_ROWS
+        tape = self._tape(u[:probe], tuple(c[:probe] for c in ctx))
+        per_row = self.LAPLACIAN_LIVE_VALUES * (k + 1) * tape.widest / probe
+        fit = max(self.MIN_BLOCK_ROWS, int(cache_bytes() // max(per_row, 1.0)))
+        if fit >= rows:
+            return rows
+        return -(-rows // -(-rows // fit))
 
     def _hvp_ff(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], v: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,9 +9,10 @@ them (:class:`Carried`). Through an operation ``z = g(x)``:
 
 (Li et al., "A computational framework for neural network-based variational Monte Carlo with
 Forward Laplacian", 2023; the rule set of ``folx`` and ``fwdlap`` for JAX). The model is
-traced once per input shape into ATen operations (``make_fx`` of its functionalised call; a
-model whose Python branches on the values cannot be traced, and the kernel then computes by
-its order as before); each operation of the graph that depends on the unknowns is applied by
+recorded once per input shape as the ATen operations its functionalised call runs (a
+:class:`Tape`, by a dispatch mode: ``make_fx`` would import TorchDynamo; a model whose Python
+branches on the values cannot be recorded, and the kernel then computes by its order as
+before); each operation of the tape that depends on the unknowns is applied by
 a rule: matrix products with a constant (the weights), sums with constants and the common
 elementwise functions (tanh, sin, cos, exp, sigmoid, log, relu, silu) directly, ``J`` and ``L``
 stacked into one ``(k + 1, ...)`` tensor; any other operation by ``torch.func``: ``vmap`` of
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: ATen operations linear in every argument that carries a derivative (a constant argument,
 #: such as a weight or a shape, may be anything): their second derivatives vanish
@@ -44,7 +46,8 @@ _LINEAR = {
     "split_with_sizes", "unbind", "view_as", "expand_as", "repeat", "flip", "roll", "diagonal",
     "squeeze_copy", "unsqueeze_copy", "view_copy", "permute_copy", "t_copy", "transpose_copy",
     "expand_copy", "slice_copy", "select_copy", "lift_fresh_copy", "copy", "cumsum", "trace",
-    "diag_embed", "tril", "triu", "gather", "index", "where",
+    "diag_embed", "tril", "triu", "gather", "index", "where", "select_scatter",
+    "slice_scatter",
 }
 #: ATen operations linear in each argument: linear while only one argument varies
 _MULTILINEAR = {"mul", "mm", "bmm", "matmul", "mv", "dot", "addmm", "baddbmm", "linear",
@@ -93,42 +96,143 @@ def _name(target: Any) -> str:
     return str(getattr(packet, "__name__", getattr(target, "__name__", "")))
 
 
-def trace(fn: Callable[..., torch.Tensor], *example: torch.Tensor) -> torch.fx.GraphModule:
-    """``fn`` as a graph of ATen operations, for inputs of the shapes of ``example`` (runs
-    ``fn`` once on them)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
+@dataclass(frozen=True)
+class _Ref:
+    """A value of the recorded call: ``slot`` the input (``slot < inputs``) or the operation
+    (``slot - inputs``) that made it, ``item`` the output of an operation that makes several."""
 
-    return make_fx(torch.func.functionalize(fn))(*example)  # type: ignore[no-any-return]
+    slot: int
+    item: int | None = None
 
 
-def run(graph: torch.fx.GraphModule, inputs: list[torch.Tensor], varying: int
+@dataclass
+class Tape:
+    """One call of a model as the ATen operations it ran, in order, for inputs of one set of
+    shapes: each ``(operation, args, kwargs)`` with the values of the call as :class:`_Ref`
+    (the constants, such as the weights, as they are); ``free[i]`` the slots whose last use is
+    operation ``i`` (released after it); ``output`` the call's result, a :class:`_Ref` or a
+    constant; ``widest`` the bytes of the largest value an operation made from the inputs."""
+
+    inputs: int
+    ops: list[tuple[Any, Any, Any]]
+    free: list[list[int]]
+    output: Any
+    widest: int = 0
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the ATen operations of a call under ``functionalize`` (no in-place operation
+    reaches it) as they run. ``make_fx`` does the same, but imports TorchDynamo and Inductor
+    to read one setting: 2.2 s of a first call in a fresh process, measured here (W7)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # (True, the default, wraps __torch_dispatch__ in torch._dynamo.disable, whose first
+        # call imports TorchDynamo: this mode runs no compiled code)
+        return False
+
+    def __init__(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.where: dict[int, _Ref] = {}
+        self.alive: list[torch.Tensor] = []  # every value named: no id is reused meanwhile
+        self.ops: list[tuple[Any, Any, Any]] = []
+        self.widest = 0
+        self.inputs = len(inputs)
+        for i, t in enumerate(inputs):
+            self._name(t, _Ref(i))
+
+    def _name(self, t: torch.Tensor, ref: _Ref) -> None:
+        self.where[id(t)] = ref
+        self.alive.append(t)
+
+    def ref(self, a: Any) -> Any:
+        return self.where.get(id(a), a) if isinstance(a, torch.Tensor) else a
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        recorded = pytree.tree_map(self.ref, (args, kwargs))
+        slot = self.inputs + len(self.ops)
+        tensors = isinstance(out, torch.Tensor) or (
+            isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out))
+        if not tensors and any(isinstance(a, _Ref) for a in pytree.tree_leaves(recorded)):
+            # a Python value computed from the inputs (.item(), a branch on a value): a
+            # recording would hold it as a constant, right for these inputs only
+            raise NotImplementedError(f"{func} returns a Python value computed from the "
+                                      "inputs: the model branches on values")
+        self.ops.append((func, *recorded))
+        if any(isinstance(a, _Ref) for a in pytree.tree_leaves(recorded)):
+            for o in (out,) if isinstance(out, torch.Tensor) else out if tensors else ():
+                self.widest = max(self.widest, o.numel() * o.element_size())
+        if isinstance(out, torch.Tensor):
+            self._name(out, _Ref(slot))
+        elif tensors:
+            for j, o in enumerate(out):
+                self._name(o, _Ref(slot, j))
+        return out
+
+
+def trace(fn: Callable[..., torch.Tensor], *example: torch.Tensor) -> Tape:
+    """``fn`` as the ATen operations it runs, for inputs of the shapes of ``example`` (runs
+    ``fn`` once on them); the operations its output does not depend on dropped."""
+    recorder = _Recorder(example)
+    with recorder:
+        out = torch.func.functionalize(fn)(*example)
+    output = pytree.tree_map(recorder.ref, out)
+    del recorder.alive[:]  # (the ids are no longer looked up)
+    n, ops = recorder.inputs, recorder.ops
+    live = {r.slot for r in pytree.tree_leaves(output) if isinstance(r, _Ref)}
+    kept: list[int] = []
+    for i in range(len(ops) - 1, -1, -1):  # backwards: an operation is kept where used
+        if n + i in live:
+            kept.append(i)
+            live.update(r.slot for r in pytree.tree_leaves(ops[i][1:]) if isinstance(r, _Ref))
+    kept.reverse()
+    renumber = {j: j for j in range(n)} | {n + i: n + new for new, i in enumerate(kept)}
+
+    def moved(a: Any) -> Any:
+        return _Ref(renumber[a.slot], a.item) if isinstance(a, _Ref) else a
+
+    new_ops = [(ops[i][0], *pytree.tree_map(moved, ops[i][1:])) for i in kept]
+    output = pytree.tree_map(moved, output)
+    last: dict[int, int] = {}
+    for i, op in enumerate(new_ops):
+        for r in pytree.tree_leaves(op[1:]):
+            if isinstance(r, _Ref):
+                last[r.slot] = i
+    ends = {r.slot for r in pytree.tree_leaves(output) if isinstance(r, _Ref)}
+    free: list[list[int]] = [[] for _ in new_ops]
+    for s, i in last.items():
+        if s not in ends and s >= n:  # (the inputs are the caller's)
+            free[i].append(s)
+    return Tape(n, new_ops, free, output, recorder.widest)
+
+
+def run(tape: Tape, inputs: list[torch.Tensor], varying: int
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, J, L)`` of the graph's one output for ``inputs``: ``J`` ``(k, *y.shape)``, the
+    """``(y, J, L)`` of the tape's one output for ``inputs``: ``J`` ``(k, *y.shape)``, the
     derivatives along the unit tangents of ``inputs[varying]`` (``(rows, *unknown_shape)``,
-    ``k`` unknowns a row), and ``L`` the sum of the second derivatives along them. (Forward
-    mode's decompositions must be loaded: ``batchjac._backends.torch._load_forward_ad``.)"""
+    ``k`` unknowns a row), and ``L`` the sum of the second derivatives along them."""
     u = inputs[varying]
     rows, ushape = u.shape[0], tuple(u.shape[1:])
     k = math.prod(ushape)
     seed = torch.zeros((k + 1, rows, k), dtype=u.dtype, device=u.device)
     seed[torch.arange(k), :, torch.arange(k)] = 1
-    env: dict[torch.fx.Node, Any] = {}
-    placeholders = iter(inputs)
-    out: Any = None
-    for node in graph.graph.nodes:
-        if node.op == "placeholder":
-            value = next(placeholders)
-            env[node] = Carried(u, seed.reshape(k + 1, rows, *ushape)) if value is u else value
-        elif node.op == "get_attr":
-            env[node] = getattr(graph, node.target)
-        elif node.op == "call_function":
-            args, kwargs = pytree.tree_map_only(torch.fx.Node, env.__getitem__,
-                                                (node.args, node.kwargs))
-            env[node] = _apply(node.target, args, kwargs, k)
-        elif node.op == "output":
-            out = pytree.tree_map_only(torch.fx.Node, env.__getitem__, node.args[0])
-        else:  # (make_fx graphs hold nothing else)
-            raise NotImplementedError(f"graph node {node.op!r}")
+    env: list[Any] = [*inputs, *([None] * len(tape.ops))]
+    env[varying] = Carried(u, seed.reshape(k + 1, rows, *ushape))
+
+    def get(r: _Ref) -> Any:
+        value = env[r.slot]
+        return value if r.item is None else value[r.item]
+
+    n = tape.inputs
+    for i, (target, args, kwargs) in enumerate(tape.ops):
+        a, kw = pytree.tree_map_only(_Ref, get, (args, kwargs))
+        env[n + i] = _apply(target, a, kw, k)
+        for s in tape.free[i]:
+            env[s] = None
+    out = pytree.tree_map_only(_Ref, get, tape.output)
     (result,) = pytree.tree_leaves(out, is_leaf=lambda a: isinstance(a, Carried))
     if not isinstance(result, Carried):  # the output does not depend on the unknowns
         zeros = torch.zeros((k, *result.shape), dtype=result.dtype, device=result.device)
@@ -162,7 +266,11 @@ def _apply(target: Any, args: Any, kwargs: Any, k: int) -> Any:
         a, kw = pytree.tree_unflatten(vals, spec)
         return target(*a, **kw)
 
+    from .torch import _load_forward_ad
+
+    _load_forward_ad()  # (torch.func's forward mode: its decompositions, once)
     p = tuple(c.x for c in carried)
+
     def push(*t: torch.Tensor) -> tuple[Any, Any]:
         y, d = torch.func.jvp(g, p, t)[:2]
         return y, d
