@@ -207,7 +207,7 @@ def test_a_chunk_runs_in_blocks_of_rows_within_the_cache(monkeypatch: Any) -> No
     inputs are cut with the unknowns."""
     from batchjac._backends.torch import TorchSecondKernel
 
-    monkeypatch.setattr("batchjac._plan.cache_bytes", lambda: 3 * 4 * 6 * 8 * 10)  # 10 rows
+    monkeypatch.setattr("batchjac._config.cache_bytes", lambda: 3 * 4 * 6 * 8 * 10)  # 10 rows
     monkeypatch.setattr(TorchSecondKernel, "MIN_BLOCK_ROWS", 4)
     monkeypatch.setattr(TorchSecondKernel, "PROBE_ROWS", 3)
     f, _, _ = curved(9)

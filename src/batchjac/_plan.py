@@ -12,7 +12,12 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from ._backends._base import user_stacklevel
-from ._config import parse_bytes
+from ._config import (
+    CACHE_CAP as CACHE_CAP,
+    CACHE_FALLBACK as CACHE_FALLBACK,
+    cache_bytes as cache_bytes,
+    parse_bytes,
+)
 from ._errors import ChunkMemoryWarning as ChunkMemoryWarning, InputError
 
 ModeArg = Literal["auto", "forward", "reverse"]
@@ -169,14 +174,8 @@ def _chunking(n: int, per_row: int, chunk_size: int | None, max_memory: int
     return size, budget_rows, source, note
 
 
-# -- the CPU's cache -------------------------------------------------------------------------
+# -- the CPU's cache (its size: batchjac._config.cache_bytes) ----------------------------------
 
-#: the last-level cache assumed where the machine does not say (this project's CPU: 32 MB),
-#: and the most a process is taken to have: a virtual machine's share of a large shared L3
-#: is not its own (one of this project's machines reports 105 MB across 2 cores; the forward
-#: Laplacian of W7 there ran 0.84-0.99 s in blocks sized to it, 0.56-0.68 s in blocks of
-#: 1,500-8,192 rows, ~13-50 MB)
-CACHE_FALLBACK = CACHE_CAP = 32 << 20
 #: a Jacobian kernel's temporaries a row, per tangent or backward pass, against those of the
 #: forward derivative with one tangent (``BoundModel.row_bytes``, from a trace):
 #: measured with XLA's buffer assignment (JAX, per row, against the traced estimate): W1
@@ -189,23 +188,6 @@ PASS_FACTOR = 0.75
 TEMP_RESULT_RATIO = 4
 #: fewer rows a chunk are dispatch-bound (each chunk is a call of the kernel)
 MIN_CACHE_ROWS = 64
-
-
-@functools.lru_cache(maxsize=1)
-def cache_bytes() -> int:
-    """The CPU's last-level cache in bytes (Linux's sysfs), at most :data:`CACHE_CAP`, else
-    :data:`CACHE_FALLBACK`."""
-    import glob
-
-    found = []
-    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
-        try:
-            with open(f"{index}/level") as f_level, open(f"{index}/size") as f_size:
-                level, size = int(f_level.read()), f_size.read().strip()
-            found.append((level, parse_bytes(size if size[-1:].isdigit() else size + "iB")))
-        except (OSError, ValueError, IndexError, InputError):
-            continue
-    return min(CACHE_CAP, int(max(found)[1])) if found else CACHE_FALLBACK
 
 
 def fit_cache(plan: AnyPlan, n: int, *, row_bytes: float | None, passes: int,

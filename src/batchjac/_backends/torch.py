@@ -33,7 +33,7 @@ import time
 import types
 import warnings
 from collections.abc import Iterator
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -63,6 +63,7 @@ from ._base import (
     race,
     user_stacklevel,
 )
+from .torch_state import _FORWARD_AD, _load_forward_ad as _load_forward_ad, _silenced
 
 Engine = Literal["func", "autograd", "replicated", "looped", "transposed"]
 
@@ -72,69 +73,6 @@ _OPTIONS = ("train_mode", "device")
 _MODE_DEPENDENT = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
 
 
-#: torch's forward-mode AD levels (``enter_dual_level``, which ``torch.func.jvp`` uses) are
-#: process-wide, not per thread: threads running forward mode at once on one module (a thread
-#: pool, Dask's threaded scheduler) exited each other's levels, and calls raised "no level
-#: exists, make sure to enter_dual_level() first", fell back to reverse mode with a warning
-#: blaming the model, or returned zero Jacobians. Forward-mode computations hold this lock
-#: (they run one at a time; reverse mode, whose torch.func state is per thread, does not).
-_FORWARD_AD = threading.RLock()  # (re-entered by _load_forward_ad under it)
-
-_SILENCED = threading.Lock()
-_silenced_count: dict[tuple[str, type[Warning]], int] = {}
-
-
-@contextlib.contextmanager
-def _silenced(message: str, category: type[Warning]) -> Iterator[None]:
-    """Ignore one warning of torch's within the block, in a way threads can share.
-    ``warnings.catch_warnings`` saves and restores the whole filter list, so blocks of two
-    threads that overlap undo each other's filter (one of the blocks then lets the warning
-    through, and a warnings-as-errors run fails); here the one filter is added by the first
-    block in and removed by the last one out."""
-    key = (message, category)
-    with _SILENCED:
-        _silenced_count[key] = _silenced_count.get(key, 0) + 1
-        if _silenced_count[key] == 1:
-            warnings.filterwarnings("ignore", message=message, category=category)
-    try:
-        yield
-    finally:
-        with _SILENCED:
-            _silenced_count[key] -= 1
-            if not _silenced_count[key]:
-                del _silenced_count[key]
-                filters = cast("list[Any]", warnings.filters)
-                for i, entry in enumerate(filters):
-                    pattern = entry[1]
-                    if entry[0] == "ignore" and entry[2] is category and \
-                            getattr(pattern, "pattern", None) == message and entry[3] is None:
-                        del filters[i]
-                        mutated = getattr(warnings, "_filters_mutated", None)
-                        if mutated is not None:  # (invalidates the per-module caches)
-                            mutated()
-                        break
-
-
-def _load_forward_ad() -> None:
-    """torch loads its forward-mode decompositions on the first dual tensor and, in torch
-    2.9+, that import warns that ``torch.jit.script`` is deprecated: framework noise the user
-    cannot act on, which a warnings-as-errors run would turn into a failure of forward mode.
-    Load them here once, with that one warning silenced (other threads wait for it: one that
-    went on would load them itself, unsilenced)."""
-    global _forward_ad_loaded
-    if _forward_ad_loaded:
-        return
-    with _FORWARD_AD:
-        if _forward_ad_loaded:
-            return
-        load = getattr(torch.autograd.forward_ad, "_maybe_load_decompositions", None)
-        if load is not None:  # (other torch versions: nothing to load)
-            with _silenced(".*torch.jit.script.* is deprecated", DeprecationWarning):
-                load()
-        _forward_ad_loaded = True
-
-
-_forward_ad_loaded = False
 
 
 @contextlib.contextmanager
@@ -1204,7 +1142,7 @@ class TorchSecondKernel(Kernel):
 
     #: the forward Laplacian runs a chunk on the CPU in blocks of rows whose values, each
     #: carrying ``k + 1`` derivatives, keep about this many of the widest within the CPU's
-    #: last-level cache (``batchjac._plan.cache_bytes``): an eager kernel's operations each
+    #: last-level cache (``batchjac._config.cache_bytes``): an eager kernel's operations each
     #: read and write whole arrays, from memory once they outgrow it. W7 (k=3, 128 wide,
     #: float32: ~6 KB a row, blocks of ~5,300 rows): one chunk of 100,000 rows 1.3 s in one
     #: block, 0.5 s in blocks (chunks of 6,252 rows took 5.0 us a row, of 25,008 7.0, of
@@ -1262,7 +1200,7 @@ class TorchSecondKernel(Kernel):
     def _block_rows(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], k: int) -> int:
         """Rows a block of the forward Laplacian (:data:`LAPLACIAN_LIVE_VALUES`), evened over
         the chunk; the whole chunk on an accelerator, or where it is small."""
-        from .._plan import cache_bytes
+        from .._config import cache_bytes
 
         rows = u.shape[0]
         if u.device.type != "cpu" or rows <= 2 * self.MIN_BLOCK_ROWS:
