@@ -26,9 +26,11 @@ lint: install
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
 
-# branch coverage of the package (settings and the threshold in pyproject.toml [tool.coverage])
+# branch coverage of the package (settings and the threshold in pyproject.toml [tool.coverage]);
+# in two processes (pytest-xdist), each test file whole in one of them (its fixtures shared)
 test: lint
-	$(PY) -m pytest --cov=batchjac --cov-branch --cov-report=term:skip-covered
+	$(PY) -m pytest -n auto --maxprocesses 2 --dist loadfile --cov=batchjac --cov-branch \
+		--cov-report=term:skip-covered
 
 # mutation testing of the core modules with their own tests ([tool.mutmut]); CPU heavy, not in
 # CI: `mutmut results` lists the survivors, `mutmut show NAME` one of them
