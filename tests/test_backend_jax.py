@@ -318,6 +318,52 @@ def test_rebound_closure_values_are_not_stale() -> None:
     assert_jac_close(batchjac.jacobian(f, x), -3 * base)
 
 
+def test_numpy_weights_changed_in_place_are_not_stale() -> None:
+    """A numpy array is the same object after ``W *= 3`` or ``W[:] = ...`` (a numpy training
+    loop's update), and jax.jit had baked its old values into the kernel: the second call
+    returned the first call's Jacobians. Closed over directly, in a dict, and as a model
+    object's attribute; an unchanged array is not traced again (the trace counter)."""
+    rng = np.random.default_rng(2203)
+    x = data((8, 3), seed=2203)
+    w = rng.normal(size=(3, 2)).astype(np.float32)
+    state = {"b": rng.normal(size=(2,)).astype(np.float32)}
+
+    def f(v: Any) -> Any:
+        return jnp.tanh(v @ w + state["b"])
+
+    def reference() -> np.ndarray:  # d tanh(x W + b) / dx = (1 - tanh^2) W^T, in float64
+        y = np.tanh(x.astype(np.float64) @ w + state["b"])
+        return np.einsum("nj,ij->nji", 1 - y * y, w.astype(np.float64))
+
+    assert_jac_close(batchjac.jacobian(f, x), reference())
+    w *= 3.0  # in place: the same object
+    assert_jac_close(batchjac.jacobian(f, x), reference())
+    state["b"][:] = rng.normal(size=(2,))  # in place, inside a dict
+    assert_jac_close(batchjac.jacobian(f, x), reference())
+
+    class Layer:
+        def __init__(self) -> None:
+            self.w = rng.normal(size=(3, 3)).astype(np.float32)
+
+        def __call__(self, v: Any) -> Any:
+            return jnp.sin(v @ self.w)
+
+    layer = Layer()
+
+    def ref() -> np.ndarray:
+        return np.einsum("nj,ij->nji", np.cos(x.astype(np.float64) @ layer.w), layer.w)
+
+    assert_jac_close(batchjac.jacobian(layer, x, backend="jax"), ref())
+    layer.w[0] = 0.5  # one row, in place
+    assert_jac_close(batchjac.jacobian(layer, x, backend="jax"), ref())
+    traces = bound_of(layer).trace_count
+    assert_jac_close(batchjac.jacobian(layer, x, backend="jax"), ref())
+    assert bound_of(layer).trace_count == traces, "an unchanged array must not retrace"
+    layer.w *= 2
+    assert_jac_close(batchjac.jacobian(layer, x, backend="jax"), ref())
+    assert bound_of(layer).trace_count > traces
+
+
 def test_rebound_globals_attributes_and_grown_lists_are_not_stale() -> None:
     """The cheap per-call check (re-reading where each baked-in value was found) must see
     every change a full walk would: a rebound global, a new attribute value, a longer list."""

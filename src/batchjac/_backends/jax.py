@@ -199,10 +199,12 @@ class JaxBound(BoundModel):
             return False  # every value the traces baked in is still where it was read
         sites = _Sites()
         captured = _captured_values(self.model, sites)
+        changed = sites.contents() != self._sites.contents()  # a numpy array changed in place
         self._sites = sites
-        if self._x64 != x64_enabled() or not _same_values(captured, self._captured):
-            # the x64 mode changes the dtypes of traced arrays; rebound closure values would
-            # be stale constants in the compiled kernels: trace everything again
+        if self._x64 != x64_enabled() or not _same_values(captured, self._captured) or changed:
+            # the x64 mode changes the dtypes of traced arrays; rebound closure values (or
+            # numpy arrays changed in place) would be stale constants in the compiled
+            # kernels: trace everything again
             self._model_split = _Split(self.model, self.device)
             self._params_split = _Split(self._params, self.device)
             self._kernels.clear()
@@ -1108,13 +1110,24 @@ class _Sites:
     """Where :func:`_captured_values` found each value: (container, key, value) triples and
     container sizes. Re-reading them (:meth:`unchanged`, a few microseconds) tells whether a
     new walk could find anything else: the walk follows the same keys, so if every key holds
-    the same object and no walked container changed size, it would find the same values."""
+    the same object and no walked container changed size, it would find the same values.
+    A numpy array is the same object after an in-place change (``W *= 0.9``), which jax.jit,
+    having baked its old values in, would not see: each writeable one found is kept with a
+    checksum of its contents (:func:`_contents`, CRC-32: ~1 ms a MB), compared too."""
 
     _MISSING = object()
 
     def __init__(self) -> None:
         self.reads: list[tuple[Any, Any, Any]] = []  # (getter target, key, value)
         self.sizes: list[tuple[Any, int]] = []
+        self.arrays: list[tuple[np.ndarray, int]] = []  # (a writeable numpy array, checksum)
+
+    def found(self, value: Any) -> None:
+        if isinstance(value, np.ndarray) and value.flags.writeable:
+            self.arrays.append((value, _contents(value)))
+
+    def contents(self) -> list[tuple[int, int]]:
+        return [(id(a), c) for a, c in self.arrays]
 
     def read(self, target: Any, key: Any, value: Any) -> Any:
         self.reads.append((target, key, value))
@@ -1138,7 +1151,17 @@ class _Sites:
             if now is not value and not (isinstance(value, _SCALARS) and type(now) is type(value)
                                          and now == value):
                 return False
-        return all(len(c) == n for c, n in self.sizes)
+        return all(len(c) == n for c, n in self.sizes) and \
+            all(_contents(a) == c for a, c in self.arrays)
+
+
+def _contents(a: np.ndarray) -> int:
+    """A checksum of a numpy array's values (its bytes, read in place where contiguous)."""
+    import zlib
+
+    if a.dtype.hasobject:  # (no bytes to read: its identity only)
+        return 0
+    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).data)
 
 
 def _captured_values(fn: Any, sites: _Sites | None = None) -> list[Any]:
@@ -1159,6 +1182,7 @@ def _captured_values(fn: Any, sites: _Sites | None = None) -> list[Any]:
         if _is_array(obj) or isinstance(obj, _SCALARS):
             if _is_array(obj) or scalars:
                 found.append(obj)
+                log.found(obj)
             return
         if id(obj) in seen or len(seen) > _MAX_VISITS or nested > _MAX_NESTING or \
                 isinstance(obj, (types.ModuleType, type)):
