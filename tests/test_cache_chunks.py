@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchjac import _plan
+from batchjac import _config, _plan
 from batchjac._plan import Plan, fit_cache
 
 from .helpers import assert_jac_close
@@ -80,18 +80,18 @@ def test_the_cache_size_is_the_machines_last_level_capped_or_the_fallback(
     real = glob.glob
     monkeypatch.setattr(glob, "glob", lambda pattern: sorted(map(str, tmp_path.iterdir()))
                         if "cpu0/cache" in pattern else real(pattern))
-    _plan.cache_bytes.cache_clear()
+    _config.cache_bytes.cache_clear()
     try:
-        assert _plan.cache_bytes() == 16384 * 1024
+        assert _config.cache_bytes() == 16384 * 1024
         # a virtual machine's share of a large shared L3 (105 MB on 2 cores): capped
         (tmp_path / "index3" / "size").write_text("107520K\n")
-        _plan.cache_bytes.cache_clear()
-        assert _plan.cache_bytes() == _plan.CACHE_CAP == 32 << 20
+        _config.cache_bytes.cache_clear()
+        assert _config.cache_bytes() == _config.CACHE_CAP == 32 << 20
         monkeypatch.setattr(glob, "glob", lambda pattern: [])
-        _plan.cache_bytes.cache_clear()
-        assert _plan.cache_bytes() == _plan.CACHE_FALLBACK
+        _config.cache_bytes.cache_clear()
+        assert _config.cache_bytes() == _config.CACHE_FALLBACK
     finally:
-        _plan.cache_bytes.cache_clear()
+        _config.cache_bytes.cache_clear()
 
 
 # -- JAX: the estimate, and the chunks it gives ------------------------------------------------

@@ -21,7 +21,7 @@ from .helpers import race_now, rng, run_in_fresh_process
 torch = pytest.importorskip("torch")
 
 from batchjac._backends import torch_laplacian  # noqa: E402
-from batchjac._backends.torch import _load_forward_ad  # noqa: E402
+from batchjac._backends.torch_state import _load_forward_ad  # noqa: E402
 from batchjac._bind import prepare  # noqa: E402
 from batchjac._validate import normalize  # noqa: E402
 

@@ -12,12 +12,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from ._backends._base import user_stacklevel
-from ._config import (
-    CACHE_CAP as CACHE_CAP,
-    CACHE_FALLBACK as CACHE_FALLBACK,
-    cache_bytes as cache_bytes,
-    parse_bytes,
-)
+from ._config import cache_bytes, parse_bytes
 from ._errors import ChunkMemoryWarning as ChunkMemoryWarning, InputError
 
 ModeArg = Literal["auto", "forward", "reverse"]

@@ -63,7 +63,7 @@ from ._base import (
     race,
     user_stacklevel,
 )
-from .torch_state import _FORWARD_AD, _load_forward_ad as _load_forward_ad, _silenced
+from .torch_state import _FORWARD_AD, _load_forward_ad, _silenced
 
 Engine = Literal["func", "autograd", "replicated", "looped", "transposed"]
 
