@@ -76,6 +76,9 @@ def native_hessian(name: str, f: Callable[[Any], Any], x: np.ndarray) -> np.ndar
     if name == "torch":
         import torch
 
+        from batchjac._backends.torch_state import _load_forward_ad
+
+        _load_forward_ad()  # (jacfwd's first use: its import's deprecation warning silenced)
         one = torch.func.hessian(lambda z: f(z[None])[0])
         return torch.func.vmap(one)(torch.tensor(x)).detach().numpy()  # type: ignore[no-any-return]
     if name == "jax":

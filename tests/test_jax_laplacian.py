@@ -210,6 +210,52 @@ def test_chunks_in_blocks_equal_the_reference(monkeypatch: Any) -> None:
     assert_jac_close(lap, want, factor=0.1)
 
 
+def test_one_block_shape_is_compiled_and_jax_arrays_stay_jax(monkeypatch: Any) -> None:
+    """The executable is compiled for one block of rows (evened over the chunk) and called
+    once a block: a chunk of 37 rows in blocks of 4 calls it 10 times on ``(4, 3)``, the last
+    block padded; JAX arrays in give JAX arrays out, equal to the numpy path's values (a
+    kernel without the Jacobian: the same to rounding) and to the trace of ``jax.hessian``;
+    the Jacobian and outputs from the same pass are cut alike."""
+    monkeypatch.setattr(JaxSecondKernel, "LAPLACIAN_BLOCK_ROWS", 4)
+    shapes: list[tuple[int, ...]] = []
+    real_init = JaxSecondKernel.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        fn = self._fn
+
+        def counted(params: Any, u: Any, ctx: Any) -> Any:
+            shapes.append(tuple(u.shape))
+            return fn(params, u, ctx)
+
+        self._fn = counted
+
+    monkeypatch.setattr(JaxSecondKernel, "__init__", spy)
+    r = rng(14)
+    x = r.normal(size=(37, 3)) * 1.5
+    with x64():
+        w = jnp.asarray(r.normal(size=(3, 6)))
+        v = jnp.asarray(r.normal(size=(6, 2)))
+
+        def one(z: Any) -> Any:
+            return jnp.tanh(z @ w) @ v
+
+        f = jax.vmap(one)
+        y, jac, lap = batchjac.laplacian(f, jnp.asarray(x), backend="jax",
+                                         return_jacobian=True, return_outputs=True)
+        want = native_laplacian(one, x)
+        want_jac = np.asarray(jax.vmap(jax.jacrev(one))(x))
+        from_numpy = np.asarray(batchjac.laplacian(f, x, backend="jax"))
+        want_y = np.asarray(f(jnp.asarray(x)))
+    assert isinstance(lap, jax.Array) and isinstance(jac, jax.Array), (type(lap), type(jac))
+    assert lap.shape == (37, 2) and jac.shape == (37, 2, 3) and y.shape == (37, 2)
+    assert set(shapes) == {(4, 3)} and len(shapes) == 2 * 10, shapes
+    assert_jac_close(np.asarray(lap), want, factor=0.1)
+    assert_jac_close(np.asarray(jac), want_jac, factor=0.1)
+    np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-12)
+    np.testing.assert_allclose(from_numpy, np.asarray(lap), rtol=1e-12, atol=1e-14)
+
+
 def test_an_unsupported_primitive_falls_back_to_jvp_of_jvp_and_says_which() -> None:
     """``jnp.max`` (reduce_max) has no rule: the kernel computes jvp of jvp, the same values
     as jax.hessian, and the note names the primitive."""

@@ -942,7 +942,9 @@ class JaxSecondKernel(Kernel):
         #: why the forward rule set could not be used (its primitive): ``jvp`` of ``jvp``
         #: (the diagonal, the Laplacian) or ``jacfwd(jacfwd)`` (the Hessian) instead
         self.laplacian_failed = ""
-        u_spec, ctx_spec = bound._specs(chunk_size)
+        #: rows of each call of the executable (the chunk's, or a block's: :meth:`__call__`)
+        self.block_rows = self._block_rows(kind, order, chunk_size)
+        u_spec, ctx_spec = bound._specs(self.block_rows)
         if kind == "hvp":
             ctx_spec = (*ctx_spec, u_spec)  # the tangents follow the model's arrays
 
@@ -1046,13 +1048,26 @@ class JaxSecondKernel(Kernel):
             out["jacobians"] = jac
         return out
 
-    #: rows of a block of the forward Laplacian (see :func:`in_blocks`), for chunks at least
-    #: twice as large: its temporaries ((k + 2) values per activation) then stay in cache.
-    #: W7, one chunk of 100,000 rows, bare kernels side by side under load, ratio to the
-    #: native trace of ``jit(vmap(hessian))``: one block 0.54, blocks of 128 rows 0.34, 512
-    #: 0.28, 1,024 0.29, 2,048 0.23, 4,096 0.25. On the CPU only (as :class:`JaxKernel`'s
+    #: rows of a block of the forward rules' kernels, for chunks at least twice as large:
+    #: their temporaries ((k + 2) values per activation for the Laplacian) then stay in
+    #: cache. W7, one chunk of 100,000 rows, bare kernels side by side under load, ratio to
+    #: the native trace of ``jit(vmap(hessian))``: one block 0.54, blocks of 128 rows 0.34,
+    #: 512 0.28, 1,024 0.29, 2,048 0.23, 4,096 0.25. On the CPU only (as :class:`JaxKernel`'s
     #: blocks): a GPU's cache is not what a block of rows would be sized for (unmeasured)
     LAPLACIAN_BLOCK_ROWS = 2048
+
+    @classmethod
+    def _block_rows(cls, kind: SecondKind, order: Order, chunk_size: int) -> int:
+        """Rows of one call of the executable: the chunk's, or for the forward rules on the
+        CPU a block of about :attr:`LAPLACIAN_BLOCK_ROWS` evened over the chunk, which
+        :meth:`__call__` loops over. The executable is then compiled for one block, not for a
+        ``lax.map`` over the blocks inside one call: W7 (100,000 rows, fresh processes, this
+        machine) compiled in 126-135 ms against 188-199 ms, and ran as fast (0.18-0.20 s both)."""
+        blocked = kind in FORWARD_RULES and order == "forward-over-forward" and \
+            chunk_size >= 2 * cls.LAPLACIAN_BLOCK_ROWS and jax.default_backend() == "cpu"
+        if not blocked:
+            return chunk_size
+        return -(-chunk_size // -(-chunk_size // cls.LAPLACIAN_BLOCK_ROWS))
 
     def _forward_rules(self, one: Callable[[Any, tuple[Any, ...]], Any], u: Any,
                        ctx: tuple[Any, ...]) -> tuple[Any, Any, Any] | None:
@@ -1081,12 +1096,8 @@ class JaxSecondKernel(Kernel):
                     (*y.shape, *ushape, *ushape))
             return y, jac, second
 
-        size = int(u.shape[0])
         try:
-            if size < 2 * self.LAPLACIAN_BLOCK_ROWS or jax.default_backend() != "cpu":
-                return jax.vmap(per_instance)(u, ctx)  # type: ignore[no-any-return]
-            rows = -(-size // -(-size // self.LAPLACIAN_BLOCK_ROWS))  # evened over the chunk
-            return in_blocks(jax.vmap(per_instance), rows, u, ctx)  # type: ignore[no-any-return]
+            return jax.vmap(per_instance)(u, ctx)  # type: ignore[no-any-return]
         except jax_laplacian.Unsupported as e:
             self.laplacian_failed = str(e)
             return None
@@ -1097,11 +1108,24 @@ class JaxSecondKernel(Kernel):
         from .jax_executables import release, used
 
         used()
-        out = self._fn(self._bound.args, u, tuple(ctx))
-        if isinstance(u, jax.Array):  # JAX arrays in: left on their device
-            res = dict(out)
-        else:
-            res = {name: np.asarray(a) for name, a in out.items()}
+        size, rows = int(u.shape[0]), self.block_rows
+        on_device = isinstance(u, jax.Array)  # JAX arrays in: left on their device
+        if rows == size:
+            out = self._fn(self._bound.args, u, tuple(ctx))
+            res = dict(out) if on_device else {name: np.asarray(a) for name, a in out.items()}
+        else:  # block by block (all queued before the first is read), the last one padded
+            from .._xp import NUMPY
+
+            xp = JaxOps() if on_device else NUMPY
+
+            def block(a: Any, lo: int) -> Any:
+                part = a[lo:lo + rows]
+                return part if part.shape[0] == rows else xp.pad_rows(part, rows)
+
+            outs = [self._fn(self._bound.args, block(u, lo), tuple(block(c, lo) for c in ctx))
+                    for lo in range(0, size, rows)]
+            res = {name: xp.concat([o[name] if on_device else np.asarray(o[name])
+                                    for o in outs])[:size] for name in outs[0]}
         release()  # the executable this call compiled is written now, after its result
         return res
 
