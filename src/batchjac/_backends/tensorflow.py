@@ -428,6 +428,8 @@ class TFKernel(Kernel):
         self._fns: dict[str, Any] = {}
         self.variant = None
         self.note = ""
+        #: ``(variant, result)`` of the first call's run, its answer (:meth:`_kept_result`)
+        self._kept: tuple[str, Any] | None = None
 
     @property
     def computes(self) -> Mode:
@@ -532,7 +534,9 @@ class TFKernel(Kernel):
             try:
                 with _quiet_pfor():
                     self._first_call(u, ctx)
-                    out = self._call_selected(u, ctx)
+                    out = self._kept_result()
+                    if out is None:
+                        out = self._call_selected(u, ctx)
             except Exception as e:
                 if isinstance(e, Warning) or _out_of_memory(e):  # warnings as errors, OOM
                     self._reset()
@@ -557,7 +561,7 @@ class TFKernel(Kernel):
 
     def _reset(self) -> None:
         """Back to the state before the first call (the next call tries again)."""
-        self.path, self._fns, self.variant, self.note = None, {}, None, ""
+        self.path, self._fns, self.variant, self.note, self._kept = None, {}, None, "", None
         self.variants = type(self).variants
 
     def _why(self, failures: list[tuple[str, str]] | None = None) -> str:
@@ -599,7 +603,12 @@ class TFKernel(Kernel):
         bound.warned.add(kind)
         warnings.warn(text, kind, stacklevel=user_stacklevel())
 
-    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float:
+    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...], *,
+             keep: bool = False) -> float:
+        """Seconds of one call of ``variant`` on the chunk; with ``keep``, its result is kept
+        for :meth:`_kept_result` (the first call's answer: W2's first call computed its
+        Jacobians twice, 0.3 s of 1.2, before it was)."""
+        self._kept = None  # (a race's calls keep none: their results would double the peak)
         start = time.perf_counter()
         out = self._fn(variant)(u, *ctx)
         jac = out[1] if self.with_outputs else out
@@ -607,7 +616,14 @@ class TFKernel(Kernel):
             tf.reduce_sum(jac[:1]).numpy()
         else:
             np.asarray(jac)
+        if keep:
+            self._kept = (variant, out)
         return time.perf_counter() - start
+
+    def _kept_result(self) -> Any:
+        """The result :meth:`_run` kept, if it came from the variant now selected (once)."""
+        kept, self._kept = self._kept, None
+        return kept[1] if kept is not None and kept[0] == self.variant else None
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         from .._config import autotune_enabled
@@ -622,7 +638,7 @@ class TFKernel(Kernel):
             # first calls W1 0.10 s vs 0.14, W2 0.52 vs 0.57, W4 0.40 vs 0.79); XLA is tried
             # against it once the work repays a race (retune)
             try:
-                self._run("graph", u, ctx)
+                self._run("graph", u, ctx, keep=True)
             except tf.errors.OpError:
                 pass  # the graph fails where XLA may not: take the XLA path below
             else:
@@ -630,13 +646,13 @@ class TFKernel(Kernel):
                 self.untimed = True
                 return
         try:
-            first = self._run("xla", u, ctx)
+            first = self._run("xla", u, ctx, keep=True)
         except Exception as xla_error:  # (a trace-time failure fails the graph below as well)
             if isinstance(xla_error, Warning) or _out_of_memory(xla_error):
                 raise
             try:
                 self._fn("graph")
-                self._run("graph", u, ctx)
+                self._run("graph", u, ctx, keep=True)
             except tf.errors.OpError as e:
                 raise ModelError(f"The model failed while computing the Jacobian: {e.message}") from e
             self._xla_failed(xla_error)
