@@ -247,9 +247,11 @@ def test_one_block_shape_is_compiled_and_jax_arrays_stay_jax(monkeypatch: Any) -
         want_jac = np.asarray(jax.vmap(jax.jacrev(one))(x))
         from_numpy = np.asarray(batchjac.laplacian(f, x, backend="jax"))
         want_y = np.asarray(f(jnp.asarray(x)))
-    assert isinstance(lap, jax.Array) and isinstance(jac, jax.Array), (type(lap), type(jac))
-    assert lap.shape == (37, 2) and jac.shape == (37, 2, 3) and y.shape == (37, 2)
-    assert set(shapes) == {(4, 3)} and len(shapes) == 2 * 10, shapes
+    assert isinstance(lap, jax.Array), type(lap)
+    assert isinstance(jac, jax.Array), type(jac)
+    assert (lap.shape, jac.shape, y.shape) == ((37, 2), (37, 2, 3), (37, 2))
+    assert set(shapes) == {(4, 3)}, shapes
+    assert len(shapes) == 2 * 10, shapes
     assert_jac_close(np.asarray(lap), want, factor=0.1)
     assert_jac_close(np.asarray(jac), want_jac, factor=0.1)
     np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-12)
