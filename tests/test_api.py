@@ -19,7 +19,7 @@ DOCUMENTED = ["jacobian", "check", "propagate", "solve", "sensitivity", "write_r
               "StoreMismatchError", "StoreBusyError", "StoreWriteError", "BatchJacWarning",
               "CovarianceClippedWarning", "ForwardModeFallbackWarning", "TrainingModeWarning",
               "XLAFallbackWarning", "RebindWarning", "TuneCacheWarning", "StoreRecomputeWarning",
-              "ChunkMemoryWarning", "ZeroJacobianWarning"]
+              "ChunkMemoryWarning", "ZeroJacobianWarning", "UnwatchedValuesWarning"]
 
 
 def test_documented_names_are_public() -> None:

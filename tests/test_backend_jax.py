@@ -7,6 +7,7 @@ on exit), so the setting never leaks into other test modules.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, ClassVar
 
 import numpy as np
@@ -316,6 +317,43 @@ def test_rebound_closure_values_are_not_stale() -> None:
     assert_jac_close(batchjac.jacobian(f, x), 3 * base)
     state["w"] = -state["w"]  # a new array in a dict the function reads
     assert_jac_close(batchjac.jacobian(f, x), -3 * base)
+
+
+def test_values_past_the_watched_limit_get_one_warning_and_params_are_the_fix() -> None:
+    """A function closing over a list of 300 scales: batchjac watches the first 256 for
+    changes, so a change to the last one would go unseen (stale Jacobians). The first call
+    warns once, naming what it cut (a list of 300 items) and the fix; its results are right;
+    the same change passed as ``params`` is seen (a fresh closure over few values: no
+    warning, as in every other test of this suite, which turns warnings into errors)."""
+    x = data((6, 3), seed=2204)
+    scales = [np.float32(1.0 + 0.01 * i) for i in range(300)]
+
+    def f(v: Any) -> Any:
+        return jnp.sin(v) * scales[-1]
+
+    def reference(c: float) -> np.ndarray:
+        return np.einsum("nj,ij->nji", np.cos(x.astype(np.float64)) * c, np.eye(3))
+
+    with pytest.warns(batchjac.UnwatchedValuesWarning) as caught:
+        got = batchjac.jacobian(f, x)
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert "a list of 300 items (the first 256 are watched)" in text, text
+    assert 'backend_options={"params": params}' in text, text
+    assert_jac_close(got, reference(float(scales[-1])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per bound model: the next call is quiet
+        assert_jac_close(batchjac.jacobian(f, x), reference(float(scales[-1])))
+
+    def g(params: Any, v: Any) -> Any:
+        return jnp.sin(v) * params[-1]
+
+    params = jnp.asarray(scales)
+    assert_jac_close(batchjac.jacobian(g, x, backend_options={"params": params}),
+                     reference(float(scales[-1])))
+    params = params.at[-1].set(4.0)
+    assert_jac_close(batchjac.jacobian(g, x, backend_options={"params": params}),
+                     reference(4.0))
 
 
 def test_numpy_weights_changed_in_place_are_not_stale() -> None:

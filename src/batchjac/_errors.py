@@ -107,6 +107,14 @@ class RebindWarning(BatchJacWarning):
     again. Define the function once and pass what changes as arguments."""
 
 
+class UnwatchedValuesWarning(BatchJacWarning):
+    """A JAX function closes over more values than batchjac watches for changes between calls
+    (a container of more than 256 items, more than 2,000 objects, or containers nested more
+    than 64 deep): values past that limit are baked into the compiled kernel, and if they are
+    rebound or changed in place, later results would be stale. Pass them as an argument
+    (``f(params, x)`` with ``backend_options={"params": params}``): arguments are never baked in."""
+
+
 class StoreRecomputeWarning(BatchJacWarning):
     """A chunk recorded as done no longer matched the digest recorded when it was written
     (its stored bytes changed since); it is computed again."""

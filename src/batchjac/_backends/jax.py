@@ -23,8 +23,11 @@ the compiled kernel, not constants: floating ones are cast to the compute dtype 
 a float32 model can be differentiated in float64), and new params of the same structure reuse
 the compilation. Arrays a plain function closes over are baked into the kernel when it is
 traced, as ``jax.jit`` does; :meth:`JaxBound.refresh` notices when those were rebound (a
-global ``params`` reassigned after a training step) and compiles again instead of returning
-stale Jacobians. It cannot see arrays mutated in place (numpy ``w[...] = ...``).
+global ``params`` reassigned after a training step) or, for numpy arrays, changed in place
+(``w *= 0.9``: a checksum of each), and compiles again instead of returning stale Jacobians.
+It watches at most 256 items of a container and 2,000 objects; where a function reaches
+more, one :class:`~batchjac.UnwatchedValuesWarning` says so and names the fix (params as an
+argument).
 
 float64 needs JAX's x64 mode; batchjac never switches it on (that is a process-wide setting).
 
@@ -57,6 +60,7 @@ from .._errors import (
     InputError,
     ModelError,
     ReverseModeFallbackWarning,
+    UnwatchedValuesWarning,
 )
 from .._spec import assemble
 from ._base import (
@@ -174,6 +178,22 @@ class JaxBound(BoundModel):
         self.failed: dict[Mode, str] = {}
         #: the fallback warnings given for this model (one of each kind)
         self.warned: set[type[Warning]] = set()
+        self._warn_unwatched()
+
+    def _warn_unwatched(self) -> None:
+        """One warning per bound model where the walk of its captured values stopped at a
+        limit: what lies past it is baked into the kernels unwatched (stale if it changes)."""
+        if not self._sites.cut or UnwatchedValuesWarning in self.warned:
+            return
+        self.warned.add(UnwatchedValuesWarning)
+        warnings.warn(
+            f"This JAX function closes over more values than batchjac watches for changes "
+            f"between calls ({self._sites.cut}). The values past that limit are baked into "
+            f"the compiled kernel as constants, as jax.jit does: if you rebind or change them "
+            f"between calls, batchjac will not notice and the results will be stale. Pass "
+            f"them as an argument instead: define f(params, x) and call with "
+            f'backend_options={{"params": params}} (arguments are never baked in).',
+            UnwatchedValuesWarning, stacklevel=user_stacklevel())
 
     # -- options and state -------------------------------------------------------------------
     @property
@@ -201,6 +221,7 @@ class JaxBound(BoundModel):
         captured = _captured_values(self.model, sites)
         changed = sites.contents() != self._sites.contents()  # a numpy array changed in place
         self._sites = sites
+        self._warn_unwatched()
         if self._x64 != x64_enabled() or not _same_values(captured, self._captured) or changed:
             # the x64 mode changes the dtypes of traced arrays; rebound closure values (or
             # numpy arrays changed in place) would be stale constants in the compiled
@@ -898,6 +919,8 @@ def in_blocks(body: Callable[[Any, tuple[Any, ...]], Any], rows: int, u: Any,
 # -- values a traced function bakes in -------------------------------------------------------
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _MAX_VISITS = 2000
+#: items of one dict, list or tuple the walk reads (the first ones)
+_MAX_ITEMS = 256
 #: hops through functions and objects (closure cells, globals, attributes) the walk of
 #: :func:`_captured_values` follows; dicts, lists and tuples cost none
 _MAX_HOPS = 4
@@ -1145,6 +1168,11 @@ class _Sites:
         self.reads: list[tuple[Any, Any, Any]] = []  # (getter target, key, value)
         self.sizes: list[tuple[Any, int]] = []
         self.arrays: list[tuple[np.ndarray, int]] = []  # (a writeable numpy array, checksum)
+        #: what the walk left unread at one of its limits (the first such place), or ""
+        self.cut = ""
+
+    def cut_at(self, what: str) -> None:
+        self.cut = self.cut or what
 
     def found(self, value: Any) -> None:
         if isinstance(value, np.ndarray) and value.flags.writeable:
@@ -1208,20 +1236,24 @@ def _captured_values(fn: Any, sites: _Sites | None = None) -> list[Any]:
                 found.append(obj)
                 log.found(obj)
             return
-        if id(obj) in seen or len(seen) > _MAX_VISITS or nested > _MAX_NESTING or \
-                isinstance(obj, (types.ModuleType, type)):
+        if id(obj) in seen or isinstance(obj, (types.ModuleType, type)):
             return
-        if isinstance(obj, dict):
+        if len(seen) > _MAX_VISITS:
+            log.cut_at(f"more than {_MAX_VISITS:,} objects")
+            return
+        if nested > _MAX_NESTING:
+            log.cut_at(f"containers or objects nested more than {_MAX_NESTING} deep")
+            return
+        if isinstance(obj, (dict, list, tuple)):
             seen.add(id(obj))
             log.sizes.append((obj, len(obj)))
-            for key in list(obj)[:256]:
+            if len(obj) > _MAX_ITEMS:
+                log.cut_at(f"a {type(obj).__name__} of {len(obj):,} items (the first "
+                           f"{_MAX_ITEMS} are watched)")
+            keys = list(obj)[:_MAX_ITEMS] if isinstance(obj, dict) \
+                else range(min(len(obj), _MAX_ITEMS))
+            for key in keys:
                 visit(log.read(obj, key, obj[key]), hops, scalars, nested + 1)
-            return
-        if isinstance(obj, (list, tuple)):
-            seen.add(id(obj))
-            log.sizes.append((obj, len(obj)))
-            for i, v in enumerate(obj[:256]):
-                visit(log.read(obj, i, v), hops, scalars, nested + 1)
             return
         if hops >= _MAX_HOPS:
             return
