@@ -936,7 +936,8 @@ FORWARD_RULES = {"laplacian": "a forward Laplacian", "diagonal": "a forward Hess
 
 class JaxSecondKernel(Kernel):
     """A second-order kernel (:data:`~batchjac._backends._base.SecondKind`), compiled ahead of
-    time for its chunk shape as :class:`JaxKernel` is, per instance under ``vmap``:
+    time for its chunk shape as :class:`JaxKernel` is (for the forward rules on the CPU, for
+    one block of rows, :meth:`_block_rows`), per instance under ``vmap``:
 
     - forward over reverse: ``jacfwd(jacrev(f))``, the native ``jax.hessian``; ``hvp`` is
       ``jvp(jacrev(f), (x,), (v,))`` (one tangent, no Hessian formed);
@@ -945,15 +946,17 @@ class JaxSecondKernel(Kernel):
       once: one summed term for the Laplacian (W7: ``k + 2`` matrix products a layer against
       ``2k + 1`` for ``jvp`` of ``jvp``), ``k`` for the diagonal, the ``k(k+1)/2`` pairs of
       the upper triangle for the full Hessian (W6: 21 terms where ``jacfwd(jacrev)`` pushes
-      30; kernels of 10,000 rows in fresh processes, first call 261-296 ms against the
-      native ``jit(vmap(hessian))`` 284-346 ms, steady 51-62 against 67-89 ms). Where the
+      30; bare kernels of 10,000 rows, not the batchjac call, in fresh processes: first call
+      261-296 ms against the native ``jit(vmap(hessian))`` 284-346 ms, steady 51-62 against
+      67-89 ms; the batchjac calls are in BENCHMARKS.md, W6). Where the
       model has a primitive without a rule there (the note names it): ``jvp`` of ``jvp``
       along each unit tangent ``e_j``, ``vmap``-ed over the ``k`` tangents (the diagonal,
       summed for the Laplacian), ``jacfwd(jacfwd(f))`` (the full Hessian). No race between
       them: the rule set does a subset of the other's work.
 
-    One build (XLA's defaults), no race: these kernels are new and their variants unmeasured.
-    The executable is remembered on disk (:mod:`batchjac._backends.jax_executables`).
+    One build, no race (XLA's defaults; the forward Laplacian on the CPU without YNNPACK's
+    fusions, :meth:`_compile`). The executable is remembered on disk
+    (:mod:`batchjac._backends.jax_executables`).
     """
 
     def __init__(self, bound: JaxBound, kind: SecondKind, order: Order, chunk_size: int,
@@ -962,9 +965,10 @@ class JaxSecondKernel(Kernel):
         self.kind, self.order = kind, order
         self.chunk_size, self.with_outputs, self.with_jacobian = chunk_size, with_outputs, with_jacobian
         self._bound = bound
-        #: why the forward rule set could not be used (its primitive): ``jvp`` of ``jvp``
-        #: (the diagonal, the Laplacian) or ``jacfwd(jacfwd)`` (the Hessian) instead
-        self.laplacian_failed = ""
+        #: why the forward rule set (Laplacian, diagonal or Hessian) could not be used (its
+        #: primitive): ``jvp`` of ``jvp`` (the diagonal, the Laplacian) or ``jacfwd(jacfwd)``
+        #: (the Hessian) instead
+        self.forward_rules_failed = ""
         #: rows of each call of the executable (the chunk's, or a block's: :meth:`__call__`)
         self.block_rows = self._block_rows(kind, order, chunk_size)
         u_spec, ctx_spec = bound._specs(self.block_rows)
@@ -987,7 +991,7 @@ class JaxSecondKernel(Kernel):
         self.note = f"{kind}: {order}"
         if kind in FORWARD_RULES and order == "forward-over-forward":
             other = "jacfwd of jacfwd" if kind == "hessian" else "jvp of jvp along each unknown"
-            self.note += (f", {other} ({self.laplacian_failed})" if self.laplacian_failed
+            self.note += (f", {other} ({self.forward_rules_failed})" if self.forward_rules_failed
                           else f", {FORWARD_RULES[kind]} (one pass)")
 
     def _compile(self, lowered: Any) -> tuple[Any, bool]:
@@ -1014,7 +1018,7 @@ class JaxSecondKernel(Kernel):
     def uses_forward_rules(self) -> bool:
         """Whether the kernel pushes the second-order terms forward (:mod:`.jax_laplacian`)."""
         return self.kind in FORWARD_RULES and self.order == "forward-over-forward" and \
-            not self.laplacian_failed
+            not self.forward_rules_failed
 
     def _body(self, args: Any, u: Any, ctx: tuple[Any, ...]) -> dict[str, Any]:
         one = self._bound._instance_fn(args)
@@ -1096,7 +1100,7 @@ class JaxSecondKernel(Kernel):
                        ctx: tuple[Any, ...]) -> tuple[Any, Any, Any] | None:
         """``(y, J, result)`` of the chunk in one pass per instance (:mod:`.jax_laplacian`,
         over the jaxpr of one instance's function, ``vmap``-ed over the rows), or None where
-        that jaxpr has a primitive without a rule (``self.laplacian_failed`` names it; the
+        that jaxpr has a primitive without a rule (``self.forward_rules_failed`` names it; the
         body then computes the same values the other way). Decided here, once, while the
         kernel is traced."""
         from . import jax_laplacian
@@ -1122,7 +1126,7 @@ class JaxSecondKernel(Kernel):
         try:
             return jax.vmap(per_instance)(u, ctx)  # type: ignore[no-any-return]
         except jax_laplacian.Unsupported as e:
-            self.laplacian_failed = str(e)
+            self.forward_rules_failed = str(e)
             return None
 
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
