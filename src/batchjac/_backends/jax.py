@@ -48,7 +48,7 @@ import functools
 import types
 import warnings
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +81,9 @@ from ._base import (
     race,
     user_stacklevel,
 )
+
+if TYPE_CHECKING:
+    from .jax_executables import Options
 
 _OPTIONS = ("params", "per_instance", "device")
 #: why a mode fails in JAX, for the fallback's warning and error
@@ -507,26 +510,29 @@ class JaxKernel(Kernel):
     reproducible solves) or ``BATCHJAC_AUTOTUNE=off``: then "default". On a GPU, or a JAX
     without that option, there is only "default".
 
-    *The quick build* ("quick": XLA at optimization level 0, on the CPU) is a first call's
-    build when the chunk's elementwise work is at most :data:`QUICK_ELEMENTS` (counted from
-    the traced equations, :mod:`batchjac._backends.jax_cost`): it compiles in about 60% of
-    the time, and runs XLA's own loops several times slower (matrix products are library
-    calls either way). CPU seconds against the default build: W1, 1,000 rows, 80-94 against
-    124-139 ms to compile, 1.9 against 0.4-0.5 ms a chunk; W3, 1,000 rows, 88-90 against
-    146-168 ms and 25 against 9 ms; W1 at 30,000 rows 94 against 50 ms a chunk, where it no
-    longer pays. It is never raced and never a store's build: the race the first call
-    skipped, once the work repays it (:mod:`batchjac._tuning`), replaces it with the fastest
-    of the others. Chunks with wide matrix products (:data:`WIDE_PRODUCTS`) take "no-ynnpack"
-    as their first build, untimed, for the same reason: the cost model's choice beats a race
-    the first call cannot repay.
+    *The quick build* ("quick": XLA at optimization level 0 without its fusion emitters, on
+    the CPU) is a first call's build when the chunk's elementwise work is at most
+    :data:`QUICK_ELEMENTS` (counted from the traced equations, :mod:`batchjac._backends.jax_cost`):
+    it compiles in a third to 40% of the time, and runs XLA's own loops 2-3x slower (matrix
+    products are library calls either way). Measured on the project's 2-core CPU, fresh
+    processes, ``jit(vmap(jacfwd))`` of the whole input, compile / steady run: W1, 1,000 rows,
+    24-29 ms / 2.6-4.0 ms against the default build's 73-82 ms / 0.9 ms (level 0 alone, the
+    earlier quick build: 59 ms / 2.5-5 ms); W3, 1,000 rows, 36-38 / 25 ms against 97 / 16 ms
+    (level 0 alone 65-72 / 32 ms); W1 at 10,000 rows 30 / 30 ms against 85 / 16 ms, where
+    it no longer pays. Batchjac's W1 first call: 81-90 ms against 129-139 with level 0 alone
+    (the native ``jit(vmap(jacfwd))``: 118-138 ms). It is never raced and never a store's
+    build: the race the first call skipped, once the work repays it (:mod:`batchjac._tuning`),
+    replaces it with the fastest of the others. Chunks with wide matrix products
+    (:data:`WIDE_PRODUCTS`) take "no-ynnpack" as their first build, untimed, for the same
+    reason: the cost model's choice beats a race the first call cannot repay.
     """
 
-    _OPTIONS: ClassVar[dict[str, dict[str, str]]] = {
+    _OPTIONS: ClassVar[dict[str, Options]] = {
         "default": {}, "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""},
-        "quick": {"xla_backend_optimization_level": "0"}}
+        "quick": {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": False}}
     #: calls whose equations other than matrix products and convolutions write at most
     #: this many elements (in all their chunks) compile "quick" first: at 0.3-1 ns more an
-    #: element, the quick build costs at most ~40 ms more a call, less than the 45-75 ms its
+    #: element, the quick build costs at most ~40 ms more a call, less than the 50-60 ms its
     #: compilation saves (W1: 2.6 million per 1,000 rows; W3 16 million; W2 at 10,000 rows 340 million)
     QUICK_ELEMENTS = 4e7
     #: chunks of at least this many floating-point operations in matrix products compile
@@ -764,7 +770,7 @@ class JaxKernel(Kernel):
             self._compiled[variant] = self._load_or_compile(lowered, self._OPTIONS[build])
         return self._compiled[variant]
 
-    def _load_or_compile(self, lowered: Any, options: dict[str, str]) -> Any:
+    def _load_or_compile(self, lowered: Any, options: Options) -> Any:
         """XLA's compilation, or the executable an earlier process compiled for the same
         lowered module (:mod:`batchjac._backends.jax_executables`)."""
         from . import jax_executables
@@ -849,9 +855,9 @@ class JaxKernel(Kernel):
             self._select("default", "")
             return
         if not race_allowed() and self._first == "quick":
-            self._select("quick", f"quick (XLA at optimization level 0: {self.work.elements:.2g} "
-                                  f"elements of elementwise work a chunk, too few to repay a full "
-                                  f"build; {untimed_note()})")
+            self._select("quick", f"quick (XLA at optimization level 0, no fusion emitters: "
+                                  f"{self.work.elements:.2g} elements of elementwise work a "
+                                  f"chunk, too few to repay a full build; {untimed_note()})")
             self.untimed = True
             return
         if not race_allowed():

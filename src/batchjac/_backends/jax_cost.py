@@ -1,16 +1,19 @@
 """The work of a JAX computation, counted from its jaxpr: no compilation, no values.
 
 A kernel's first build is chosen by what it will compute (:class:`~batchjac._backends.jax.
-JaxKernel`): XLA at optimization level 0 compiles a kernel in about 60% of the time of its
-default build and runs its own loops several times slower, while matrix products and
-convolutions, library calls either way, run about as fast. So the count keeps the two apart:
+JaxKernel`): XLA at optimization level 0 without its fusion emitters compiles a kernel in a
+third to 40% of the time of its default build and runs its own loops 2-3x slower, while
+matrix products and convolutions, library calls either way, run about as fast. So the count
+keeps the two apart:
 
 - ``products``: floating-point operations of matrix products and convolutions, at
   ``2 * output size * contracted size``;
 - ``elements``: the output elements of every other equation, the loops XLA emits. Measured on
   the project's machine (CPU seconds, level 0 against the default), each costs 0.3-1 ns more:
   W1 1,000 rows 1.4 ms more for 2.6 million, 30,000 rows 44 ms for 79 million; W3 16 ms for
-  16 million; W2 (10,000 rows) 97 ms for 340 million; while the compilation saves 45-75 ms.
+  16 million; W2 (10,000 rows) 97 ms for 340 million (figures of level 0 alone; without the
+  fusion emitters too, W1 10,000 rows: 14 ms for 26 million), while the compilation saves
+  50-60 ms.
 
 Loops count at their trip count (a ``while`` at one trip: its count is not known before it
 runs). The walk takes well under a millisecond, where XLA's own ``cost_analysis`` of the

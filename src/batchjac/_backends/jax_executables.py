@@ -44,6 +44,8 @@ import jax
 
 from .._tunecache import TuneKey, default_cache
 
+#: XLA's compiler options: strings, or Python booleans for its boolean flags (it refuses "false")
+Options = dict[str, str | bool]
 #: compilations shorter than this are not worth a file (reading one back costs a few ms)
 MIN_COMPILE_SECONDS = 0.02
 #: seconds without a kernel call the writer waits for before it serializes an executable:
@@ -76,11 +78,11 @@ _WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1,
 #: executables written or loaded by this process, by key digest (written once, not again)
 _SEEN: set[str] = set()
 #: executables compiled by calls that have not returned yet: written by :func:`release`
-_PENDING: list[tuple[Any, TuneKey | None, Any, Any, dict[str, str]]] = []
+_PENDING: list[tuple[Any, TuneKey | None, Any, Any, Options]] = []
 _PENDING_LOCK = threading.Lock()
 
 
-def _key(lowered: Any, options: dict[str, str]) -> TuneKey | None:
+def _key(lowered: Any, options: Options) -> TuneKey | None:
     """The module's text without source locations hashed (its MLIR bytecode is quicker to make
     but holds the caller's file and line, which differ between two scripts calling the same
     model: measured here, a second process then compiled again)."""
@@ -96,7 +98,7 @@ def _key(lowered: Any, options: dict[str, str]) -> TuneKey | None:
                         framework="jax")
 
 
-def compile(lowered: Any, options: dict[str, str] | None = None, *,
+def compile(lowered: Any, options: Options | None = None, *,
             starting: Callable[[], object] = lambda: None) -> tuple[Any, bool]:
     """``lowered.compile(compiler_options=options)``, or the executable an earlier process
     compiled for the same module, options, versions and machine; and whether it was loaded.
@@ -120,7 +122,7 @@ def compile(lowered: Any, options: dict[str, str] | None = None, *,
     return compiled, False
 
 
-def load(lowered: Any, options: dict[str, str] | None = None, *,
+def load(lowered: Any, options: Options | None = None, *,
          starting: Callable[[], object] = lambda: None) -> Any:
     """The executable an earlier process compiled for this module and options, or None (no
     compilation here: the caller decides what to compile instead)."""
@@ -130,7 +132,7 @@ def load(lowered: Any, options: dict[str, str] | None = None, *,
     return loaded
 
 
-def _lookup(cache: Any, lowered: Any, options: dict[str, str]
+def _lookup(cache: Any, lowered: Any, options: Options
             ) -> tuple[bool, TuneKey | None, Any]:
     """``(searched, key, executable or None)``: whether the cache holds payloads to search,
     the module's key where it does, and the executable stored under it, loaded."""
@@ -176,7 +178,7 @@ def _load(payload: bytes) -> Any:
 
 
 def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
-           options: dict[str, str], queued: float = 0.0) -> None:
+           options: Options, queued: float = 0.0) -> None:
     # before the imports too: importing serialize_executable holds Python's lock for ~20 ms,
     # which a first call returning meanwhile waited for (W2's: 40 ms of 420)
     _quiet(queued or time.monotonic())  # (the calls return before this takes Python's lock)
