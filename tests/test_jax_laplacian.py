@@ -331,3 +331,43 @@ def test_a_convolution_over_image_unknowns() -> None:
     assert "a forward Laplacian" in note, note
     assert_jac_close(lap, want, factor=0.1)
     assert np.abs(want).max() > 0.1
+
+
+def test_the_cpu_options_reach_xla_and_an_xla_without_them_compiles_its_defaults(
+        monkeypatch: Any) -> None:
+    """On the CPU the second-order kernel asks XLA for its options (the fusion emitters off;
+    the forward Laplacian without YNNPACK too). An XLA that refuses an option (here a made-up
+    one) compiles the kernel with its defaults: the Laplacian and the Hessian are still the
+    trace of ``jax.hessian`` and ``jax.hessian`` itself."""
+    from batchjac._backends import jax_executables
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the options are the CPU's")
+    asked: list[dict[str, Any]] = []
+    real = jax_executables.compile
+
+    def spy(lowered: Any, options: Any = None, **kw: Any) -> Any:
+        asked.append(dict(options or {}))
+        return real(lowered, options, **kw)
+
+    monkeypatch.setattr(jax_executables, "compile", spy)
+    r = rng(21)
+    x = r.normal(size=(23, 3))
+    with x64():
+        w = jnp.asarray(r.normal(size=(3, 5)))
+
+        def one(z: Any) -> Any:
+            return jnp.tanh(z @ w).sum() + (z ** 3).sum()
+
+        lap = np.asarray(batchjac.laplacian(jax.vmap(one), x, backend="jax"))
+        want = native_laplacian(one, x)
+        assert asked[-1] == {**JaxSecondKernel.CPU_OPTIONS,
+                             "xla_cpu_experimental_ynn_fusion_type": ""}, asked
+        assert_jac_close(lap, want, factor=0.1)
+        monkeypatch.setattr(JaxSecondKernel, "CPU_OPTIONS", {"xla_no_such_option_here": True})
+        asked.clear()
+        hess = np.asarray(batchjac.hessian(jax.vmap(lambda z: one(z) * 2), x, backend="jax"))
+        want_h = np.asarray(jax.vmap(jax.hessian(lambda z: one(z) * 2))(x))
+    assert asked[0] == {"xla_no_such_option_here": True}, asked
+    assert asked[-1] == {}, asked  # refused: compiled with the defaults
+    np.testing.assert_allclose(hess, want_h, rtol=1e-9, atol=1e-11)

@@ -960,8 +960,8 @@ class JaxSecondKernel(Kernel):
       summed for the Laplacian), ``jacfwd(jacfwd(f))`` (the full Hessian). No race between
       them: the rule set does a subset of the other's work.
 
-    One build, no race (XLA's defaults; the forward Laplacian on the CPU without YNNPACK's
-    fusions, :meth:`_compile`). The executable is remembered on disk
+    One build, no race (on the CPU without XLA's fusion emitters, and the forward Laplacian
+    without YNNPACK's fusions too, :meth:`_compile`). The executable is remembered on disk
     (:mod:`batchjac._backends.jax_executables`).
     """
 
@@ -1000,25 +1000,34 @@ class JaxSecondKernel(Kernel):
             self.note += (f", {other} ({self.forward_rules_failed})" if self.forward_rules_failed
                           else f", {FORWARD_RULES[kind]} (one pass)")
 
+    #: second-order kernels on the CPU compile without XLA's fusion emitters (the older
+    #: loop emitter): they compile sooner and run as fast. Fresh processes, first call /
+    #: steady call, with the emitters against without: W6 210-240 / 16.0 ms against 175 /
+    #: 15.2 ms; W7 400-410 / 174 against 357-390 / 173-178 ms (both without YNNPACK); W7H
+    #: 530-550 / 282 against 500-530 / 278-302 ms
+    CPU_OPTIONS: ClassVar[dict[str, str | bool]] = {"xla_cpu_use_fusion_emitters": False}
+
     def _compile(self, lowered: Any) -> tuple[Any, bool]:
         """The executable (loaded from the disk cache, or compiled) and whether it was loaded.
-        The forward Laplacian on the CPU is compiled without XLA's YNNPACK fusions, which
-        fold its elementwise terms into the matrix products badly: W7's kernel (20,000 rows,
-        bare, side by side under load) took 272 ms with them, 108 ms without, the native
-        trace of ``jit(vmap(hessian))`` 180 ms (default build; 214 ms without them). The
-        forward Hessian keeps the defaults (W6 steady, one bench run each: 18.4 ms with them,
-        22.0 without)."""
+        On the CPU, without the fusion emitters (:data:`CPU_OPTIONS`); the forward Laplacian
+        also without XLA's YNNPACK fusions, which fold its elementwise terms into the matrix
+        products badly: W7's kernel (20,000 rows, bare, side by side under load) took 272 ms
+        with them, 108 ms without, the native trace of ``jit(vmap(hessian))`` 180 ms (default
+        build; 214 ms without them). The forward Hessian keeps them (W6 steady, one bench run
+        each: 18.4 ms with them, 22.0 without). An XLA without these options compiles with its
+        defaults."""
         from . import jax_executables
 
         starting = self._bound.compiling.set
-        if self.uses_forward_rules and self.kind == "laplacian" and \
-                jax.default_backend() == "cpu":
-            try:
-                return jax_executables.compile(lowered, JaxKernel._OPTIONS["no-ynnpack"],
-                                               starting=starting)
-            except Exception:  # an XLA without that option: its defaults
-                pass
-        return jax_executables.compile(lowered, starting=starting)
+        if jax.default_backend() != "cpu":
+            return jax_executables.compile(lowered, starting=starting)
+        options = dict(self.CPU_OPTIONS)
+        if self.uses_forward_rules and self.kind == "laplacian":
+            options.update(JaxKernel._OPTIONS["no-ynnpack"])
+        try:
+            return jax_executables.compile(lowered, options, starting=starting)
+        except Exception:  # an XLA without these options: its defaults
+            return jax_executables.compile(lowered, starting=starting)
 
     @property
     def uses_forward_rules(self) -> bool:
