@@ -333,12 +333,12 @@ def test_a_convolution_over_image_unknowns() -> None:
     assert np.abs(want).max() > 0.1
 
 
-def test_the_cpu_options_reach_xla_and_an_xla_without_them_compiles_its_defaults(
+def test_the_cpu_options_reach_xla_and_an_xla_without_them_compiles_the_next(
         monkeypatch: Any) -> None:
     """On the CPU the second-order kernel asks XLA for its options (the fusion emitters off;
-    the forward Laplacian without YNNPACK too). An XLA that refuses an option (here a made-up
-    one) compiles the kernel with its defaults: the Laplacian and the Hessian are still the
-    trace of ``jax.hessian`` and ``jax.hessian`` itself."""
+    the forward Laplacian's products alone in YNNPACK calls). An XLA that refuses an option
+    (here made-up ones) compiles the kernel with the next set, the last its defaults: the
+    Laplacian and the Hessian are still the trace of ``jax.hessian`` and ``jax.hessian``."""
     from batchjac._backends import jax_executables
 
     if jax.default_backend() != "cpu":
@@ -353,21 +353,26 @@ def test_the_cpu_options_reach_xla_and_an_xla_without_them_compiles_its_defaults
     monkeypatch.setattr(jax_executables, "compile", spy)
     r = rng(21)
     x = r.normal(size=(23, 3))
+    ynn = "xla_cpu_experimental_ynn_fusion_type"
     with x64():
         w = jnp.asarray(r.normal(size=(3, 5)))
 
         def one(z: Any) -> Any:
             return jnp.tanh(z @ w).sum() + (z ** 3).sum()
 
-        lap = np.asarray(batchjac.laplacian(jax.vmap(one), x, backend="jax"))
         want = native_laplacian(one, x)
-        assert asked[-1] == {**JaxSecondKernel.CPU_OPTIONS,
-                             "xla_cpu_experimental_ynn_fusion_type": ""}, asked
+        lap = np.asarray(batchjac.laplacian(jax.vmap(one), x, backend="jax"))
+        assert asked == [{**JaxSecondKernel.CPU_OPTIONS, ynn: JaxSecondKernel.LAPLACIAN_YNN[0]}]
         assert_jac_close(lap, want, factor=0.1)
+        # a fusion type this XLA does not know: the next, without YNNPACK's fusions
+        monkeypatch.setattr(JaxSecondKernel, "LAPLACIAN_YNN", ("NO_SUCH_FUSION_TYPE", ""))
+        asked.clear()
+        lap = np.asarray(batchjac.laplacian(jax.vmap(lambda z: one(z) * 3), x, backend="jax"))
+        assert [a[ynn] for a in asked] == ["NO_SUCH_FUSION_TYPE", ""], asked
+        assert_jac_close(lap, 3 * want, factor=0.1)
         monkeypatch.setattr(JaxSecondKernel, "CPU_OPTIONS", {"xla_no_such_option_here": True})
         asked.clear()
         hess = np.asarray(batchjac.hessian(jax.vmap(lambda z: one(z) * 2), x, backend="jax"))
         want_h = np.asarray(jax.vmap(jax.hessian(lambda z: one(z) * 2))(x))
-    assert asked[0] == {"xla_no_such_option_here": True}, asked
-    assert asked[-1] == {}, asked  # refused: compiled with the defaults
+    assert asked == [{"xla_no_such_option_here": True}, {}], asked  # refused: the defaults
     np.testing.assert_allclose(hess, want_h, rtol=1e-9, atol=1e-11)

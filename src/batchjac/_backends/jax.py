@@ -1003,31 +1003,45 @@ class JaxSecondKernel(Kernel):
     #: second-order kernels on the CPU compile without XLA's fusion emitters (the older
     #: loop emitter): they compile sooner and run as fast. Fresh processes, first call /
     #: steady call, with the emitters against without: W6 210-240 / 16.0 ms against 175 /
-    #: 15.2 ms; W7 400-410 / 174 against 357-390 / 173-178 ms (both without YNNPACK); W7H
-    #: 530-550 / 282 against 500-530 / 278-302 ms
+    #: 15.2 ms; W7 400-410 / 174 against 357-390 / 173-178 ms (both without YNNPACK's
+    #: fusions); W7H 530-550 / 282 against 500-530 / 278-302 ms
     CPU_OPTIONS: ClassVar[dict[str, str | bool]] = {"xla_cpu_use_fusion_emitters": False}
+    #: the forward Laplacian's matrix products, each alone in a YNNPACK call, on the CPU; then,
+    #: where an XLA does not know that fusion type, no YNNPACK fusions at all
+    LAPLACIAN_YNN: ClassVar[tuple[str, ...]] = ("LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT", "")
+
+    def _options(self) -> list[dict[str, str | bool]]:
+        """XLA's options for this kernel, the first an XLA accepts: see :meth:`_compile`."""
+        if jax.default_backend() != "cpu":
+            return [{}]
+        if not (self.uses_forward_rules and self.kind == "laplacian"):
+            return [dict(self.CPU_OPTIONS), {}]
+        return [{**self.CPU_OPTIONS, "xla_cpu_experimental_ynn_fusion_type": ynn}
+                for ynn in self.LAPLACIAN_YNN] + [{}]
 
     def _compile(self, lowered: Any) -> tuple[Any, bool]:
         """The executable (loaded from the disk cache, or compiled) and whether it was loaded.
-        On the CPU, without the fusion emitters (:data:`CPU_OPTIONS`); the forward Laplacian
+        On the CPU without the fusion emitters (:data:`CPU_OPTIONS`). The forward Laplacian
         also without XLA's YNNPACK fusions, which fold its elementwise terms into the matrix
         products badly: W7's kernel (20,000 rows, bare, side by side under load) took 272 ms
         with them, 108 ms without, the native trace of ``jit(vmap(hessian))`` 180 ms (default
-        build; 214 ms without them). The forward Hessian keeps them (W6 steady, one bench run
-        each: 18.4 ms with them, 22.0 without). An XLA without these options compiles with its
-        defaults."""
+        build; 214 ms without them). Its matrix products each alone in a YNNPACK call
+        (:data:`LAPLACIAN_YNN`) start sooner than XLA's own, whose first run generates oneDNN's
+        matrix kernels (W7, fresh processes: first block 13 against 30 ms, first call 339-354
+        against 358-367 ms, steady 176-182 against 183-188 ms). The forward Hessian keeps the
+        fusions (W6 steady, one bench run each: 18.4 ms with them, 22.0 without; W6 and W7H
+        the same with the products alone). An XLA that refuses an option set compiles with
+        the next (:meth:`_options`), the last its defaults."""
         from . import jax_executables
 
         starting = self._bound.compiling.set
-        if jax.default_backend() != "cpu":
-            return jax_executables.compile(lowered, starting=starting)
-        options = dict(self.CPU_OPTIONS)
-        if self.uses_forward_rules and self.kind == "laplacian":
-            options.update(JaxKernel._OPTIONS["no-ynnpack"])
-        try:
-            return jax_executables.compile(lowered, options, starting=starting)
-        except Exception:  # an XLA without these options: its defaults
-            return jax_executables.compile(lowered, starting=starting)
+        *preferred, last = self._options()
+        for options in preferred:
+            try:
+                return jax_executables.compile(lowered, options, starting=starting)
+            except Exception:  # an XLA without these options: the next ones
+                pass
+        return jax_executables.compile(lowered, last, starting=starting)
 
     @property
     def uses_forward_rules(self) -> bool:
