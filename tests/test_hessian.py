@@ -429,27 +429,44 @@ def test_dask_arrays_give_a_lazy_result() -> None:
         batchjac.hessian(f, da.from_array(x, chunks=25), out=np.empty((50, 4, 8, 8)))
 
 
-def test_tensorflow_builds_race_only_when_the_work_repays_it(monkeypatch: Any) -> None:
-    """A first small call runs the plain graph untimed (XLA's compilation can cost seconds);
-    once the tuning policy says a race pays, both builds are timed and the faster kept, with
-    the same values."""
+@pytest.mark.parametrize(("sizes", "first_build"), [
+    ((8, 64, 64, 4), "a forward Hessian (one pass)"),  # 8 unknowns, 4 outputs: k <= 8 m
+    ((12, 16, 1), "nested batch_jacobian tapes"),  # 12 unknowns, one output: k > 8 m
+    ((40, 16, 3), "graph ("),  # 40 unknowns, 3 outputs: k > 8 m, the tiled graph
+])
+def test_tensorflow_builds_race_only_when_the_work_repays_it(
+        monkeypatch: Any, sizes: tuple[int, ...], first_build: str) -> None:
+    """A first small call runs one build untimed, the cost model's: the forward Hessian for
+    at most 8 unknowns an output, else the tapes (one output) or the tiled graph; once the
+    tuning policy says a race pays, every build is timed and the fastest kept, with the same
+    values, which are float64 central differences of the closed-form Jacobian."""
     pytest.importorskip("tensorflow")
+    from batchjac import _backends
+    from batchjac._backends.tensorflow import TFSecondKernel
+
     from .helpers import race_now
 
-    f = mlp("tensorflow", mlp_weights(SIZES, seed=28))
-    x = rng(29).normal(size=(20, 8))
+    w = mlp_weights(sizes, seed=28)
+    f = mlp("tensorflow", w)
+    x = rng(29).normal(size=(20, sizes[0]))
     first = batchjac.hessian(f, x, backend="tensorflow")
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         batchjac.hessian(f, x, backend="tensorflow", explain=True, chunk_size=24)
-    assert "graph (" in err.getvalue()
+    assert first_build in err.getvalue(), err.getvalue()
     assert "not timed" in err.getvalue()
+    k, m = sizes[0], sizes[-1]
+    (bound,) = _backends._bound[f].values()
+    assert TFSecondKernel.forward_hessian_first(bound) == (k <= 8 * m)
     race_now(monkeypatch)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         raced = batchjac.hessian(f, x, backend="tensorflow", explain=True, chunk_size=28)
     assert "timed one chunk: graph" in err.getvalue()
+    assert "forward-hessian" in err.getvalue()
     np.testing.assert_allclose(raced, first, rtol=1e-10, atol=1e-12)
+    ref = central_differences(lambda z: mlp_jacobian(w, z), x)
+    np.testing.assert_allclose(first, ref, rtol=1e-6, atol=1e-8)
 
 
 def test_a_later_process_loads_the_compiled_jax_hessian_kernel(

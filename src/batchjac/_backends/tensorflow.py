@@ -452,6 +452,25 @@ class TFKernel(Kernel):
         self.variants = type(self).variants  # (a path XLA failed for had the graph only)
         self.variant, self.note, self.untimed = None, "", False
 
+    #: the forward Hessian is the untimed first build for at most this many unknowns an output
+    FORWARD_HESSIAN_UNKNOWNS_PER_OUTPUT = 8
+
+    @classmethod
+    def forward_hessian_first(cls, bound: TFBound) -> bool:
+        """Whether the forward Hessian is the first build: its second-order terms grow as
+        ``k^2`` a row for all outputs at once, the other builds' as ``k`` per output (``m k``
+        tiled blocks, or the tapes' ``k`` reverse passes of one output). Raced, steady, chunks
+        of a Keras MLP k-64-64-m (tanh), 4,000 rows, forward Hessian against the best other
+        build (ms): one output k=5 7.4 / 8.0 (tapes), k=8 11.4 / 11.8, k=12 24.7 / 18.1, k=16
+        38.3 / 21.7, k=30 154 / 47; two outputs k=40 26.3 / 11.3; four k=5 3.8 / 10.1 (XLA),
+        k=10 8.4 / 20.8, k=20 6.5 / 9.7, k=60 27.3 / 21.8; ten k=40 16.4 / 31.6; twenty k=10
+        3.3 / 16.6. It wins where ``k <= 8 m``, every case above on its side of that line.
+        W6 (k=5, m=4), first call in fresh processes: 0.38-0.39 s against 0.74-0.77 s with
+        the tiled graph first."""
+        k = int(np.prod(bound.signature.unknown_shape or (), dtype=np.int64))
+        m = int(np.prod(bound.output_shape or (), dtype=np.int64))
+        return k <= cls.FORWARD_HESSIAN_UNKNOWNS_PER_OUTPUT * m
+
     def _fn(self, variant: str) -> Any:
         if variant not in self._fns:
             self._fns[variant] = tf.function(self._traced, jit_compile=variant == "xla",
@@ -788,10 +807,11 @@ class TFSecondKernel(Kernel):
     XLA, in blocks of :attr:`LAPLACIAN_BLOCK_ROWS`), its untimed first choice; where the model
     has an operation without a rule (or XLA cannot compile it) the next build. A Hessian
     kernel's fourth build, ``"forward-hessian"``, carries the second derivatives along every
-    pair of unit tangents instead (blocks of :attr:`HESSIAN_BLOCK_ROWS`): for one output the
-    untimed first choice, before the tapes (W7H, one process, 20,000 rows: built and run once
-    in 0.52 s against 0.47 s, then 52.6 against 68.6 ms; 100,000 rows: 0.77-1.0 s against
-    2.8 s, then 289-345 against 360 ms), for more outputs raced only.
+    pair of unit tangents instead (blocks of :attr:`HESSIAN_BLOCK_ROWS`): the untimed first
+    choice for at most 8 unknowns an output (:meth:`forward_hessian_first`; W7H, one process,
+    20,000 rows: built and run once in 0.52 s against the tapes' 0.47 s, then 52.6 against
+    68.6 ms; 100,000 rows: 0.77-1.0 s against 2.8 s, then 289-345 against 360 ms), else raced
+    only.
     """
 
     def __init__(self, bound: TFBound, kind: SecondKind, order: Order, chunk_size: int,
@@ -818,16 +838,34 @@ class TFSecondKernel(Kernel):
             # tapes and runs faster (W7, 100,000 rows: built and run in 0.5-0.7 s against
             # 2.2 s, then 0.24-0.46x their time); where it cannot be built, the next build
             self.variants = ("forward-laplacian", *self.variants)
-        if kind == "hessian" and self.variants[0] == "tapes":
-            # one output: the untimed first, before the tapes (see the class)
-            self.variants = ("forward-hessian", *self.variants)
+        if kind == "hessian" and self.forward_hessian_first(bound):
+            self.variants = ("forward-hessian", *self.variants)  # the untimed first (see the class)
         elif kind == "hessian":
-            self.variants = (*self.variants, "forward-hessian")  # (raced, unmeasured first)
+            self.variants = (*self.variants, "forward-hessian")  # (raced)
         #: why the nested tapes or the forward Laplacian could not be built for this model
         #: (they were dropped)
         self.tapes_failed = ""
         self.variant = None
         self.note = ""
+
+    #: the forward Hessian is the untimed first build for at most this many unknowns an output
+    FORWARD_HESSIAN_UNKNOWNS_PER_OUTPUT = 8
+
+    @classmethod
+    def forward_hessian_first(cls, bound: TFBound) -> bool:
+        """Whether the forward Hessian is the first build: its second-order terms grow as
+        ``k^2`` a row for all outputs at once, the other builds' as ``k`` per output (``m k``
+        tiled blocks, or the tapes' ``k`` reverse passes of one output). Raced, steady, chunks
+        of a Keras MLP k-64-64-m (tanh), 4,000 rows, forward Hessian against the best other
+        build (ms): one output k=5 7.4 / 8.0 (tapes), k=8 11.4 / 11.8, k=12 24.7 / 18.1, k=16
+        38.3 / 21.7, k=30 154 / 47; two outputs k=40 26.3 / 11.3; four k=5 3.8 / 10.1 (XLA),
+        k=10 8.4 / 20.8, k=20 6.5 / 9.7, k=60 27.3 / 21.8; ten k=40 16.4 / 31.6; twenty k=10
+        3.3 / 16.6. It wins where ``k <= 8 m``, every case above on its side of that line.
+        W6 (k=5, m=4), first call in fresh processes: 0.38-0.39 s against 0.74-0.77 s with
+        the tiled graph first."""
+        k = int(np.prod(bound.signature.unknown_shape or (), dtype=np.int64))
+        m = int(np.prod(bound.output_shape or (), dtype=np.int64))
+        return k <= cls.FORWARD_HESSIAN_UNKNOWNS_PER_OUTPUT * m
 
     def _fn(self, variant: str) -> Any:
         if variant not in self._fns:
