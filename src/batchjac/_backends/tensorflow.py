@@ -452,25 +452,6 @@ class TFKernel(Kernel):
         self.variants = type(self).variants  # (a path XLA failed for had the graph only)
         self.variant, self.note, self.untimed = None, "", False
 
-    #: the forward Hessian is the untimed first build for at most this many unknowns an output
-    FORWARD_HESSIAN_UNKNOWNS_PER_OUTPUT = 8
-
-    @classmethod
-    def forward_hessian_first(cls, bound: TFBound) -> bool:
-        """Whether the forward Hessian is the first build: its second-order terms grow as
-        ``k^2`` a row for all outputs at once, the other builds' as ``k`` per output (``m k``
-        tiled blocks, or the tapes' ``k`` reverse passes of one output). Raced, steady, chunks
-        of a Keras MLP k-64-64-m (tanh), 4,000 rows, forward Hessian against the best other
-        build (ms): one output k=5 7.4 / 8.0 (tapes), k=8 11.4 / 11.8, k=12 24.7 / 18.1, k=16
-        38.3 / 21.7, k=30 154 / 47; two outputs k=40 26.3 / 11.3; four k=5 3.8 / 10.1 (XLA),
-        k=10 8.4 / 20.8, k=20 6.5 / 9.7, k=60 27.3 / 21.8; ten k=40 16.4 / 31.6; twenty k=10
-        3.3 / 16.6. It wins where ``k <= 8 m``, every case above on its side of that line.
-        W6 (k=5, m=4), first call in fresh processes: 0.38-0.39 s against 0.74-0.77 s with
-        the tiled graph first."""
-        k = int(np.prod(bound.signature.unknown_shape or (), dtype=np.int64))
-        m = int(np.prod(bound.output_shape or (), dtype=np.int64))
-        return k <= cls.FORWARD_HESSIAN_UNKNOWNS_PER_OUTPUT * m
-
     def _fn(self, variant: str) -> Any:
         if variant not in self._fns:
             self._fns[variant] = tf.function(self._traced, jit_compile=variant == "xla",
