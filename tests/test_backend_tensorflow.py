@@ -351,6 +351,40 @@ def test_kernel_times_xla_against_the_plain_graph_and_both_are_right(
         kernel.use("cuda")
 
 
+def test_a_large_chunk_races_xla_in_blocks_and_every_build_is_right(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk of at least BLOCKED_CHUNK rows has a third build, XLA over blocks of the chunk
+    in a tf.map_fn: the race times it beside XLA and the graph, and fixed, each build gives
+    the closed-form Jacobians (301 rows in blocks of 8, evened to 38 blocks of 8 rows: the
+    last one padded); a smaller chunk has no such build."""
+    from batchjac import _backends
+    from batchjac._backends.tensorflow import TFKernel
+
+    monkeypatch.setattr(TFKernel, "BLOCK_ROWS", 8)
+    monkeypatch.setattr(TFKernel, "BLOCKED_CHUNK", 32)
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 301, seed=23)
+    race_now(monkeypatch)
+    jac = batchjac.jacobian(model, unknown, known, mode="reverse", chunk_size=301)
+    bound = next(b for b in _backends._bound[model].values() if b.signature.dtype == np.float32)
+    kernel = bound.kernel("reverse", 301, False)
+    assert kernel.variants == ("xla", "graph", "xla/blocks")
+    assert "XLA in blocks" in kernel.note, kernel.note
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
+    assert_jac_close(jac, ref)
+    for variant in ("xla/blocks", "graph", "xla"):
+        got = bound.kernel("reverse", 301, False, variant=variant)(unknown, (known,))[1]
+        assert kernel.variant == variant
+        assert_jac_close(got, ref)
+    small = bound.kernel("reverse", 31, False)
+    assert "xla/blocks" not in small.variants
+    # with outputs: the map over blocks carries both results
+    y, jac = bound.kernel("reverse", 301, True, variant="xla/blocks")(unknown, (known,))
+    assert_jac_close(jac, ref)
+    np.testing.assert_allclose(y, model(np.concatenate([unknown, known], 1)).numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_explain_names_the_kernel_implementation(capsys: pytest.CaptureFixture[str]) -> None:
     model = seed_model("tensorflow")
     unknown, known = workload_inputs("W1", 40, seed=22)
