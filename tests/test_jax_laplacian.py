@@ -197,17 +197,23 @@ def test_per_instance_model_and_jacobian_from_the_same_pass() -> None:
 
 def test_chunks_in_blocks_equal_the_reference(monkeypatch: Any) -> None:
     """A chunk computed in blocks (the last one padded with copies of the last row), with
-    known inputs split alike."""
+    known inputs split alike: the Laplacian's blocks and the Hessian's (their own size)."""
     monkeypatch.setattr(JaxSecondKernel, "LAPLACIAN_BLOCK_ROWS", 4)
+    monkeypatch.setattr(JaxSecondKernel, "HESSIAN_BLOCK_ROWS", 5)
     r = rng(11)
     x, h = r.normal(size=(37, 3)) * 2, r.normal(size=(37, 2))
     with x64():
         one = mlp_with_known(jnp.tanh, seed=13)
-        lap, note = laplacian_and_note(lambda z: jax.vmap(lambda row: one(row[:3], row[3:]))(z),
-                                       x, h)
+        f = jax.vmap(lambda row: one(row[:3], row[3:]))
+        lap, note = laplacian_and_note(f, x, h)
         want = native_laplacian(one, x, h)
+        hess = np.asarray(batchjac.hessian(f, x, h, backend="jax"))
+        want_h = np.asarray(jax.vmap(jax.hessian(one))(x, h))
     assert "a forward Laplacian" in note, note
     assert_jac_close(lap, want, factor=0.1)
+    np.testing.assert_allclose(hess, want_h, rtol=1e-9, atol=1e-11)
+    assert JaxSecondKernel._block_rows("hessian", "forward-over-forward", 37) == 5
+    assert JaxSecondKernel._block_rows("laplacian", "forward-over-forward", 37) == 4
 
 
 def test_one_block_shape_is_compiled_and_jax_arrays_stay_jax(monkeypatch: Any) -> None:

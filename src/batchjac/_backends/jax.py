@@ -1109,21 +1109,30 @@ class JaxSecondKernel(Kernel):
     #: cache. W7, one chunk of 100,000 rows, bare kernels side by side under load, ratio to
     #: the native trace of ``jit(vmap(hessian))``: one block 0.54, blocks of 128 rows 0.34,
     #: 512 0.28, 1,024 0.29, 2,048 0.23, 4,096 0.25. On the CPU only (as :class:`JaxKernel`'s
-    #: blocks): a GPU's cache is not what a block of rows would be sized for (unmeasured)
-    LAPLACIAN_BLOCK_ROWS = 2048
+    #: blocks): a GPU's cache is not what a block of rows would be sized for (unmeasured).
+    #: Since compiled a block at a time, each block alone in YNNPACK's products (fresh
+    #: processes, first call / steady median): W7 blocks of 1,024 rows 0.36-0.38 / 0.20 s,
+    #: 2,048 0.34-0.36 / 0.17-0.18 s, 4,096 0.32-0.34 / 0.17 s, 8,192 0.46-0.47 / 0.28 s
+    LAPLACIAN_BLOCK_ROWS = 4096
+    #: the same for the diagonal and the Hessian, whose activations carry more values (W7H:
+    #: 10 against the Laplacian's 5): W7H at 2,048 rows 0.54 / 0.27 s, 4,096 0.56-0.60 /
+    #: 0.27-0.28 s; W6 the same at either
+    HESSIAN_BLOCK_ROWS = 2048
 
     @classmethod
     def _block_rows(cls, kind: SecondKind, order: Order, chunk_size: int) -> int:
         """Rows of one call of the executable: the chunk's, or for the forward rules on the
-        CPU a block of about :attr:`LAPLACIAN_BLOCK_ROWS` evened over the chunk, which
+        CPU a block of about :attr:`LAPLACIAN_BLOCK_ROWS` (:attr:`HESSIAN_BLOCK_ROWS` for the
+        diagonal and the Hessian) evened over the chunk, which
         :meth:`__call__` loops over. The executable is then compiled for one block, not for a
         ``lax.map`` over the blocks inside one call: W7 (100,000 rows, fresh processes, this
         machine) compiled in 126-135 ms against 188-199 ms, and ran as fast (0.18-0.20 s both)."""
+        limit = cls.LAPLACIAN_BLOCK_ROWS if kind == "laplacian" else cls.HESSIAN_BLOCK_ROWS
         blocked = kind in FORWARD_RULES and order == "forward-over-forward" and \
-            chunk_size >= 2 * cls.LAPLACIAN_BLOCK_ROWS and jax.default_backend() == "cpu"
+            chunk_size >= 2 * limit and jax.default_backend() == "cpu"
         if not blocked:
             return chunk_size
-        return -(-chunk_size // -(-chunk_size // cls.LAPLACIAN_BLOCK_ROWS))
+        return -(-chunk_size // -(-chunk_size // limit))
 
     def _forward_rules(self, one: Callable[[Any, tuple[Any, ...]], Any], u: Any,
                        ctx: tuple[Any, ...]) -> tuple[Any, Any, Any] | None:
