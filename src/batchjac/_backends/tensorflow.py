@@ -480,27 +480,15 @@ class TFKernel(Kernel):
 
     def _in_blocks(self) -> Callable[..., Any]:
         """The traced Jacobians over blocks of the chunk (:data:`BLOCK_ROWS`, evened), in a
-        ``tf.map_fn``; the last block padded with copies of the chunk's last row (dropped)."""
-        rows, traced = self.chunk_size, self._traced
-        blocks = -(-rows // self.BLOCK_ROWS)
-        block = -(-rows // blocks)
-        padded = blocks * block
-        specs = [tf.TensorSpec((block, *s.shape[1:]), s.dtype) for s in self._specs]
-        out = tf.function(traced, autograph=False).get_concrete_function(*specs).structured_outputs
-        signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), out)
-
-        def split(a: tf.Tensor) -> tf.Tensor:
-            if padded > rows:
-                a = tf.concat([a, tf.repeat(a[-1:], padded - rows, axis=0)], 0)
-            return tf.reshape(a, (blocks, block, *a.shape[1:]))
-
-        def in_blocks(u: tf.Tensor, *ctx: tf.Tensor) -> Any:
-            outs = tf.map_fn(lambda args: traced(*args), (split(u), *(split(c) for c in ctx)),
-                             fn_output_signature=signature)
-            return tf.nest.map_structure(
-                lambda o: tf.reshape(o, (padded, *o.shape[2:]))[:rows], outs)
-
-        return in_blocks
+        ``tf.map_fn`` (:func:`_map_blocks`)."""
+        bound, traced = self._bound, self._traced
+        assert bound.output_shape is not None
+        block = _evened(self.chunk_size, self.BLOCK_ROWS)
+        out_shape, ushape = tuple(bound.output_shape), tuple(bound.signature.unknown_shape)
+        jac = tf.TensorSpec((block, *out_shape, *ushape), bound.tf_dtype)
+        signature = (tf.TensorSpec((block, *out_shape), bound.tf_dtype), jac) \
+            if self.with_outputs else jac
+        return lambda u, *ctx: _map_blocks(traced, (u, *ctx), block, signature)
 
     def _select(self, variant: str, note: str) -> None:
         fn = self._fn(variant)
@@ -767,6 +755,30 @@ class TFKernel(Kernel):
         if "xla/blocks" in best:
             timed += f", XLA in blocks {best['xla/blocks'] * 1e3:.1f} ms"
         self._select(winner, f"{winner} (timed one chunk: {timed})")
+
+
+def _evened(rows: int, limit: int) -> int:
+    """Rows of each block when ``rows`` are cut into blocks of at most ``limit``, evened."""
+    return -(-rows // -(-rows // limit))
+
+
+def _map_blocks(fn: Callable[..., Any], arrays: tuple[tf.Tensor, ...], block: int,
+                signature: Any) -> Any:
+    """``fn`` over blocks of ``block`` rows of ``arrays`` (cut alike) in a ``tf.map_fn``,
+    whose results (``signature``: one block's) are joined and cut back to the rows; the last
+    block is padded with copies of the last row."""
+    rows = int(arrays[0].shape[0])
+    blocks = -(-rows // block)
+    padded = blocks * block
+
+    def split(a: tf.Tensor) -> tf.Tensor:
+        if padded > rows:
+            a = tf.concat([a, tf.repeat(a[-1:], padded - rows, axis=0)], 0)
+        return tf.reshape(a, (blocks, block, *a.shape[1:]))
+
+    outs = tf.map_fn(lambda args: fn(*args), tuple(split(a) for a in arrays),
+                     fn_output_signature=signature)
+    return tf.nest.map_structure(lambda o: tf.reshape(o, (padded, *o.shape[2:]))[:rows], outs)
 
 
 def _is_tensor(a: Any) -> bool:
@@ -1134,9 +1146,7 @@ class TFSecondKernel(Kernel):
         flat = tf.reshape(u, (rows, k))
         hessian = self.kind == "hessian"
         limit = self.HESSIAN_BLOCK_ROWS if hessian else self.LAPLACIAN_BLOCK_ROWS
-        block = rows
-        if rows >= 2 * limit:
-            block = -(-rows // -(-rows // limit))  # evened over the chunk
+        block = _evened(rows, limit) if rows >= 2 * limit else rows
         specs = [tf.TensorSpec((block, k), bound.tf_dtype),
                  *(tf.TensorSpec((block, *s.shape[1:]), s.dtype) for s in self._specs[1:1 + len(ctx)])]
 
@@ -1156,24 +1166,12 @@ class TFSecondKernel(Kernel):
 
         if block == rows:
             return one_pass(flat, ctx)
-        blocks = -(-rows // block)
-        padded = blocks * block
-
-        def split(a: tf.Tensor) -> tf.Tensor:
-            if padded > rows:
-                a = tf.concat([a, tf.repeat(a[-1:], padded - rows, axis=0)], 0)
-            return tf.reshape(a, (blocks, block, *a.shape[1:]))
-
-        def one_block(args: tuple[tf.Tensor, ...]) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-            return one_pass(args[0], tuple(args[1:]))
-
         dtype = bound.tf_dtype
-        outs = tf.map_fn(one_block, (split(flat), *(split(c) for c in ctx)),
-                         fn_output_signature=(tf.TensorSpec((block, m), dtype),
-                                              tf.TensorSpec((block, m, k), dtype),
-                                              tf.TensorSpec((block, m, k, k) if hessian
-                                                            else (block, m), dtype)))
-        y, jac, lap = (tf.reshape(o, (padded, *o.shape[2:]))[:rows] for o in outs)
+        y, jac, lap = _map_blocks(lambda fu, *c: one_pass(fu, c), (flat, *ctx), block,
+                                  (tf.TensorSpec((block, m), dtype),
+                                   tf.TensorSpec((block, m, k), dtype),
+                                   tf.TensorSpec((block, m, k, k) if hessian else (block, m),
+                                                 dtype)))
         return y, jac, lap
 
     def _tiled(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], blocks: int

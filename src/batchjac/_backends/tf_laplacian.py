@@ -271,12 +271,13 @@ def _reshaped(op: tf.Operation, primals: list[tf.Tensor], varying: tuple[Any, An
     leading axis kept, instead of the generic rule's ``vectorized_map`` over them (W7's
     Keras model has two reshapes and an identity: 95 ms of its 240 ms trace). None where
     the shapes are not all known (the generic rule then)."""
-    (y,) = _rebuild(op, primals)
     x, jac, lap = varying
+    if op.type not in ("Identity", "EnsureShape") and not (
+            x.shape.is_fully_defined() and op.outputs[0].shape.is_fully_defined()):
+        return None  # (before the op is made again: the generic rule makes it)
+    (y,) = _rebuild(op, primals)
     if op.type in ("Identity", "EnsureShape"):
         return [(y, jac, lap)]
-    if not (x.shape.is_fully_defined() and y.shape.is_fully_defined()):
-        return None
     if op.type != "Cast" and x.shape == y.shape:
         # (a Keras model's reshape of its input to its own shape: the unit tangents stay one
         # row, which the first matrix product broadcasts)
