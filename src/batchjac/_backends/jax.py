@@ -562,7 +562,8 @@ class JaxKernel(Kernel):
         self._computes: Mode = mode
         self.failure = ""  # why ``mode`` failed, when ``computes`` is the other mode
         self._jaxpr: Any = None  # the chunk's traced equations (the quick build's count)
-        #: the build compiled first: "quick" for a small chunk on the CPU, else "default"
+        #: the variant compiled first: "quick" for a small chunk on the CPU, else "default",
+        #: or the one an earlier race chose, loaded from the disk (:meth:`_load_recalled`)
         self._first = "default"
         self._compile_default()
         self._builds: tuple[str, ...] = ("default",)
@@ -614,11 +615,11 @@ class JaxKernel(Kernel):
             self._computes = mode
             self._lowered.clear()
             try:  # each build of one blocking compiles the same lowering
-                lowered = self._lowering(self.chunk_size)
-                recalled = self._load_recalled(lowered)
+                recalled = self._load_recalled()
                 if recalled is not None:
                     self._first, compiled = recalled
                 else:
+                    lowered = self._lowering(self.chunk_size)
                     self._first = self._first_build()
                     try:
                         compiled = self._load_or_compile(lowered, self._OPTIONS[self._first])
@@ -648,12 +649,14 @@ class JaxKernel(Kernel):
         assert failed is not None
         raise failed
 
-    def _load_recalled(self, lowered: Any) -> tuple[str, Any] | None:
-        """The build an earlier process's race chose (:func:`~batchjac._backends._base.recalled_variant`)
+    def _load_recalled(self) -> tuple[str, Any] | None:
+        """The variant an earlier process's race chose (:func:`~batchjac._backends._base.recalled_variant`)
         and its executable, where that process left it on disk: loading it (2-14 ms) is
         cheaper than compiling even the quick build (W1: 80 ms), and it is the faster build.
-        None where no race is remembered, the caller fixed the build (a store), or the
-        executable is not on disk (the first build is then chosen as usual)."""
+        A variant in blocks ("default/125") is traced in its blocks only, not first as a whole
+        chunk too (a warm W1 first call traced both: 94-106 ms against a cold 82-87 ms). None
+        where no race is remembered, the caller fixed the build (a store), or the executable
+        is not on disk (the first build is then chosen as usual)."""
         from .._config import autotune_enabled
         from . import jax_executables
         from ._base import recalled_variant, wanted_variant
@@ -661,12 +664,16 @@ class JaxKernel(Kernel):
         recalled = recalled_variant()
         if recalled is None or wanted_variant() is not None or not autotune_enabled():
             return None
-        build = recalled.split("/")[0]
+        build, blocked, rows = recalled.partition("/")
         if build not in self._OPTIONS or build == "quick":
             return None
+        block = int(rows) if rows.isdigit() else 0
+        if blocked and not 0 < block < self.chunk_size:
+            return None  # (not a variant this chunk has)
+        lowered = self._lowering(block if blocked else self.chunk_size)
         loaded = jax_executables.load(lowered, self._OPTIONS[build],
                                       starting=self._bound.compiling.set)
-        return None if loaded is None else (build, loaded)
+        return None if loaded is None else (recalled, loaded)
 
     def _first_build(self) -> str:
         """The build compiled first, on the CPU with tuning on (``BATCHJAC_AUTOTUNE=off`` and
