@@ -739,7 +739,8 @@ def test_a_warm_process_traces_a_remembered_blocked_build_once(
     got = batchjac.jacobian(model, x)
     jax_executables.flush()
     kernel = list(bound_of(model)._kernels.values())[-1]
-    assert kernel.raced and "/" in kernel.variant, kernel.variant
+    assert kernel.raced
+    assert "/" in kernel.variant, kernel.variant
     np.save(tmp_path / "x.npy", x)
     code = f"""
         import numpy as np, batchjac
