@@ -65,6 +65,8 @@ def run_probes(bound: BoundModel, spec: BatchSpec, name: str) -> None:
     if spec.n >= 1:
         _check_rows_independent(bound, u, ctx, y0)
     bound.output_shape = tuple(int(s) for s in y0.shape[1:])
+    if bound.row_bytes is None:  # (PyTorch: counted in that forward pass)
+        bound.row_bytes = bound.row_working_set(u, ctx)
     bound.probed = True
 
 
