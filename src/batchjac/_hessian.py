@@ -387,7 +387,8 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
     if kind == "hessian" and out is None and plan.budget_rows is not None:
         m = math.prod(bound.output_shape)
         plan = fit_cache(plan, spec.n, row_bytes=bound.row_bytes,
-                         passes=hessian_passes(plan.order, spec.k, m),
+                         passes=hessian_passes(plan.order, spec.k,
+                                               m if bound.hessian_outputs_at_once else 1),
                          result_row_bytes=spec.dtype.itemsize * m * (
                              spec.k * spec.k + spec.k * return_jacobian + return_outputs))
     # (the ladder's kernels are not one kernel's compilation: their time prices no race)

@@ -209,6 +209,7 @@ def _model_device(module: torch.nn.Module | None) -> torch.device:
 class TorchBound(BoundModel):
     compiles_kernels = False  # eager: a kernel of another chunk size costs nothing to make
     reductions_over_forward = False  # (see BoundModel: measured 1.8-1.9x)
+    hessian_outputs_at_once = False  # (see BoundModel: plain autograd, an output at a time)
 
     def __init__(self, model: Any, signature: Signature, *, train_mode: bool = False,
                  device: Any = None) -> None:
