@@ -685,78 +685,52 @@ def test_a_later_process_loads_the_compiled_kernel_instead_of_compiling(
     assert np.abs(jac - got).max() > 1e-2  # (the weights do matter)
 
 
+@pytest.mark.parametrize("blocked", [False, True])
 def test_a_warm_process_loads_the_build_an_earlier_race_chose(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, blocked: bool) -> None:
     """A process whose race chose a build (and a mode) leaves that build's executable on disk;
     the next process's first call loads it, no compilation at all, where it compiled its quick
     build first (a full one replacing it later) and, when the race had flipped the mode, a
-    quick build of the other mode than the one on disk."""
-
+    quick build of the other mode than the one on disk. A build in blocks ("default/120",
+    ``blocked``) is traced in those blocks only: one trace (it traced the whole chunk first as
+    well, for a build it then replaced)."""
     from batchjac._backends import jax_executables
+    from batchjac._backends.jax import JaxKernel
 
     monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)  # tiny test kernels
+    if blocked:  # the race takes blocks, whatever the times
+        monkeypatch.setattr(JaxKernel, "BLOCK_MARGIN", 1e9)
     race_now(monkeypatch)
     sizes = (6, 16, 3)
-    x = data((600, 6), seed=37)
-    model = jax_examples.mlp(sizes, seed=8)
+    seed = 9 if blocked else 8
+    x = data((600, 6), seed=41 if blocked else 37)
+    model = jax_examples.mlp(sizes, seed=seed)
     got = batchjac.jacobian(model, x)
     jax_executables.flush()
     kernel = list(bound_of(model)._kernels.values())[-1]  # (the race's: the last one used)
     assert kernel.raced
     assert kernel.variant in kernel.variants
+    if blocked:
+        assert "/" in kernel.variant, kernel.variant
     np.save(tmp_path / "x.npy", x)
     code = f"""
         import numpy as np, batchjac
         from batchjac import _backends
         from batchjac._examples import jax as jax_examples
-        model = jax_examples.mlp({sizes}, seed=8)
+        model = jax_examples.mlp({sizes}, seed={seed})
         jac = batchjac.jacobian(model, np.load({str(tmp_path / 'x.npy')!r}))
         np.save({str(tmp_path / 'jac.npy')!r}, jac)
         (bound,) = _backends._bound[model].values()
         kernel = list(bound._kernels.values())[-1]
-        print("COMPILES", bound.compile_count, "MODE", kernel.mode, "VARIANT", kernel.variant)
+        print("COMPILES", bound.compile_count, "MODE", kernel.mode, "VARIANT", kernel.variant,
+              "TRACES", bound.trace_count)
     """
     stdout = run_in_fresh_process(code)
     assert f"COMPILES 0 MODE {kernel.mode} VARIANT {kernel.variant}" in stdout, stdout
+    if blocked:
+        assert "TRACES 1\n" in stdout, stdout
     np.testing.assert_allclose(np.load(tmp_path / "jac.npy"), got, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got, mlp_jacobian(mlp_weights(sizes, 8), x), rtol=2e-4, atol=1e-5)
-
-
-def test_a_warm_process_traces_a_remembered_blocked_build_once(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """Where the race chose a build in blocks ("default/120"), the next process traces the
-    kernel in those blocks only and loads it: one trace, no compilation (it traced the whole
-    chunk first as well, for a build it then replaced)."""
-    from batchjac._backends import jax_executables
-    from batchjac._backends.jax import JaxKernel
-
-    monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)  # tiny test kernels
-    monkeypatch.setattr(JaxKernel, "BLOCK_MARGIN", 1e9)  # the race takes blocks, whatever the times
-    race_now(monkeypatch)
-    sizes = (6, 16, 3)
-    x = data((600, 6), seed=41)
-    model = jax_examples.mlp(sizes, seed=9)
-    got = batchjac.jacobian(model, x)
-    jax_executables.flush()
-    kernel = list(bound_of(model)._kernels.values())[-1]
-    assert kernel.raced
-    assert "/" in kernel.variant, kernel.variant
-    np.save(tmp_path / "x.npy", x)
-    code = f"""
-        import numpy as np, batchjac
-        from batchjac import _backends
-        from batchjac._examples import jax as jax_examples
-        model = jax_examples.mlp({sizes}, seed=9)
-        jac = batchjac.jacobian(model, np.load({str(tmp_path / 'x.npy')!r}))
-        np.save({str(tmp_path / 'jac.npy')!r}, jac)
-        (bound,) = _backends._bound[model].values()
-        kernel = list(bound._kernels.values())[-1]
-        print("COMPILES", bound.compile_count, "TRACES", bound.trace_count, "VARIANT", kernel.variant)
-    """
-    stdout = run_in_fresh_process(code)
-    assert f"COMPILES 0 TRACES 1 VARIANT {kernel.variant}" in stdout, stdout
-    np.testing.assert_allclose(np.load(tmp_path / "jac.npy"), got, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got, mlp_jacobian(mlp_weights(sizes, 9), x), rtol=2e-4, atol=1e-5)
+    np.testing.assert_allclose(got, mlp_jacobian(mlp_weights(sizes, seed), x), rtol=2e-4, atol=1e-5)
 
 
 def test_a_cache_that_never_held_an_executable_costs_the_call_no_key(

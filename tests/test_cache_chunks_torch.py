@@ -26,6 +26,18 @@ def _mlp(seed: int, sizes: tuple[int, ...]) -> Any:
     return torch.nn.Sequential(*layers[:-1])
 
 
+def _in_a_small_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, verb: Any, model: Any,
+                      x: np.ndarray, **options: Any) -> tuple[Any, Any]:
+    """``verb(model, x)`` planned for a 1 MB cache (tuning decisions in ``tmp_path``), and the
+    bound model it used."""
+    from batchjac import _backends
+
+    monkeypatch.setenv("BATCHJAC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_plan, "cache_bytes", lambda: 1 << 20)
+    result = verb(model, x, **options)
+    return result, next(iter(_backends._bound[model].values()))
+
+
 def test_the_count_is_a_rows_intermediates_not_its_weights_nor_views() -> None:
     from batchjac._backends import torch_cost
 
@@ -101,15 +113,13 @@ def test_a_large_call_computes_in_cache_sized_chunks_and_remembers_the_count(
     reverse pass for them (the call is large, though each chunk is small), computes torch's own
     Jacobians of the whole batch, and writes the count with the probes' verdict."""
     import batchjac
-    from batchjac import _backends, _tuning
+    from batchjac import _tuning
     from batchjac._bind import _PROBES
 
-    monkeypatch.setenv("BATCHJAC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_plan, "cache_bytes", lambda: 1 << 20)
     model = _mlp(3, (7, 64, 64, 6))
     x = np.random.default_rng(5).normal(size=(3000, 7)).astype(np.float32)
-    jac = batchjac.jacobian(model, x, mode="reverse")
-    bound = next(iter(_backends._bound[model].values()))
+    jac, bound = _in_a_small_cache(monkeypatch, tmp_path, batchjac.jacobian, model, x,
+                                   mode="reverse")
     assert bound.row_bytes == (64 * 4 + 6) * 4
     (kernel,) = bound._kernels.values()
     # 0.75 a pass x 6 backward passes x 1,048 bytes: ~4.7 KB a row, 1 MB: chunks of ~200 rows
@@ -133,14 +143,11 @@ def test_hessian_chunks_hold_one_outputs_passes(monkeypatch: pytest.MonkeyPatch,
     of all ``m`` outputs at once (W6: 3,334 rows, 64 ms steady, against 1,667 rows, 79 ms).
     The Hessians are torch.func's of the whole batch."""
     import batchjac
-    from batchjac import _backends
 
-    monkeypatch.setenv("BATCHJAC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_plan, "cache_bytes", lambda: 1 << 20)
     model = _mlp(7, (3, 64, 64, 4))
     x = np.random.default_rng(8).normal(size=(2500, 3)).astype(np.float32)
-    hess = batchjac.hessian(model, x, mode="forward-over-reverse")
-    bound = next(iter(_backends._bound[model].values()))
+    hess, bound = _in_a_small_cache(monkeypatch, tmp_path, batchjac.hessian, model, x,
+                                    mode="forward-over-reverse")
     row = (64 * 4 + 4) * 4
     assert bound.row_bytes == row
     (kernel,) = bound.__dict__["_second_kernels"].values()
