@@ -20,7 +20,14 @@ and tensors contribute their dtype and shape only: it identifies *what is comput
 architecture, dtypes, code), not the weights, so the tuning cache (:mod:`batchjac._tunecache`)
 can reuse a decision timed on a model for the same model retrained, reloaded, or rebuilt around
 new parameters of the same shapes. The running time of a kernel depends on those, not on the
-values of the weights.
+values of the weights. It also keys the probes' verdict (rows that do not interact), which a
+later process trusts without probing: so it sees everything the forward pass reads, beyond what
+:func:`model_fingerprint` hashes: every torch submodule's plain attributes (``self.mode``, the
+``training`` flag, hooks by their functions and order, not their per-process handle ids) and
+the global module hooks; for Keras layers of the user's classes their ``call`` code and the
+attributes it names, and the config of the library's layers inside them.
+:func:`model_fingerprint` is left as it was: stores on disk record it, and they also check the
+model's outputs on probe inputs.
 
 The hash is stable across processes (no ``id()``, no memory addresses). What it cannot see into
 (compiled extension objects) it records by type only; the store also records the model's
@@ -34,6 +41,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import types
 from typing import Any
 
@@ -254,15 +262,19 @@ class _Hasher:
     # -- kinds -----------------------------------------------------------------------------
     def _keras(self, model: Any, depth: int) -> None:
         self.tag("keras", _qualname(type(model)))
+        configured = False
         try:
             config = model.get_config()
             names = _canonical_names(config, skip_policies=not self.values)
             text = json.dumps(names, sort_keys=True, default=_type_only)
             self.tag("config", text)
+            configured = True
         except Exception:  # subclassed models without get_config: their code instead
             call = getattr(type(model), "call", None)
             if call is not None:
                 self.feed(call, depth + 1)
+        if not self.values:
+            self._keras_layers(model, depth, whole=configured and _is_library_class(type(model)))
         if self.values:
             for w in model.get_weights():
                 self.feed(np.asarray(w), depth + 1)
@@ -283,10 +295,58 @@ class _Hasher:
                     self.feed(forward, depth + 1)
             with contextlib.suppress(Exception):
                 self.tag("extra", sub.extra_repr())
+            if not self.values:
+                self._torch_attributes(sub, depth)
+        if not self.values:
+            hooks = getattr(sys.modules.get("torch.nn.modules.module"), "__dict__", {})
+            self.tag("global hooks")
+            self.feed(_hook_state({k: v for k, v in hooks.items() if k.startswith("_global_")
+                                   and "hook" in k and isinstance(v, dict)}), depth + 1)
         state = module.state_dict()
         for key in sorted(state):
             self.tag("state", key)
             self.feed(state[key], depth + 1)
+
+    def _keras_layers(self, model: Any, depth: int, *, whole: bool) -> None:
+        """What a Keras model's config may not show: for every layer of a class of the user's
+        (the model itself included) its ``call`` code and the attributes its code names
+        (``self.mode``); for the library's layers their config, unless ``whole`` (a Sequential
+        or functional model's config covers its layers). Keras's own attributes (auto names,
+        build state, trackers) are left out: they differ between processes."""
+        try:
+            layers = list(model._flatten_layers(include_self=True, recursive=True))
+        except Exception:
+            layers = [model]
+        position = {id(layer): i for i, layer in enumerate(layers)}
+        for layer in layers:
+            cls = type(layer)
+            if _is_library_class(cls):
+                if not whole:
+                    with contextlib.suppress(Exception):
+                        names = _canonical_names(layer.get_config(), skip_policies=True)
+                        self.tag("layer", _qualname(cls),
+                                 json.dumps(names, sort_keys=True, default=_type_only))
+                continue
+            self.tag("user layer", _qualname(cls))
+            call = getattr(cls, "call", None)
+            if isinstance(call, types.FunctionType) and not _is_library(call):
+                self.feed(call, depth + 1)
+            attributes = vars(layer) if hasattr(layer, "__dict__") else {}
+            for name in _names_in_code(cls):
+                if name in attributes:
+                    value = attributes[name]
+                    self.tag("attribute", name)
+                    if id(value) in position:  # another layer of the walk: by its place
+                        self.tag("layer at", position[id(value)])
+                    else:
+                        self.feed(value, depth + 1)
+
+    def _torch_attributes(self, sub: Any, depth: int) -> None:
+        """A submodule's plain attributes (``self.mode = "center"``, ``training``, hooks): its
+        forward reads them. Parameters, buffers and submodules are hashed already."""
+        state = {k: v for k, v in vars(sub).items() if k not in _TORCH_CONTAINERS}
+        self.tag("attributes")
+        self.feed(_hook_state(state), depth + 1)
 
     def _function(self, fn: Any, depth: int) -> None:
         self.tag("function", fn.__module__, fn.__qualname__)
@@ -329,6 +389,42 @@ class _Hasher:
                 state[slot] = getattr(obj, slot)
         if state:
             self.feed(state, depth + 1)
+
+
+#: a torch module's own containers, hashed by :meth:`_Hasher._torch` through state_dict() and
+#: named_modules()
+_TORCH_CONTAINERS = frozenset({"_parameters", "_buffers", "_modules", "_torchdynamo_wrapper_id"})
+
+
+def _hook_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with torch's hook dicts (``_forward_hooks``, ``_forward_hooks_with_kwargs``,
+    ...: keyed by handle ids, a per-process counter) keyed by each id's rank among the hook ids
+    of ``state`` instead, so the same hooks registered in the same order hash alike in every
+    process, and a flag dict still names the hook it flags."""
+    hook_dicts = [k for k, v in state.items() if "hook" in k and isinstance(v, dict) and v
+                  and all(isinstance(i, int) and not isinstance(i, bool) for i in v)]
+    ranks = {i: r for r, i in enumerate(sorted({i for k in hook_dicts for i in state[k]}))}
+    return {**state, **{k: [(ranks[i], v) for i, v in state[k].items()] for k in hook_dicts}}
+
+
+def _is_library_class(cls: type) -> bool:
+    return (cls.__module__ or "").split(".", 1)[0] in _LIBRARIES
+
+
+def _names_in_code(cls: type) -> list[str]:
+    """Every name the code of ``cls``'s own classes (those of its MRO outside the libraries)
+    refers to: the attributes its methods and properties may read."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if _is_library_class(klass):
+            continue
+        for member in vars(klass).values():
+            for fn in ((member.fget, member.fset) if isinstance(member, property)
+                       else (getattr(member, "__func__", member),)):
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    names.update(_global_names(code))
+    return sorted(names)
 
 
 def _global_names(code: types.CodeType) -> list[str]:
