@@ -122,7 +122,7 @@ def as_model(model: Any) -> Any:
     is. Imports onnx only for an ONNX model."""
     if isinstance(model, (str, os.PathLike)) and Path(model).suffix.lower() in ONNX_SUFFIXES:
         ref = os.fspath(model)
-        if not Path(ref).is_file():
+        if not Path(ref).exists():  # (one that is not a regular file is refused by load_file)
             raise InputFileError(f"The ONNX model file {ref!r} does not exist.")
         from . import onnx as onnx_loader
 

@@ -24,6 +24,14 @@ What onnx2torch 1.5 lacks, and this module adds (through its own registry, ``add
 Operators it still cannot translate are named, all of them, before anything is converted
 (:func:`unsupported`).
 
+A file is known again without reading it by its stamp (:data:`Stamp`: device, inode, size,
+mtime and ctime, for it and for its external data files); a changed stamp, or one too close to
+the file's last change to be trusted, means reading and hashing its bytes again, and only new
+bytes mean a new module. An empty or corrupt file, and bytes that protobuf reads as a message
+but that hold no model, are refused naming the file. The converted module checks the inputs it
+is called with (:class:`InputCheck`): a model of two inputs given one array, or inputs by names
+it does not have, is told its inputs' names and the call forms that pass them.
+
 onnx2torch imports torchvision (for two detection operators, ``NonMaxSuppression`` and
 ``RoiAlign``). Where torchvision is installed but its compiled operators do not load (PyPI's
 torchvision wheels are built for CUDA torch, and fail to load beside a CPU build of torch), the
@@ -35,11 +43,15 @@ takes the stand-in out of ``sys.modules`` again.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
+import stat
 import sys
 import threading
+import time
 import types
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,52 +59,185 @@ import onnx
 import torch
 from onnx import defs, external_data_helper
 
-from .._errors import ModelLoadError
+from .._errors import ModelError, ModelLoadError
 
 #: converted modules by the sha256 of the model's bytes: the same file or ModelProto gives the
 #: same module object, so compiled kernels, probes and tuning decisions are found again
 _MODULES: OrderedDict[str, torch.nn.Module] = OrderedDict()
-#: (path, mtime_ns, size) of a file -> (the key of its module, its external data files and their
-#: stamps when it was loaded)
-_FILES: dict[tuple[str, int, int], tuple[str, tuple[str, ...], tuple[Any, ...]]] = {}
 _KEEP = 8
 _LOCK = threading.Lock()
+
+#: A file's identity without reading it: device, inode, size, modification and status-change
+#: times. The status-change time (ctime) moves on every write, and no user can set it back:
+#: a file rewritten in place with other weights of the same size and its mtime restored (as
+#: ``tar -x``, ``rsync -t`` and ``cp -p`` do) has a new ctime, and one replaced by a rename a
+#: new inode. (Hashing the bytes instead costs 8 ms for a 10 MB file and 120 ms for 100 MB on
+#: every call; a stat costs 2 us.)
+Stamp = tuple[int, int, int, int, int]
+
+#: a file's timestamps are taken from a coarse clock (a kernel tick; a second on some file
+#: systems): a stamp taken within this long of the file's last change cannot tell it from a
+#: change in the same tick, so the bytes are hashed again until it is older (git's "racily
+#: clean" rule)
+_RACY_NS = 2_000_000_000
+
+
+@dataclass
+class _Seen:
+    """What a file was when its module was made: the stamps of the file and of its external
+    data files (None for one missing), the sha256 of the file's bytes, the external files, the
+    module's key, and when (``time.time_ns``, taken before the stamps) it was looked at."""
+
+    stamps: tuple[Stamp | None, ...]
+    digest: str
+    externals: tuple[str, ...]
+    key: str
+    checked_ns: int
+
+    def trusted(self, stamps: tuple[Stamp | None, ...]) -> bool:
+        """Whether the files are still those stamps, and the stamps were taken long enough after
+        the files' last change to tell any later one."""
+        if stamps != self.stamps:
+            return False
+        latest = max((s[4] for s in stamps if s is not None), default=0)
+        return latest + _RACY_NS <= self.checked_ns
+
+
+#: realpath of a file -> what it was when its module was made (the newest few files)
+_FILES: OrderedDict[str, _Seen] = OrderedDict()
+_KEEP_FILES = 64
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 def load_file(path: str | os.PathLike[str]) -> torch.nn.Module:
     """The PyTorch module of the ONNX model in ``path`` (its external data files, if any, are
-    read from beside it). The same file gives the same module while neither it nor any of
-    its external data files changed (path, modification time and size of each): a model
-    re-exported with new weights in its external data, and the same graph, is a new model."""
+    read from beside it). The same bytes give the same module: a file is known again by its
+    stamp and those of its external data files (:data:`Stamp`: device, inode, size, mtime and
+    ctime), and read and hashed again when any of them changed, so a model re-exported with new
+    weights, in the file or in its external data, is a new model even where its size and
+    modification time are the old ones."""
     full = os.path.realpath(path)
-    st = os.stat(full)
-    stamp = (full, st.st_mtime_ns, st.st_size)
+    checked = time.time_ns()  # before the stamps: a change after this moves a file's ctime past it
+    stamp = _file_stamp(full, path)
     with _LOCK:
-        found = _FILES.get(stamp)
-        if found is not None and found[0] in _MODULES and _stamps(found[1]) == found[2]:
-            _MODULES.move_to_end(found[0])
-            return _MODULES[found[0]]
+        seen = _FILES.get(full)
+    if seen is not None and seen.trusted((stamp, *_stamps(seen.externals))):
+        with _LOCK:
+            module = _MODULES.get(seen.key)
+            if module is not None:
+                _MODULES.move_to_end(seen.key)
+                if full in _FILES:
+                    _FILES.move_to_end(full)
+                return module
+    data = _read(full, path)
+    digest = hashlib.sha256(data).hexdigest()
+    model = None
+    if seen is not None and digest == seen.digest:
+        externals = seen.externals  # the same bytes name the same external files
+    else:
+        model = _parse(data, full, path)
+        externals = _external_files(model, os.path.dirname(full))
+    stamps = (stamp, *_stamps(externals))
+    key = _key(digest, externals, path)
+    with _LOCK:
+        _FILES[full] = _Seen(stamps, digest, externals, key, checked)
+        _FILES.move_to_end(full)
+        while len(_FILES) > _KEEP_FILES:
+            _FILES.popitem(last=False)
+        if key in _MODULES:
+            _MODULES.move_to_end(key)
+            return _MODULES[key]
+    if model is None:
+        model = _parse(data, full, path)
+    if externals:
+        try:
+            external_data_helper.load_external_data_for_model(model, os.path.dirname(full))
+        except Exception as e:
+            raise ModelLoadError(f"Cannot load the model {str(path)!r}: its external data "
+                                 f"({', '.join(map(repr, externals))}) cannot be read "
+                                 f"({type(e).__name__}: {_first_line(e)}).") from e
+    return _remember(key, _convert(model, repr(str(path))))
+
+
+def _file_stamp(full: str, path: Any) -> Stamp:
+    """The stamp of the model file; a path that is not a regular file (a FIFO, a device, a
+    directory) is refused before it is opened (reading a FIFO would block)."""
+    st = os.stat(full)
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelLoadError(f"The ONNX model {str(path)!r} is not a regular file (it is "
+                             f"{_file_kind(st.st_mode)}); give the path of the .onnx file.")
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _read(full: str, path: Any) -> bytes:
     data = Path(full).read_bytes()
+    if not data:
+        raise ModelLoadError(
+            f"Cannot load the model {str(path)!r}: the file is empty (0 bytes), not an ONNX "
+            f"model. Was it written completely? Export or copy it again (torch.onnx.export, "
+            f"onnx.save_model).")
+    return data
+
+
+def _parse(data: bytes, full: str, path: Any) -> onnx.ModelProto:
+    """The ModelProto in ``data``: bytes that are no protobuf, or a protobuf that is no ONNX
+    model (no IR version, no graph, no output), are refused naming the file."""
     try:
         model = onnx.load_model_from_string(data)
-        externals = _external_files(model, os.path.dirname(full))
-        stamps = _stamps(externals)
-        if externals:
-            external_data_helper.load_external_data_for_model(model, os.path.dirname(full))
     except Exception as e:
         raise ModelLoadError(f"Cannot load the model {str(path)!r}: it is not a readable ONNX file "
                              f"({type(e).__name__}: {_first_line(e)}). Is it corrupt or truncated, "
                              f"or a model of another format?") from e
-    digest = hashlib.sha256(data)
-    digest.update(repr(stamps).encode())  # (the weights outside the file, by their stamps)
-    key = digest.hexdigest()
-    with _LOCK:
-        _FILES[stamp] = (key, externals, stamps)
-        if key in _MODULES:
-            return _MODULES[key]
-    return _remember(key, _convert(model, repr(str(path))))
+    problem = _not_a_model(model)
+    if problem:
+        raise ModelLoadError(f"Cannot load the model {str(path)!r}: it is not an ONNX model "
+                             f"({problem}; {len(data)} bytes). Is it corrupt or truncated, or a "
+                             f"file of another format?")
+    return model
+
+
+def _not_a_model(model: onnx.ModelProto) -> str | None:
+    """What a parsed ModelProto lacks that every ONNX model has (protobuf reads many byte
+    strings, even an empty one, as some message): None when it has it all."""
+    if model.ir_version <= 0:
+        return "it has no IR version"
+    if not model.HasField("graph"):
+        return "it has no graph"
+    if not model.graph.output:
+        return "its graph has no output"
+    return None
+
+
+def _key(digest: str, externals: tuple[str, ...], path: Any) -> str:
+    """The key of a file's module: the sha256 of its bytes and of each of its external data
+    files' bytes."""
+    h = hashlib.sha256(digest.encode())
+    for f in externals:
+        h.update(f"\0{f}\0".encode())
+        try:
+            if not stat.S_ISREG(os.stat(f).st_mode):
+                raise ModelLoadError(f"Cannot load the model {str(path)!r}: its external data "
+                                     f"{f!r} is not a regular file.")
+            part = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    part.update(block)
+            h.update(part.digest())
+        except OSError as e:
+            raise ModelLoadError(f"Cannot load the model {str(path)!r}: its external data file "
+                                 f"{f!r} cannot be read ({type(e).__name__}: "
+                                 f"{_first_line(e)}).") from e
+    return h.hexdigest()
 
 
 def _external_files(model: onnx.ModelProto, base: str) -> tuple[str, ...]:
@@ -103,16 +248,16 @@ def _external_files(model: onnx.ModelProto, base: str) -> tuple[str, ...]:
     return tuple(sorted(os.path.realpath(os.path.join(base, n)) for n in names))
 
 
-def _stamps(files: tuple[str, ...]) -> tuple[tuple[str, int, int] | None, ...]:
-    """(path, mtime_ns, size) of each file; None for one that is missing."""
-    out: list[tuple[str, int, int] | None] = []
+def _stamps(files: tuple[str, ...]) -> tuple[Stamp | None, ...]:
+    """The :data:`Stamp` of each file; None for one that is missing."""
+    out: list[Stamp | None] = []
     for f in files:
         try:
             st = os.stat(f)
         except OSError:
             out.append(None)
         else:
-            out.append((f, st.st_mtime_ns, st.st_size))
+            out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return tuple(out)
 
 
@@ -126,7 +271,11 @@ def load_proto(model: Any) -> torch.nn.Module:
             _MODULES.move_to_end(key)
             return _MODULES[key]
     name = model.graph.name
-    return _remember(key, _convert(model, f"(graph {name!r})" if name else "(ModelProto)"))
+    what = f"(graph {name!r})" if name else "(ModelProto)"
+    problem = _not_a_model(model)
+    if problem:
+        raise ModelLoadError(f"The onnx.ModelProto {what} is not an ONNX model: {problem}.")
+    return _remember(key, _convert(model, what))
 
 
 def _remember(key: str, module: torch.nn.Module) -> torch.nn.Module:
@@ -153,7 +302,60 @@ def _convert(model: onnx.ModelProto, what: str) -> torch.nn.Module:
     except Exception as e:
         raise ModelLoadError(f"onnx2torch could not translate the ONNX model {what}: "
                              f"{type(e).__name__}: {_first_line(e)}") from e
+    try:
+        params = tuple(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        params = ()
+    if len(params) == len(names):
+        module.register_forward_pre_hook(InputCheck(what, tuple(names), params),
+                                         with_kwargs=True)
     return module.eval()
+
+
+class InputCheck:
+    """A forward pre-hook of a converted module: a call with another number of inputs than the
+    graph's, or with names it does not have, is refused naming the graph's inputs and the
+    call forms that give them (onnx2torch's module said "forward() missing 1 required
+    positional argument: 'h'"). A class, not a closure, so that the module pickles (Dask)."""
+
+    def __init__(self, what: str, names: tuple[str, ...], params: tuple[str, ...]) -> None:
+        self.what, self.names, self.params = what, names, params
+
+    def __repr__(self) -> str:  # (stable: no address)
+        return f"InputCheck({self.what}, {self.names})"
+
+    def __call__(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if len(args) + len(kwargs) == len(self.params) and set(kwargs) <= set(self.params[len(args):]):
+            return
+        raise ModelError(self.message(len(args), tuple(kwargs)))
+
+    def message(self, given: int, keys: tuple[str, ...]) -> str:
+        names, params = self.names, self.params
+        count = f"{len(names)} input{'s' if len(names) != 1 else ''}"
+        if keys:
+            got = f"the named input{'s' if len(keys) != 1 else ''} {list(keys)}"
+            got += f" and {given} more" if given else ""
+        else:
+            got = f"{given} array{'s' if given != 1 else ''}"
+        why = ""
+        if given == 1 and not keys and len(names) > 1:
+            why = (" (jacobian(model, unknown, known) feeds a model one array, "
+                   "concat([unknown, known], axis=-1))")
+        if len(names) == 1:
+            fix = ("Pass one array: jacobian(model, x); for a model that takes "
+                   "concat([unknown, known], axis=-1), jacobian(model, unknown, known)")
+        else:
+            by_name = "{" + ", ".join(f"{p!r}: {n.upper() if n.isidentifier() else 'X'}"
+                                      for p, n in zip(params, names)) + "}"
+            in_order = ", ".join(n.upper() if n.isidentifier() else f"X{i}"
+                                 for i, n in enumerate(names))
+            fix = (f"Pass one array per input, by name: jacobian(model, {by_name}, "
+                   f"wrt={params[0]!r}), or as a tuple in this order: jacobian(model, "
+                   f"({in_order}), wrt=0); on the command line, one --inputs file per input, "
+                   f"in this order, and --wrt-input")
+        renamed = "" if params == names else f" (by name here: {list(params)})"
+        return (f"The ONNX model {self.what} takes {count}, {list(names)}{renamed}, and was "
+                f"given {got}{why}. {fix}.")
 
 
 def _graph_inputs(model: onnx.ModelProto) -> list[Any]:
