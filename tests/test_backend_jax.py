@@ -844,7 +844,7 @@ def test_an_executable_that_fails_to_load_is_compiled_instead(monkeypatch: pytes
     x = data((20, 6), seed=32)
     batchjac.jacobian(jax_examples.mlp((6, 8, 2), seed=5), x)
     jax_executables.flush()
-    monkeypatch.setattr(jax_executables, "_load", lambda payload: None)  # e.g. another jaxlib
+    monkeypatch.setattr(jax_executables, "_load", lambda payload, lowered: None)  # another jaxlib
     monkeypatch.setattr(jax_executables, "_SEEN", set())
     model = jax_examples.mlp((6, 8, 2), seed=5)
     jac = batchjac.jacobian(model, x)

@@ -71,7 +71,7 @@ def test_keys_are_frozen_hashable_and_hold_what_a_timing_depends_on() -> None:
     assert key(model="sha256:other") != k
     with pytest.raises(dataclasses.FrozenInstanceError):
         k.what = "rows"  # type: ignore[misc]
-    assert k.versions.startswith(f"batchjac={batchjac.__version__};python=")
+    assert k.versions.startswith(f"batchjac={batchjac.__version__}+{_tunecache.code_id()};python=")
     assert "numpy=" in k.versions
     assert f"cores={os.cpu_count()}" in k.machine
     assert k.machine == machine_id()
@@ -109,12 +109,12 @@ def test_put_then_get_round_trips(cache_env: Path) -> None:
     assert cache.get(key(what="rows")) is None
     cache.put(key(), {**DECISION, "mode": "reverse"})  # replaced
     assert cache.get(key()) == {**DECISION, "mode": "reverse"}
-    path = cache_env / "v1" / f"{key().digest()}.json"
+    path = cache_env / f"v{_tunecache.VERSION}" / f"{key().digest()}.json"
     assert cache.path(key()) == path
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, _tunecache.KEY_FILE])
     stored = json.loads(path.read_text())  # readable, and holds its key
     assert stored["schema"] == "batchjac-tunecache"
-    assert stored["version"] == 1
+    assert stored["version"] == _tunecache.VERSION
     assert stored["key"] == dataclasses.asdict(key())
     assert stored["decision"]["mode"] == "reverse"
     if os.name == "posix":
@@ -239,7 +239,7 @@ def test_payloads_are_not_written_with_the_cache_off(cache_env: Path,
 @pytest.mark.parametrize(("document", "match"), [
     ({"key": "other"}, r"belongs to another key \(its model differ"),
     ({"schema": "someone-else"}, "not a batchjac tuning cache file"),
-    ({"version": 2}, "cache format version 2"),
+    ({"version": 1}, "cache format version 1"),
     ({"decision": ["forward"]}, "not a JSON object"),
     (None, "not a batchjac tuning cache file"),
 ])
@@ -351,7 +351,8 @@ def test_concurrent_writers_leave_a_whole_file(cache_env: Path, tmp_path: Path) 
     assert final["writer"] in (1, 2)
     assert final["i"] == 199
     assert len(final["pad"]) == 1 + (199 * 37 + final["writer"] * 4000) % 6000
-    assert [p.name for p in (cache_env / "v1").iterdir()] == [f"{the_key.digest()}.json"]  # no temp files
+    assert sorted(p.name for p in (cache_env / f"v{_tunecache.VERSION}").iterdir()) == sorted(
+        [f"{the_key.digest()}.json", _tunecache.KEY_FILE])  # no temp files
     assert seen <= {1, 2}
 
 
@@ -396,8 +397,9 @@ def test_an_unwritable_directory_warns_once_and_carries_on(cache_env: Path,
 def test_a_read_only_directory_warns_once(cache_env: Path) -> None:
     """As root (which writes anywhere) in a child without the DAC capabilities: the kernel
     refuses the write there as it does for any user."""
-    (cache_env / "v1").mkdir(parents=True)
-    (cache_env / "v1").chmod(0o500)
+    folder = cache_env / f"v{_tunecache.VERSION}"
+    folder.mkdir(parents=True)
+    folder.chmod(0o500)
     try:
         if os.geteuid() != 0:
             with pytest.warns(TuneCacheWarning, match="cannot write") as caught:
@@ -421,9 +423,9 @@ def test_a_read_only_directory_warns_once(cache_env: Path) -> None:
         assert child.returncode == 0, child.stderr
         assert child.stdout.startswith("1 "), child.stdout  # one warning for both writes
         assert "cannot write" in child.stdout, child.stdout
-        assert list((cache_env / "v1").iterdir()) == []
+        assert list(folder.iterdir()) == []
     finally:
-        (cache_env / "v1").chmod(0o700)
+        folder.chmod(0o700)
 
 
 def test_unreadable_files_warn(cache_env: Path) -> None:

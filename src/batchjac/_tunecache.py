@@ -40,6 +40,29 @@ What a cache can get wrong, and what this module does about it:
   with one :class:`~batchjac._errors.TuneCacheWarning` per process for reading and one for
   writing (a cache problem repeats on every call; one warning says it, a thousand bury it).
 
+What the cache trusts, and where it refuses to work. A decision can skip a probe (the
+row-interaction verdict) and a payload is machine code that XLA runs, so a file planted by
+someone else must never be read:
+
+- **Only a directory that is yours alone.** Before anything is read or written, the cache
+  directory (followed, if it is a symbolic link: a symlinked ``~/.cache`` is common) must be
+  owned by the user running batchjac and not writable by group or others, as ssh and pip ask of
+  theirs; its ``v2/`` folder the same and no symbolic link. Otherwise one
+  :class:`~batchjac._errors.TuneCacheWarning` says why and how to fix it, and the cache is off
+  for the rest of the process (nothing read, nothing written, nothing removed).
+- **Only regular files, never through a link.** Every file inside is opened with
+  ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat``: a symbolic link, a FIFO or a device
+  is a miss with a warning (a FIFO never blocks), and so is a file another user owns.
+- **Only files this cache signed.** The folder holds a random key (``v2/key``, 32 bytes, mode
+  0600, made on the first write); every decision and every payload header carries an HMAC-SHA256
+  of its whole content under it. A file copied from another cache, or rewritten to claim
+  another key (an executable of another model under this model's key), fails the check and
+  is a miss. The key's ``versions`` holds, beside the version string, an identity of the
+  installed batchjac's files (:func:`code_id`), so another checkout of the same version never
+  reads this one's decisions.
+- **No code from the disk.** Nothing read back is unpickled by batchjac; a JAX executable's
+  trees are rebuilt from the traced function (:mod:`batchjac._backends.jax_executables`).
+
 Files are created readable by their owner only (``mkstemp``): the cache is per user, and
 another user's decisions are not to be trusted any more than their files.
 """
@@ -48,11 +71,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
+import hmac
 import json
 import os
 import platform
+import stat
 import sys
 import tempfile
 import threading
@@ -68,14 +94,19 @@ from ._version import __version__
 
 #: what the "schema" field of every cache file says
 SCHEMA = "batchjac-tunecache"
-#: the file format; a change that older readers would misread bumps it (and the directory)
-VERSION = 1
+#: the file format; a change that older readers would misread bumps it (and the directory);
+#: 2: every file signed with the folder's key (version 1's files, unsigned, are never read)
+VERSION = 2
 #: no file batchjac writes is larger: a larger one is foreign, and is not read whole
 MAX_BYTES = 1 << 20
 #: the largest binary payload kept (:meth:`TuneCache.put_bytes`: a compiled executable)
 MAX_BLOB_BYTES = 64 << 20
 #: the file whose presence says that a payload was stored in the directory
 PAYLOADS_MARK = "payloads"
+#: the file that holds the folder's signing key (random bytes, readable by its owner only)
+KEY_FILE = "key"
+#: the signing key's length in bytes
+KEY_BYTES = 32
 
 #: a decision validator: a callable that raises or returns False to reject a decision, or a
 #: schema ``{field: spec}`` where spec is a type (or tuple of types), a set or list of the
@@ -182,7 +213,7 @@ def versions(framework: str | None = None) -> str:
 def _versions(name: str | None) -> str:
     from importlib import metadata
 
-    parts = [f"batchjac={__version__}",
+    parts = [f"batchjac={__version__}+{code_id()}",
              f"python={sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"]
     if name is not None:
         for label, candidates in _FRAMEWORK_DISTRIBUTIONS.get(name, ((name, (name,)),)):
@@ -193,6 +224,27 @@ def _versions(name: str | None) -> str:
                     break
             parts.append(f"{label}={found}")
     return ";".join(parts)
+
+
+@functools.cache
+def code_id() -> str:
+    """An identity of the installed batchjac's files: each module's path, size and modification
+    time, hashed (16 hex digits). Two checkouts or installs of one version differ, and so does
+    one whose code was edited: a decision or an executable is read back only by the code that
+    wrote it. Stat calls, not the files' bytes: ~100 modules read and hashed cost a few ms of
+    a first call, their stats a fraction of one."""
+    root = Path(__file__).resolve().parent
+    sha = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with contextlib.suppress(OSError):
+                    st = os.stat(path)
+                    sha.update(f"{os.path.relpath(path, root)}:{st.st_size}:{st.st_mtime_ns}\n"
+                               .encode())
+    return sha.hexdigest()[:16]
 
 
 def machine_id(gpu: str | None = None) -> str:
@@ -226,7 +278,8 @@ class TuneCache:
     disabled cache: :meth:`get` finds nothing and :meth:`put` writes nothing.
 
     Instances hold no state but the directory: any number of them, in any number of threads
-    and processes, may share one directory.
+    and processes, may share one directory. A directory that fails the trust checks (owned by
+    someone else, writable by others, a symbolic link inside) is refused for the whole process.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None, *,
@@ -240,7 +293,7 @@ class TuneCache:
 
     @property
     def enabled(self) -> bool:
-        return self._dir is not None
+        return self._dir is not None and str(self._dir) not in _REFUSED
 
     @property
     def directory(self) -> Path | None:
@@ -253,30 +306,52 @@ class TuneCache:
             return None
         return self._dir / f"v{VERSION}" / f"{key.digest()}.json"
 
+    def _folder(self, *, create: bool) -> Path | None:
+        """The ``v<VERSION>`` folder, once the directory passed the trust checks; None when the
+        cache is disabled, refused, or (``create=False``) not made yet. ``create=True`` makes
+        the directories (mode 0700) first; an OSError doing so is the caller's to report."""
+        if self._dir is None or str(self._dir) in _REFUSED:
+            return None
+        folder = self._dir / f"v{VERSION}"
+        if create:
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # (a non-directory: lstat says so below)
+                folder.mkdir(mode=0o700)
+        problem = _distrust(self._dir, follow=True)
+        if problem is None:
+            problem = _distrust(folder, follow=False)
+        if problem == "":  # not there (yet)
+            return None
+        if problem is not None:
+            _refuse(self._dir, problem)
+            return None
+        return folder
+
     def get(self, key: TuneKey, validate: Validator | None = None) -> dict[str, Any] | None:
         """The decision stored for ``key``, or None when there is none usable.
 
         None, with one :class:`TuneCacheWarning` per process, too when the file cannot be read,
-        is not a cache file of this version, holds another key, or holds a decision that
-        ``validate`` rejects: a problem of the cache is never an error, nor a wrong choice.
-        ``validate`` is a callable (it rejects a decision by raising or returning False) or a
-        schema ``{field: spec}``, spec a type or tuple of types, a set or list of the allowed
-        values, or a predicate; every field of a schema must be present. The dict returned is
-        the decision as JSON reads it back (tuples become lists) and is the caller's to keep.
+        is not a cache file of this version, holds another key, is not signed by this cache, or
+        holds a decision that ``validate`` rejects: a problem of the cache is never an error,
+        nor a wrong choice. ``validate`` is a callable (it rejects a decision by raising or
+        returning False) or a schema ``{field: spec}``, spec a type or tuple of types, a set or
+        list of the allowed values, or a predicate; every field of a schema must be present.
+        The dict returned is the decision as JSON reads it back (tuples become lists) and is
+        the caller's to keep.
         """
         path = self.path(key)
-        if path is None:
+        folder = self._folder(create=False) if path is not None else None
+        if path is None or folder is None:
             return None
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_BYTES + 1)
+            raw = _read_regular(path, MAX_BYTES + 1)
         except (FileNotFoundError, NotADirectoryError):  # nothing stored (yet)
             return None
         except OSError as err:
             _warn_once("read", f"batchjac cannot read the tuning cache file {path}: "
                        f"{_os_error_text(err)}.", _READ_FIX)
             return None
-        decision, problem = _parse(raw, key)
+        decision, problem = _parse(raw, key, _signing_key(folder, create=False))
         if problem is None and decision is not None and validate is not None:
             problem = _rejection(decision, validate)
         if problem is not None or decision is None:
@@ -293,19 +368,18 @@ class TuneCache:
         decision is simply not remembered.
         """
         path = self.path(key)
-        data = _encode(key, decision)
+        _encode(key, decision, b"")  # the caller's mistakes are errors, cache or not
         if path is None:
             return
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _atomic_write(path, data)
+            folder = self._folder(create=True)
+            if folder is None:
+                return
+            _atomic_write(path, _encode(key, decision, _writable_key(folder)))
         except OSError as err:
             _warn_once("write", f"batchjac cannot write its tuning cache in {path.parent}: "
                        f"{_os_error_text(err)}; the decision is not remembered (the next process "
-                       "times the alternatives again).",
-                       "Set BATCHJAC_CACHE_DIR to a directory you can write, or BATCHJAC_CACHE=off "
-                       "to do without the cache.")
-
+                       "times the alternatives again).", _WRITE_FIX)
 
     # -- binary payloads (a compiled executable) ------------------------------------------------
 
@@ -315,23 +389,30 @@ class TuneCache:
         return None if path is None else path.with_suffix(".bin")
 
     def has_payloads(self) -> bool:
-        """Whether a payload was ever stored in this directory (one ``stat``): a lookup in a
+        """Whether a payload was ever stored in this directory (one ``lstat``): a lookup in a
         directory without any is skipped, and with it the key's making, which for a compiled
-        executable is the kernel's whole text hashed (2-12 ms on the project's CPU)."""
-        return self._dir is not None and (self._dir / f"v{VERSION}" / PAYLOADS_MARK).exists()
+        executable is the kernel's whole text hashed."""
+        if self._dir is None or str(self._dir) in _REFUSED:
+            return False
+        try:
+            st = os.lstat(self._dir / f"v{VERSION}" / PAYLOADS_MARK)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode)
 
     def get_bytes(self, key: TuneKey) -> bytes | None:
         """The payload stored for ``key`` with :meth:`put_bytes`, or None when there is none
         usable: a file that is truncated, corrupt (its checksum does not match), of another
-        format or key is ignored with one :class:`TuneCacheWarning` per process, as in
-        :meth:`get`. A payload is handed to a framework's loader (a compiled executable),
-        which might crash on damaged bytes: the checksum is why none ever reaches it."""
+        format or key, or not signed by this cache is ignored with one
+        :class:`TuneCacheWarning` per process, as in :meth:`get`. A payload is handed to a
+        framework's loader (a compiled executable, machine code), which might crash on damaged
+        bytes or run planted ones: the checksum and the signature are why none ever reaches it."""
         path = self.blob_path(key)
-        if path is None:
+        folder = self._folder(create=False) if path is not None else None
+        if path is None or folder is None:
             return None
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_BLOB_BYTES + MAX_BYTES + 1)
+            raw = _read_regular(path, MAX_BLOB_BYTES + MAX_BYTES + 1)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as err:
@@ -339,7 +420,8 @@ class TuneCache:
                        f"{_os_error_text(err)}.", _READ_FIX)
             return None
         head, sep, payload = raw.partition(b"\n")
-        header, problem = _parse(head, key) if sep else (None, "it has no header line")
+        header, problem = (_parse(head, key, _signing_key(folder, create=False)) if sep
+                           else (None, "it has no header line"))
         if problem is None and header is not None:
             if header.get("bytes") != len(payload):
                 problem = (f"it holds {len(payload)} bytes of payload where its header says "
@@ -350,13 +432,13 @@ class TuneCache:
             _warn_once("read", f"batchjac ignores the cache file {path}: {problem}.", _READ_FIX)
             return None
         with contextlib.suppress(OSError):  # used now: the last to go when space is made
-            os.utime(path)
+            os.utime(path, follow_symlinks=False)
         return payload
 
     def put_bytes(self, key: TuneKey, payload: bytes) -> None:
-        """Store ``payload`` (at most ``MAX_BLOB_BYTES``) for ``key``, atomically: one header
-        line (the key, the payload's size and sha256) and the bytes. A directory that cannot
-        be written is not an error (one warning per process, as in :meth:`put`)."""
+        """Store ``payload`` (at most ``MAX_BLOB_BYTES``) for ``key``, atomically: one signed
+        header line (the key, the payload's size and sha256) and the bytes. A directory that
+        cannot be written is not an error (one warning per process, as in :meth:`put`)."""
         if not isinstance(payload, (bytes, bytearray)):
             raise InputTypeError(f"A cache payload must be bytes; got {type(payload).__name__}.")
         if len(payload) > MAX_BLOB_BYTES:
@@ -364,19 +446,19 @@ class TuneCache:
         path = self.blob_path(key)
         if path is None:
             return
-        header = _encode(key, {"bytes": len(payload),
-                               "sha256": hashlib.sha256(payload).hexdigest()})
-        data = json.dumps(json.loads(header), sort_keys=True).encode("utf-8") + b"\n" + bytes(payload)
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            (path.parent / PAYLOADS_MARK).touch(mode=0o600)  # (before the payload: never one unseen)
-            _atomic_write(path, data)
-            _evict_payloads(path.parent, self.max_payload_bytes, keep=path)
+            folder = self._folder(create=True)
+            if folder is None:
+                return
+            header = _encode(key, {"bytes": len(payload),
+                                   "sha256": hashlib.sha256(payload).hexdigest()},
+                             _writable_key(folder), indent=None)
+            _touch(folder / PAYLOADS_MARK)  # (before the payload: never one unseen)
+            _atomic_write(path, header + b"\n" + bytes(payload))
+            _evict_payloads(folder, self.max_payload_bytes, keep=path)
         except OSError as err:
             _warn_once("write", f"batchjac cannot write its cache in {path.parent}: "
-                       f"{_os_error_text(err)}; the payload is not remembered.",
-                       "Set BATCHJAC_CACHE_DIR to a directory you can write, or BATCHJAC_CACHE=off "
-                       "to do without the cache.")
+                       f"{_os_error_text(err)}; the payload is not remembered.", _WRITE_FIX)
 
 
 def default_cache() -> TuneCache:
@@ -395,10 +477,151 @@ def default_cache() -> TuneCache:
         return TuneCache(None)
 
 
-# -- reading, writing, checking -----------------------------------------------------------------
-
 _READ_FIX = ("batchjac times the alternatives again and overwrites the file. If this persists, "
              "delete the cache directory, or set BATCHJAC_CACHE=off.")
+_WRITE_FIX = ("Set BATCHJAC_CACHE_DIR to a directory you can write, or BATCHJAC_CACHE=off to do "
+              "without the cache.")
+
+# -- trust ----------------------------------------------------------------------------------------
+
+#: cache directories refused in this process (their problem said once): the cache is off there
+_REFUSED: set[str] = set()
+
+
+def _distrust(path: Path, *, follow: bool) -> str | None:
+    """Why ``path`` is not a directory only this user can write (None: it is; "" when it does
+    not exist). ``follow`` follows a symbolic link at ``path`` itself, whose target is checked."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+    except OSError as err:
+        return f"{path} cannot be examined ({_os_error_text(err)})"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link (batchjac follows none inside its cache)"
+    if not stat.S_ISDIR(st.st_mode):
+        return ""  # (a file where the directory should be: writing says so, reading misses)
+    if os.name != "posix":
+        return None
+    me = os.geteuid()
+    if st.st_uid != me:
+        return f"{path} is owned by user id {st.st_uid}, not by you (user id {me})"
+    if st.st_mode & 0o022:
+        who = " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "other users"))
+                           if st.st_mode & bit)
+        return f"{path} can be written by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _refuse(directory: Path, problem: str) -> None:
+    """Turn the cache in ``directory`` off for this process, with one warning that says why."""
+    with _warned_lock:
+        _REFUSED.add(str(directory))
+    _warn_once(
+        "trust",
+        f"batchjac does not use the tuning cache in {directory}: {problem}. Files there could "
+        "be planted by someone else, and a cached executable is code that runs; the cache is "
+        "off for this process (results are the same, first calls are slower).",
+        f"Use a directory that only you own and can write (chmod go-w {directory}, or set "
+        "BATCHJAC_CACHE_DIR to another one), or set BATCHJAC_CACHE=off to do without it.")
+
+
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``path``, a regular file of this user's: a symbolic link is
+    not followed, and a FIFO, a device or a directory is not read (an OSError that says so;
+    FileNotFoundError when nothing is there)."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "it is a symbolic link (batchjac follows none inside "
+                                       "its cache)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "it is not a regular file (a FIFO, a device or a "
+                                        "directory is never read)")
+        if os.name == "posix" and st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"it is owned by user id {st.st_uid}, not by you")
+        chunks, left = [], limit
+        while left > 0:
+            block = os.read(fd, min(left, 1 << 22))
+            if not block:
+                break
+            chunks.append(block)
+            left -= len(block)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _touch(path: Path) -> None:
+    """Create ``path`` (mode 0600) if it is not there; a link or a FIFO there is not followed
+    or opened for long (O_NOFOLLOW, O_NONBLOCK: an OSError)."""
+    flags = (os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+             | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, flags, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    finally:
+        os.close(fd)
+
+
+def _signing_key(folder: Path, *, create: bool) -> bytes | None:
+    """The folder's signing key (:data:`KEY_FILE`), made with ``create`` where there is none;
+    None where there is none, or it is not a regular file of this user's of the right size.
+    Two processes making it at once agree: it is written under a temporary name and linked to
+    its name, which fails for the second (who then reads the first one's)."""
+    path = folder / KEY_FILE
+    for _ in range(2):
+        try:
+            key = _read_regular(path, KEY_BYTES + 1)
+            return key if len(key) == KEY_BYTES else None
+        except FileNotFoundError:
+            if not create:
+                return None
+        except OSError:
+            return None
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".key.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            except OSError:  # a file system without hard links: the last writer's key wins
+                os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        _fsync_dir(folder)
+    return None
+
+
+def _writable_key(folder: Path) -> bytes:
+    """The folder's signing key, made where there is none; an OSError where it cannot be."""
+    secret = _signing_key(folder, create=True)
+    if secret is None:
+        raise OSError(errno.EINVAL, f"its signing key {folder / KEY_FILE} is not a regular file "
+                                    f"of yours of {KEY_BYTES} bytes")
+    return secret
+
+
+def _sign(secret: bytes, document: Mapping[str, Any]) -> str:
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hmac.new(secret, text.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+# -- reading, writing, checking -----------------------------------------------------------------
 
 
 def _check_key(key: object) -> None:
@@ -407,7 +630,10 @@ def _check_key(key: object) -> None:
                              f"{key!r}. Build one with TuneKey.make(model, signature, what, shape).")
 
 
-def _encode(key: TuneKey, decision: Mapping[str, Any]) -> bytes:
+def _encode(key: TuneKey, decision: Mapping[str, Any], secret: bytes, *,
+            indent: int | None = 1) -> bytes:
+    """The file's bytes: the document (schema, version, key, decision, when) and its signature
+    under ``secret`` (:func:`_sign`), as JSON."""
     if not isinstance(decision, Mapping) or not all(isinstance(k, str) for k in decision):
         raise InputTypeError(f"A tuning decision must be a dict with string keys; got "
                              f"{type(decision).__name__} {decision!r:.200}.")
@@ -415,7 +641,8 @@ def _encode(key: TuneKey, decision: Mapping[str, Any]) -> bytes:
                 "decision": dict(decision),
                 "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
-        text = json.dumps(document, sort_keys=True, indent=1)
+        document["mac"] = _sign(secret, document)
+        text = json.dumps(document, sort_keys=True, indent=indent)
     except (TypeError, ValueError) as err:
         raise InputTypeError(f"A tuning decision must hold JSON values only (str, int, float, bool, "
                              f"None, lists and dicts of them); {decision!r:.200} does not: {err}. "
@@ -432,10 +659,10 @@ def _evict_payloads(folder: Path, limit: int, *, keep: Path) -> None:
     until those left take at most ``limit`` bytes; ``keep`` (the one just written) stays.
     Another process removing the same file meanwhile is not an error."""
     entries = []
-    for entry in os.scandir(folder):
-        if entry.name.endswith(".bin"):
+    for entry in os.scandir(folder):  # (the folder passed the trust checks: no link to follow)
+        if entry.name.endswith(".bin") and entry.is_file(follow_symlinks=False):
             with contextlib.suppress(OSError):
-                st = entry.stat()
+                st = entry.stat(follow_symlinks=False)
                 entries.append((st.st_mtime, st.st_size, entry.path))
     total = sum(size for _, size, _ in entries)
     for _, size, name in sorted(entries):
@@ -492,8 +719,10 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
-def _parse(raw: bytes, key: TuneKey) -> tuple[dict[str, Any] | None, str | None]:
-    """(decision, None), or (None, what is wrong with the file)."""
+def _parse(raw: bytes, key: TuneKey, secret: bytes | None
+           ) -> tuple[dict[str, Any] | None, str | None]:
+    """(decision, None), or (None, what is wrong with the file): its format, its key, and its
+    signature under ``secret`` (None: the folder has no signing key)."""
     if len(raw) > MAX_BYTES:
         return None, f"it is larger than any file batchjac writes ({MAX_BYTES} bytes)"
     try:
@@ -519,6 +748,13 @@ def _parse(raw: bytes, key: TuneKey) -> tuple[dict[str, Any] | None, str | None]
     decision = document.get("decision")
     if not isinstance(decision, dict):
         return None, f"its decision is {type(decision).__name__} {decision!r:.100}, not a JSON object"
+    mac = document.pop("mac", None)
+    if secret is None:
+        return None, (f"this cache has no signing key to check it against ({KEY_FILE} is missing "
+                      "or damaged: a file copied from elsewhere)")
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, _sign(secret, document)):
+        return None, ("its signature does not match this cache's key (written by another cache, "
+                      "or changed since it was written)")
     return decision, None
 
 

@@ -10,8 +10,19 @@ W1-W4) into the same cache directory, and loading it back takes 2-14 ms.
 
 The key is the lowered module's text (StableHLO, with every constant a traced function bakes
 in: a closure's weights are part of it, so new weight values never load an old executable),
-the compiler options, the versions of JAX and jaxlib and the machine (XLA compiles for this
-CPU's instruction set). The trace is not skipped: the text comes from it, and the trace is
+the compiler options, the call's argument and result structures (two callables can lower to
+one text with different pytrees: a Flax ``apply`` with its params against a plain function),
+the versions of JAX, jaxlib and batchjac's own files, and the machine (XLA compiles for this
+CPU's instruction set).
+
+An executable is machine code, and JAX's loader is a pickle (``deserialize_and_load`` warns
+that untrusted bytes can run code): only bytes this user's cache signed reach it
+(:mod:`batchjac._tunecache` refuses a directory others can write and checks every file's
+HMAC), the pickle is scanned first and refused where it names anything but the few JAX and
+numpy classes an executable holds (:func:`_only_known_classes`), and nothing else is
+unpickled: the argument and result trees are the traced function's own (``lowered.in_tree``,
+``lowered.out_tree``), and the loaded executable's argument shapes and dtypes must equal the
+call's, else it is a miss. The trace is not skipped: the text comes from it, and the trace is
 what JAX's own persistent compilation cache needs too. That cache is not used because it is a
 process-wide setting (``jax_compilation_cache_dir``) that would cache every ``jax.jit`` of
 the user's program in batchjac's directory; this one touches batchjac's kernels only.
@@ -85,15 +96,17 @@ _PENDING_LOCK = threading.Lock()
 def _key(lowered: Any, options: Options) -> TuneKey | None:
     """The module's text without source locations hashed (its MLIR bytecode is quicker to make
     but holds the caller's file and line, which differ between two scripts calling the same
-    model: measured here, a second process then compiled again)."""
+    model: measured here, a second process then compiled again), with the options and the
+    argument and result structures."""
     try:
         text = lowered.as_text(debug_info=False)
-    except Exception:  # a lowering without a text form: compile as usual
+        trees = [str(lowered.in_tree), str(lowered.out_tree)]
+    except Exception:  # a lowering without a text form or trees: compile as usual
         return None
     if "callback" in text:  # host callbacks: an executable bound to this process
         return None
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    extra = json.dumps(sorted(options.items()))
+    extra = json.dumps([sorted(options.items()), trees])
     return TuneKey.make(f"hlo-sha256:{digest}", extra, "executable", jax.default_backend(),
                         framework="jax")
 
@@ -139,7 +152,7 @@ def _lookup(cache: Any, lowered: Any, options: Options
     searched = cache.enabled and cache.has_payloads()
     key = _key(lowered, options) if searched else None
     payload = cache.get_bytes(key) if key is not None else None
-    loaded = _load(payload) if payload is not None else None
+    loaded = _load(payload, lowered) if payload is not None else None
     if loaded is not None:
         assert key is not None
         _SEEN.add(key.digest())
@@ -167,14 +180,97 @@ def release() -> None:
         _WRITER.submit(_store, cache, key, compiled, lowered, options, queued)
 
 
-def _load(payload: bytes) -> Any:
+def _load(payload: bytes, lowered: Any) -> Any:
+    """The executable in ``payload`` for the call ``lowered`` traced, or None: a pickle that
+    names other classes than an executable's, an executable this jaxlib cannot load, or one
+    whose arguments are not the call's (the trees are the traced function's own)."""
     from jax.experimental import serialize_executable
 
+    if not _only_known_classes(payload):
+        return None
     try:
-        blob, in_tree, out_tree = _split(payload)
-        return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+        loaded = serialize_executable.deserialize_and_load(payload, lowered.in_tree,
+                                                           lowered.out_tree)
+        if _arguments(loaded.args_info) != _arguments(lowered.args_info):
+            return None
+        return loaded
     except Exception:  # an executable this jaxlib cannot load: compile instead
         return None
+
+
+def _arguments(args_info: Any) -> list[tuple[Any, ...]]:
+    """Each argument's shape, dtype and donation, from a stage's ``args_info``."""
+    return [(tuple(a.shape), str(a.dtype), bool(getattr(a, "donated", False)))
+            for a in jax.tree_util.tree_leaves(args_info)]
+
+
+#: the (module, name) pairs a serialized executable's pickle names (an
+#: ``UnloadedMeshExecutable`` and what it holds); a pickle that names anything else is not
+#: loaded. A JAX that pickles other classes loads nothing from the cache: it compiles, as
+#: without one (the warm-process tests say so when that happens)
+_EXECUTABLE_CLASSES = frozenset({
+    ("jax", "P"), ("jax.sharding", "PartitionSpec"), ("jax._src.partition_spec", "PartitionSpec"),
+    ("jax._src.core", "ManualAxisType"), ("jax._src.core", "MemorySpace"),
+    ("jax._src.core", "ShapedArray"), ("jax._src.core", "AxisType"),
+    ("jax._src.mesh", "AxisType"), ("jax._src.mesh", "AbstractMesh"), ("jax._src.mesh", "Mesh"),
+    ("jax._src.interpreters.pxla", "AllArgsInfo"),
+    ("jax._src.interpreters.pxla", "UnloadedMeshExecutable"),
+    ("jax._src.interpreters.pxla", "MeshExecutableFastpathData"),
+    ("jax._src.layout", "Layout"), ("jax._src.layout", "DeviceLocalLayout"),
+    ("jax._src.layout", "Format"), ("jax._src.linear_util", "DebugInfo"),
+    ("jax._src.api_util", "DebugInfo"), ("jax._src.core", "DebugInfo"),
+    ("jax._src.named_sharding", "_unpickle_named_sharding"),
+    ("jax._src.named_sharding", "NamedSharding"),
+    ("jax._src.sharding_impls", "_unpickle_single_device_sharding"),
+    ("jax._src.sharding_impls", "_unpickle_named_sharding"),
+    ("jax._src.sharding_impls", "SingleDeviceSharding"),
+    ("jax._src.sharding_impls", "GSPMDSharding"), ("jax._src.sharding_impls", "UnspecifiedValue"),
+    ("jax._src.stages", "ArgInfo"), ("jaxlib._jax", "DeviceList"),
+    ("jaxlib.xla_extension", "DeviceList"), ("jax._src.lib", "DeviceList"),
+    ("numpy", "dtype"), ("numpy.dtypes", "Float32DType"), ("numpy.dtypes", "Float64DType"),
+    ("builtins", "frozenset"), ("builtins", "set"), ("builtins", "slice"),
+    ("collections", "OrderedDict"),
+})
+
+
+def _only_known_classes(payload: bytes) -> bool:
+    """Whether the pickle in ``payload`` names only :data:`_EXECUTABLE_CLASSES`, read with
+    :mod:`pickletools` (which runs nothing). A name pushed in a way this scan does not follow
+    counts as unknown: the scan refuses what it cannot prove."""
+    import pickletools
+
+    pushed: list[str | None] = []  # what each op left on top of the stack, where a string
+    memo: dict[int, str | None] = {}
+    strings = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING",
+               "BINSTRING", "SHORT_BINSTRING")
+    try:
+        for op, arg, _ in pickletools.genops(payload):
+            name = op.name
+            if name in strings:
+                pushed.append(arg if isinstance(arg, str) else None)
+            elif name == "MEMOIZE":
+                memo[len(memo)] = pushed[-1] if pushed else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg if isinstance(arg, int) else -1] = pushed[-1] if pushed else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                pushed.append(memo.get(arg) if isinstance(arg, int) else None)
+            elif name in ("GLOBAL", "INST"):
+                module, _, qualname = str(arg).partition(" ")
+                if (module, qualname) not in _EXECUTABLE_CLASSES:
+                    return False
+                pushed.append(None)
+            elif name == "STACK_GLOBAL":
+                named = (pushed[-2], pushed[-1]) if len(pushed) > 1 else (None, None)
+                if named not in _EXECUTABLE_CLASSES:
+                    return False
+                pushed.append(None)
+            elif name.startswith("EXT"):  # the copyreg registry: names not in the pickle
+                return False
+            else:
+                pushed.append(None)
+    except Exception:  # not a pickle pickletools can read
+        return False
+    return True
 
 
 def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
@@ -182,8 +278,6 @@ def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
     # before the imports too: importing serialize_executable holds Python's lock for ~20 ms,
     # which a first call returning meanwhile waited for (W2's: 40 ms of 420)
     _quiet(queued or time.monotonic())  # (the calls return before this takes Python's lock)
-    import pickle
-
     from jax.experimental import serialize_executable
 
     if key is None:  # (not searched for: made here, after the call)
@@ -192,18 +286,9 @@ def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
         return
     _SEEN.add(key.digest())
     with contextlib.suppress(Exception):  # not serializable: nothing remembered
-        blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-        trees = pickle.dumps((in_tree, out_tree))
-        cache.put_bytes(key, len(trees).to_bytes(8, "little") + trees + blob)
-
-
-def _split(payload: bytes) -> tuple[bytes, Any, Any]:
-    import pickle
-
-    size = int.from_bytes(payload[:8], "little")
-    # our own checksummed file, in a directory only its owner can write (as the executable is)
-    in_tree, out_tree = pickle.loads(payload[8:8 + size])
-    return payload[8 + size:], in_tree, out_tree
+        blob, _, _ = serialize_executable.serialize(compiled)  # (the trees: the trace's own)
+        if _only_known_classes(blob):  # (one a later process would refuse is not written)
+            cache.put_bytes(key, blob)
 
 
 def flush(timeout: float | None = None) -> None:
