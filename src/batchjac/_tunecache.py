@@ -231,20 +231,25 @@ def code_id() -> str:
     """An identity of the installed batchjac's files: each module's path, size and modification
     time, hashed (16 hex digits). Two checkouts or installs of one version differ, and so does
     one whose code was edited: a decision or an executable is read back only by the code that
-    wrote it. Stat calls, not the files' bytes: ~100 modules read and hashed cost a few ms of
-    a first call, their stats a fraction of one."""
-    root = Path(__file__).resolve().parent
+    wrote it. Stat calls, not the files' bytes: this is made on a first call, and reading and
+    hashing every module costs that call several times more than their stats."""
     sha = hashlib.sha256()
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(files):
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                with contextlib.suppress(OSError):
-                    st = os.stat(path)
-                    sha.update(f"{os.path.relpath(path, root)}:{st.st_size}:{st.st_mtime_ns}\n"
-                               .encode())
+    _stat_tree(os.path.dirname(os.path.abspath(__file__)), "", sha)
     return sha.hexdigest()[:16]
+
+
+def _stat_tree(folder: str, prefix: str, sha: Any) -> None:
+    """Feed each ``*.py`` file's path, size and mtime under ``folder`` into ``sha``, sorted
+    (scandir's entries carry what os.walk would stat again)."""
+    with contextlib.suppress(OSError), os.scandir(folder) as it:
+        entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                if entry.name != "__pycache__":
+                    _stat_tree(entry.path, f"{prefix}{entry.name}/", sha)
+            elif entry.name.endswith(".py"):
+                st = entry.stat()
+                sha.update(f"{prefix}{entry.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
 
 
 def machine_id(gpu: str | None = None) -> str:
