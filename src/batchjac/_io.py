@@ -29,6 +29,7 @@ import atexit
 import contextlib
 import math
 import os
+import stat
 import tempfile
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -276,6 +277,29 @@ def split_key(ref: str | os.PathLike[str]) -> tuple[str, str | None]:
     return path, (key or None)
 
 
+#: what a file that is not a regular file is, by its ``stat`` mode (for messages)
+_SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                  (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def require_regular(path: str | os.PathLike[str], what: str) -> None:
+    """Refuse ``path`` (the ``what`` file) unless it is a regular file, a link to one included,
+    before anything opens it: a FIFO blocks ``open()`` until a writer comes, and a device such
+    as ``/dev/zero`` never ends (read whole, it ends in a MemoryError). A missing path is left
+    to the caller (its own message)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = next((name for test, name in _SPECIAL_FILES if test(mode)), "not a regular file")
+    via = f" (a link to {os.path.realpath(path)!r})" if os.path.islink(path) else ""
+    raise InputFileError(f"The {what} {os.fspath(path)!r} is {kind}{via}, not a regular file: "
+                         f"batchjac reads its inputs from regular files only (a pipe or device "
+                         f"would block or never end). Save the data to a file and give that.")
+
+
 def open_input(ref: str | os.PathLike[str], *, what: str = "input") -> Reader:
     """Open an input file for reading by rows (see the module docstring for the formats);
     ``what`` names it in messages (the reader keeps it)."""
@@ -291,6 +315,8 @@ def _open_input(ref: str | os.PathLike[str], what: str) -> Reader:
     suffix = p.suffix.lower()
     if not p.exists():
         raise InputFileError(f"The {what} file {path!r} does not exist.")
+    if not p.is_dir():
+        require_regular(path, what)
     is_zarr_dir = p.is_dir() and (suffix in ZARR_SUFFIXES or _looks_like_zarr(p))
     if p.is_dir() and not is_zarr_dir:
         raise InputFileError(f"The {what} {path!r} is a directory, not a Zarr store; batchjac reads "

@@ -152,6 +152,9 @@ def parse_names(text: str | None, *, option: str) -> list[str] | None:
     if text is None:
         return None
     if text.startswith("@"):
+        from .._io import require_regular
+
+        require_regular(text[1:], f"{option} file")  # a FIFO would block read_text()
         try:
             return [ln.strip() for ln in Path(text[1:]).read_text().splitlines() if ln.strip()]
         except OSError as e:
