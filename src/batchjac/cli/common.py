@@ -6,7 +6,12 @@
 - :func:`gather_inputs` turns ``--inputs``/``--known``/``--wrt``/``--wrt-input`` into the
   positional inputs and ``wrt`` of the Python API;
 - :func:`load_model` loads MODEL with :func:`batchjac._loaders.load_model`, which refuses
-  model files that run code while loading unless ``--trust-model``.
+  model files that run code while loading unless ``--trust-model``;
+- :func:`resolve_output` is where every subcommand that writes resolves its output path, and
+  refuses, before anything is read or written, an output that would replace one of the
+  command's own input files (even with ``--overwrite``) or whose name, or a name batchjac
+  derives from it, is longer than the filesystem allows; :func:`refuse_existing` keeps a file
+  that is not a finished batchjac output unless ``--overwrite`` (exit 6).
 
 Readers go to the Python API as they are (it streams them by rows). Where an API function
 needs a numpy array (``propagate``'s ``cov``/``std``), :meth:`Files.array` gives a memory map
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -130,6 +135,14 @@ def gather_inputs(files: Files, inputs: Sequence[str], *, known: str | None, wrt
     return (tuple(readers),), (wrt_input if columns is None else (wrt_input, columns))
 
 
+def model_path(ref: str) -> str | None:
+    """The file or directory MODEL names (``file.py`` of ``file.py:attr``); None for a module."""
+    if os.path.lexists(ref):
+        return ref
+    target = ref.rsplit(":", 1)[0] if ":" in ref else None
+    return target if target is not None and target.endswith(".py") else None
+
+
 def load_model(ref: str, *, trust: bool) -> LoadedModel:
     """MODEL as a :class:`batchjac._loaders.LoadedModel` (``.model``, ``.backend``,
     ``.fingerprint``). A model *file* that runs code while loading (a Keras ``Lambda`` layer, a
@@ -140,6 +153,11 @@ def load_model(ref: str, *, trust: bool) -> LoadedModel:
     if ":" not in ref and not Path(ref).suffix and os.sep not in ref and not Path(ref).exists():
         raise click.UsageError(f"MODEL must be 'module:attr' or 'path/to/file.py:attr', or a model "
                                f"file; got {ref!r}, which is no file and has no ':'.")
+    path = model_path(ref)
+    if path is not None and not os.path.isdir(path):
+        from .._io import require_regular
+
+        require_regular(path, "MODEL")  # a FIFO would block the loader's open()
     return load(ref, trust=trust)
 
 
@@ -161,3 +179,156 @@ def writing_output(what: str) -> Iterator[None]:
         raise StoreWriteError(f"Writing the results into {what} failed: {e.strerror or e}; fix "
                               f"that (disk space, permissions) and run the same command again.",
                               e.errno) from e
+
+
+# -- outputs ----------------------------------------------------------------------------------
+
+#: the parameters of the subcommands whose values name files the command reads (MODEL, the
+#: input files, number-or-file options such as --std and --lower, and @files of names)
+READ_PARAMS = ("model", "inputs", "known", "targets", "x0", "cov", "std", "lower", "upper",
+               "weights", "sigma", "jacobians", "outputs", "input_names", "output_names")
+
+
+def _read_files(ctx: click.Context) -> list[tuple[str, str]]:
+    """(option, path) of every existing file or directory the running command reads."""
+    from .._io import split_key
+
+    found = []
+    for param in ctx.command.params:
+        if param.name not in READ_PARAMS:
+            continue
+        value = ctx.params.get(param.name)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        longs = [o for o in param.opts if o.startswith("--")]
+        option = longs[0] if longs else param.human_readable_name
+        for text in values:
+            if not isinstance(text, str) or not text:
+                continue
+            if param.name == "model":
+                path = model_path(text)
+            elif text.startswith("@") and param.name in ("input_names", "output_names"):
+                path = text[1:]
+            else:
+                path = split_key(text)[0]
+            if path is not None and os.path.lexists(path):
+                found.append((option, path))
+    return found
+
+
+def _same(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths are one file: the same inode (a hard link, a link, another spelling),
+    or the same resolved path where one does not exist yet."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _within(inner: str | Path, outer: str | Path) -> bool:
+    """Whether ``inner`` lies inside the directory ``outer``, as written or resolved."""
+    return any(os.path.commonpath([i, o]) == o and i != o
+               for i, o in ((os.path.abspath(inner), os.path.abspath(outer)),
+                            (os.path.realpath(inner), os.path.realpath(outer))))
+
+
+def _name_max(path: str) -> int:
+    """The longest file name (bytes) the filesystem of ``path`` allows (``NAME_MAX``), read
+    from its nearest existing ancestor."""
+    probe = os.path.abspath(path)
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        return int(os.pathconf(probe, "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        return 255
+
+
+def _check_lengths(option: str, out: str, derived: str) -> None:
+    """Refuse ``out`` when one of its names is longer than the filesystem allows, or its last
+    name is once batchjac appends ``derived`` to it (the longest name it makes beside it)."""
+    from .._errors import InputFileError
+
+    limit = _name_max(out)
+    parts = [p for p in Path(os.path.abspath(out)).parts[1:] if p not in ("", os.sep)]
+    for i, part in enumerate(parts):
+        size = len(os.fsencode(part))
+        extra = len(os.fsencode(derived)) if i == len(parts) - 1 else 0
+        if size + extra <= limit:
+            continue
+        shown = part if len(part) <= 40 else f"{part[:20]}...{part[-12:]}"
+        beside = (f"; batchjac also writes names up to {extra} bytes longer beside it (its work "
+                  f"directory {shown + derived.split('.removed-')[0]!r} and their temporaries), "
+                  f"so it may be at most {limit - extra} bytes" if extra else "")
+        raise InputFileError(
+            f"{option} {out!r}: the name {shown!r} is {size} bytes, and this filesystem allows "
+            f"{limit} bytes per name (NAME_MAX){beside}. Give {option} a shorter name.")
+
+
+def resolve_output(option: str, out: str, *, replaces: Sequence[str | Path] = (),
+                   derived: str = "") -> Path:
+    """The output path ``out`` of the running command (``option`` names it in messages),
+    checked before any input is read or anything is written; the one place every subcommand
+    that writes resolves its output.
+
+    ``replaces`` are the paths the command writes or replaces (the output, the files beside
+    it, its work directory): none may be, or (a directory) hold, one of the files the command
+    reads (MODEL, --inputs, --known, --cov...), compared by inode and resolved path, and
+    ``--overwrite`` does not change that. ``out`` itself may not be an input either (a
+    directory that ``propagate`` or ``report`` writes into may hold inputs beside the files it
+    writes). ``derived`` is the longest suffix batchjac appends to the output's name for its
+    own files (``.partial`` and the like): the name with it must fit the filesystem's
+    ``NAME_MAX``, or the run would fail midway.
+    """
+    from .._errors import StoreExistsError
+
+    _check_lengths(option, out, derived)
+    reads = _read_files(click.get_current_context())
+    for what, path in reads:
+        if _same(path, out):
+            raise StoreExistsError(
+                f"{option} {out!r} is the {what} file {path!r}: writing the output there would "
+                f"destroy the command's own input, and --overwrite does not allow that. Give "
+                f"{option} another path.")
+    for target in replaces:
+        for what, path in reads:
+            if _same(path, target) or _within(path, target):
+                held = "is" if _same(path, target) else "holds"
+                raise StoreExistsError(
+                    f"{option} {out!r} would replace {os.fspath(target)!r}, which {held} the "
+                    f"{what} file {path!r}: batchjac does not replace the command's own input, even "
+                    f"with --overwrite. Give {option} another path, or move that input first.")
+    return Path(out)
+
+
+def store_paths(out: str, fmt: Any) -> list[Path]:
+    """What a store at ``out`` of the format ``fmt`` occupies: its final paths (the output and
+    the files beside it) and its work directory ``OUT.partial``."""
+    from .._stores import WorkDir
+
+    return [*fmt.final_paths(Path(out)), WorkDir(Path(out)).path]
+
+
+def store_suffix() -> str:
+    """The longest suffix a store appends to its output's name: the work directory
+    ``OUT.partial``, renamed ``OUT.partial.removed-PID-NANOSECONDS`` when it is deleted
+    (:meth:`batchjac._stores.WorkDir.remove`; a PID of up to 7 digits, 19 for the time)."""
+    from .._stores.workdir import WORK_SUFFIX
+
+    return f"{WORK_SUFFIX}.removed-{'9' * 7}-{'9' * 19}"
+
+
+def refuse_existing(paths: Sequence[Path], *, option: str, overwrite: bool,
+                    finished: Callable[[Path], bool] | None = None) -> None:
+    """The rule of every output: something at one of ``paths`` that is not a finished batchjac
+    output is kept (:class:`~batchjac._stores.StoreExistsError`, exit 6) unless ``overwrite``.
+    ``finished`` tells a finished output (its manifest); without it, every existing file is
+    kept (an output that records nothing cannot tell an earlier run's from another file)."""
+    from .._stores import StoreExistsError
+
+    for path in paths:
+        if overwrite or not os.path.lexists(path) or (finished is not None and finished(path)):
+            continue
+        why = "and is not a finished batchjac output" if finished is not None else \
+            "and batchjac cannot tell it from a file it did not write"
+        raise StoreExistsError(f"The output {os.fspath(path)!r} exists {why}; choose another "
+                               f"{option}, or pass --overwrite to replace it.")

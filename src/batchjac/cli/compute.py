@@ -8,11 +8,21 @@ and the exit code of docs/cli.md).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from .common import Files, backend_of, gather_inputs, load_model
+from .common import (
+    Files,
+    backend_of,
+    gather_inputs,
+    load_model,
+    refuse_existing,
+    resolve_output,
+    store_paths,
+    store_suffix,
+)
 from .errors import guard
 from .options import (
     CONTEXT,
@@ -65,12 +75,15 @@ def compute(model: str, inputs: str, known: str | None, wrt: str | None, out: st
     If the run stops (killed, disk full), the same command continues from the finished chunks.
     """
     from .._jacobian import jacobian
-    from .._stores import Store, format_of
+    from .._stores import Store, read_manifest, store_format
 
-    format_of(out)  # the cheap checks first: loading a framework takes seconds
+    # the cheap checks first: loading a framework takes seconds
+    resolve_output("--out", out, replaces=store_paths(out, store_format(out)),
+                   derived=store_suffix())
     with Files() as files:
         args, columns = gather_inputs(files, (inputs,), known=known, wrt=wrt)
-        _refuse_foreign_output(out, overwrite=overwrite)
+        refuse_existing([Path(out)], option="--out", overwrite=overwrite,
+                        finished=lambda path: read_manifest(path) is not None)
         loaded = load_model(model, trust=trust_model)
         names = [n.strip() for n in output_names.split(",")] if output_names else None
         store = Store(out, overwrite=overwrite, model_id=loaded.fingerprint, output_names=names)
@@ -84,17 +97,6 @@ def compute(model: str, inputs: str, known: str | None, wrt: str | None, out: st
         click.echo(json.dumps(summary))
     if not quiet:
         click.echo(_describe(result), err=True)
-
-
-def _refuse_foreign_output(out: str, *, overwrite: bool) -> None:
-    """Something at ``out`` that is not a finished batchjac output is kept, unless --overwrite."""
-    import os
-
-    from .._stores import StoreExistsError, read_manifest
-
-    if not overwrite and os.path.lexists(out) and read_manifest(out) is None:
-        raise StoreExistsError(f"The output {out!r} exists and is not a finished batchjac output; "
-                               f"choose another --out, or pass --overwrite to replace it.")
 
 
 def _describe(result: Any) -> str:

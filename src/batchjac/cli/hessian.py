@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .common import Files, backend_of, gather_inputs, load_model
+from .common import (
+    Files,
+    backend_of,
+    gather_inputs,
+    load_model,
+    resolve_output,
+    store_paths,
+    store_suffix,
+)
 from .compute import _describe
 from .errors import guard
 from .options import (
@@ -69,11 +77,14 @@ def hessian(model: str, inputs: str, known: str | None, wrt: str | None, out: st
     """
     from .._errors import InputError
     from .._hessian import hessian as compute_hessian
-    from .._stores import Store, format_of
+    from .._stores import Store
+    from .._stores.hessians import second_format
 
     if diagonal and laplacian:
         raise InputError("--diagonal and --laplacian ask for two results; pass one.")
-    format_of(out)  # the cheap checks first: loading a framework takes seconds
+    # the cheap checks first: loading a framework takes seconds
+    resolve_output("--out", out, replaces=store_paths(out, second_format(out, "hessians")),
+                   derived=store_suffix())
     with Files() as files:
         args, columns = gather_inputs(files, (inputs,), known=known, wrt=wrt)
         loaded = load_model(model, trust=trust_model)

@@ -6,11 +6,12 @@ MODEL and its inputs, or from precomputed Jacobians. Exit codes as every subcomm
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from .common import Files, backend_of, gather_inputs, load_model, writing_output
+from .common import Files, backend_of, gather_inputs, load_model, resolve_output, writing_output
 from .errors import guard
 from .options import (
     CONTEXT,
@@ -60,6 +61,8 @@ def report(model: str | None, inputs: tuple[str, ...], known: str | None, wrt: s
 
     if (model is None) == (jacobians is None):
         raise click.UsageError("Give either MODEL (the Jacobians are computed) or --jacobians FILE.")
+    directory = resolve_output("--output", output, replaces=[
+        Path(output, "report.md"), Path(output, "sensitivity_heatmap.png")])
     inputs_named = parse_names(input_names, option="--input-names")
     outputs_named = parse_names(output_names, option="--output-names")
     with Files() as files:
@@ -79,7 +82,7 @@ def report(model: str | None, inputs: tuple[str, ...], known: str | None, wrt: s
         sens = sensitivity(jac, x, y, by=by, input_names=inputs_named,
                            output_names=outputs_named)
     with writing_output(f"-o {output!r}"):
-        path = write_report(sens, output, top=top)
+        path = write_report(sens, directory, top=top)
     click.echo(str(sens))
     click.echo(f"wrote {path}")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from .common import Files, load_model
+from .common import Files, load_model, resolve_output, store_paths, store_suffix
 from .errors import guard
 from .options import (
     CONTEXT,
@@ -81,9 +81,11 @@ def solve(model: str, targets: str, known: str | None, x0: str | None, out: str,
     and fitted (see --fit-tol); converged to a point that does not fit is the status
     local_minimum. If the run stops, the same command continues.
     """
-    from .._solve_store import SolveInputs, output_format, solve_to_store
+    from .._solve_store import SolveInputs, result_format, solve_to_store
 
-    output_format(out)  # the cheap checks first: loading a framework takes seconds
+    # the cheap checks first: loading a framework takes seconds
+    resolve_output("--out", out, replaces=store_paths(out, result_format(out)),
+                   derived=store_suffix())
     with Files() as files:
         inputs = SolveInputs(
             targets=files.open(targets, "--targets"), known=files.value(known, "--known"),
