@@ -114,7 +114,7 @@ def test_propagate_failure_leaves_no_partial_files(files: dict[str, str],
         raise ModelError("the model failed on instance 10")
 
     monkeypatch.setattr(_propagate, "propagate", half_then_fail)
-    res = run(*args)
+    res = run(*args, "--overwrite")  # the earlier results are replaced only when a run succeeds
     assert res.exit_code != 0
     assert "instance 10" in res.output
     # the earlier results are intact, and nothing half-written is left

@@ -2,19 +2,31 @@
 inputs, written chunk by chunk into memory-mapped ``mean.npy`` and ``cov.npy``.
 
 The results are written under temporary names and renamed at the end: a failed or interrupted
-run never leaves half-filled files behind, nor replaces those of an earlier run. Exit codes as
-every subcommand (:mod:`batchjac.cli.errors`); a failure to write the results is 7.
+run never leaves half-filled files behind, nor replaces those of an earlier run. An existing
+``mean.npy`` or ``cov.npy`` is kept unless ``--overwrite`` (nothing records which run wrote
+them: the rule of a file beside a ``compute`` output, exit 6), and one of the command's own
+inputs is never replaced, even with ``--overwrite``. Exit codes as every subcommand
+(:mod:`batchjac.cli.errors`); a failure to write the results is 7.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from .common import Files, backend_of, gather_inputs, load_model, require_file, writing_output
+from .common import (
+    Files,
+    backend_of,
+    gather_inputs,
+    load_model,
+    refuse_existing,
+    require_file,
+    resolve_output,
+    writing_output,
+)
 from .errors import guard
 from .options import (
     CONTEXT,
@@ -23,6 +35,7 @@ from .options import (
     model_argument,
     model_options,
     output_options,
+    overwrite_option,
     parse_numbers,
 )
 
@@ -48,13 +61,14 @@ Shapes = tuple[int, tuple[int, ...], int]
 @max_memory_option
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
               help="Directory for mean.npy (N, *output_shape) and cov.npy (N, m, m).")
+@overwrite_option
 @output_options
 @guard("propagate", interrupted="earlier results are kept, nothing half-written: run the same "
                                 "command again.")
 def propagate(model: str, inputs: tuple[str, ...], known: str | None, wrt: str | None,
               wrt_input: int | None, backend: str | None, dtype: str | None, trust_model: bool,
               cov: str | None, std: str | None, method: Method, samples: int, seed: int,
-              max_memory: str | None, output: str) -> None:
+              max_memory: str | None, output: str, overwrite: bool) -> None:
     """Propagate input uncertainty through MODEL: per-instance output mean and covariance.
 
     --inputs holds the unknowns' means. The results are written chunk by chunk into
@@ -65,6 +79,11 @@ def propagate(model: str, inputs: tuple[str, ...], known: str | None, wrt: str |
     if (cov is None) == (std is None):
         raise click.UsageError("Give the input uncertainty as exactly one of `cov` (--cov FILE) and "
                                "`std` (--std STD); got " + ("both." if cov is not None else "neither."))
+    directory = Path(output)
+    final, partial = _paths(directory)
+    resolve_output("--output", output, replaces=[*final, *partial])
+    _refuse_directories(final)
+    refuse_existing(final, option="--output directory", overwrite=overwrite)
     with Files() as files:
         args, columns = gather_inputs(files, inputs, known=known, wrt=wrt, wrt_input=wrt_input)
         uncertainty = {"cov": None if cov is None else files.array(cov, "--cov"),
@@ -79,7 +98,7 @@ def propagate(model: str, inputs: tuple[str, ...], known: str | None, wrt: str |
                           n_samples=samples, seed=seed, dtype=dtype, backend=framework,
                           max_memory=max_memory, out=out, **uncertainty)
 
-        paths, first = _write(Path(output), shapes, run)
+        paths, first = _write(directory, shapes, run)
     n, out_shape, m = shapes
     click.echo(f"{method}: wrote {paths[0]} {(n, *out_shape)} and {paths[1]} {(n, m, m)}")
     if first is not None:
@@ -113,22 +132,44 @@ def _shapes(model: Any, args: tuple[Any, ...], columns: Any, *, dtype: str | Non
     return spec.n, tuple(bound.output_shape), output_size(bound)
 
 
+def _paths(directory: Path) -> tuple[tuple[Path, Path], tuple[Path, Path]]:
+    """The results' paths in ``directory`` (mean.npy, cov.npy), and their temporary names."""
+    final = (directory / "mean.npy", directory / "cov.npy")
+    return final, (final[0].with_name(".mean.npy.partial"), final[1].with_name(".cov.npy.partial"))
+
+
+def _refuse_directories(final: Sequence[Path]) -> None:
+    """A directory where a result goes is never replaced, even with --overwrite (the rename at
+    the end would fail, after the whole computation)."""
+    from .._stores import StoreExistsError
+
+    for path in final:
+        if path.is_dir() and not path.is_symlink():
+            raise StoreExistsError(f"{str(path)!r} is a directory, where propagate writes the file "
+                                   f"{path.name}; batchjac never replaces a directory it did not "
+                                   f"make. Remove it yourself, or choose another --output.")
+
+
 def _write(directory: Path, shapes: Shapes, run: Callable[[tuple[Any, Any]], None]
            ) -> tuple[tuple[Path, Path], Any]:
     """``run((mean_out, cov_out))`` into memory maps under temporary names, renamed to
-    mean.npy and cov.npy when it returns; the paths, and instance 0's output std (None if N=0)."""
+    mean.npy and cov.npy when it returns; the paths, and instance 0's output std (None if N=0).
+    The temporaries are created new, never through a link planted under their names."""
     import numpy as np
 
+    from .._stores import ArrayInfo
+    from .._stores.npy import create_npy, map_npy
+
     n, out_shape, m = shapes
-    final = (directory / "mean.npy", directory / "cov.npy")
-    partial = tuple(directory / f".{path.name}.partial" for path in final)
+    final, partial = _paths(directory)
+    infos = [ArrayInfo(path.name, shape, "float64", max(n, 1), (), {})
+             for path, shape in zip(partial, ((n, *out_shape), (n, m, m)))]
     try:
         with writing_output(f"-o {str(directory)!r}"):
             directory.mkdir(parents=True, exist_ok=True)
-            mean_out = np.lib.format.open_memmap(partial[0], mode="w+", dtype=np.float64,
-                                                 shape=(n, *out_shape))
-            cov_out = np.lib.format.open_memmap(partial[1], mode="w+", dtype=np.float64,
-                                                shape=(n, m, m))
+            for path, info in zip(partial, infos):
+                create_npy(path, info)
+            mean_out, cov_out = (map_npy(path, info) for path, info in zip(partial, infos))
         run((mean_out, cov_out))
         first = np.sqrt(np.clip(np.diagonal(cov_out[0]), 0, None)) if n else None
         with writing_output(f"-o {str(directory)!r}"):
