@@ -154,22 +154,24 @@ def _write(directory: Path, shapes: Shapes, run: Callable[[tuple[Any, Any]], Non
            ) -> tuple[tuple[Path, Path], Any]:
     """``run((mean_out, cov_out))`` into memory maps under temporary names, renamed to
     mean.npy and cov.npy when it returns; the paths, and instance 0's output std (None if N=0).
-    The temporaries are created new, never through a link planted under their names."""
+    The temporaries are created new (``O_EXCL``), not through a link planted under their names."""
+    import os
+
     import numpy as np
 
-    from .._stores import ArrayInfo
-    from .._stores.npy import create_npy, map_npy
+    from .._stores.durable import create_new
 
     n, out_shape, m = shapes
     final, partial = _paths(directory)
-    infos = [ArrayInfo(path.name, shape, "float64", max(n, 1), (), {})
-             for path, shape in zip(partial, ((n, *out_shape), (n, m, m)))]
     try:
         with writing_output(f"-o {str(directory)!r}"):
             directory.mkdir(parents=True, exist_ok=True)
-            for path, info in zip(partial, infos):
-                create_npy(path, info)
-            mean_out, cov_out = (map_npy(path, info) for path, info in zip(partial, infos))
+            for path in partial:  # a stale file or a planted link removed, the file made anew
+                os.close(create_new(path))
+            mean_out = np.lib.format.open_memmap(partial[0], mode="w+", dtype=np.float64,
+                                                 shape=(n, *out_shape))
+            cov_out = np.lib.format.open_memmap(partial[1], mode="w+", dtype=np.float64,
+                                                shape=(n, m, m))
         run((mean_out, cov_out))
         first = np.sqrt(np.clip(np.diagonal(cov_out[0]), 0, None)) if n else None
         with writing_output(f"-o {str(directory)!r}"):
