@@ -7,6 +7,7 @@ the argument, say what was received, and how to fix it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -55,10 +56,139 @@ def _table_to_numpy(obj: Any, name: str) -> np.ndarray:
     return out
 
 
+#: element types that have no numpy dtype of their own (ml_dtypes', torch's, TensorFlow's
+#: names): batchjac computes in float32/float64 and takes none of them yet
+_LOW_PRECISION = re.compile(r"\b(bfloat16|float8_\w+|float6_\w+|float4_\w+)\b")
+
+#: how to make a float32 array of one framework's array ("numpy" for anything else)
+_CAST_HINT = {"torch": "{n}.float()", "jax": "{n}.astype(jnp.float32)",
+              "tensorflow": "tf.cast({n}, tf.float32)", "numpy": "{n}.astype(np.float32)"}
+
+#: symbolic values (a shape and a dtype, no numbers): the type names of JAX's, TensorFlow's
+#: and Keras's
+_SYMBOLIC = ("ShapeDtypeStruct", "TensorSpec", "KerasTensor")
+
+
+_FRAMEWORKS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "tensorflow": "tensorflow",
+               "keras": "tensorflow", "tf_keras": "tensorflow"}
+
+
+def _framework(obj: Any) -> str:
+    """ "torch", "jax", "tensorflow" (Keras too) or "numpy", by the module of ``obj``'s type."""
+    return _FRAMEWORKS.get((type(obj).__module__ or "").split(".", 1)[0], "numpy")
+
+
+def _as_code(name: str) -> str:
+    """An argument's name as it would be written in code (``x``, ``inputs['h']``)."""
+    return name.split(" (", 1)[0]
+
+
+def _what(obj: Any) -> str:
+    """``obj`` in a message: its type and, where it has one, its shape."""
+    shape = getattr(obj, "shape", None)
+    try:
+        shown = f" of shape {tuple(int(d) for d in shape)}" if shape is not None else ""
+    except (TypeError, ValueError):  # symbolic dimensions
+        shown = f" of shape {shape}"
+    return f"a {type(obj).__module__.split('.', 1)[0]}.{type(obj).__name__}{shown}"
+
+
+def _low_precision(dtype: Any) -> str | None:
+    """The name of a half-precision (or narrower) float type that batchjac does not take
+    (bfloat16, the float8s...), or None; float16 is taken (computed in float32)."""
+    found = _LOW_PRECISION.search(str(dtype)) if dtype is not None else None
+    return found.group(1) if found else None
+
+
+def _refuse_low_precision(obj: Any, dtype_name: str, name: str) -> None:
+    cast = _CAST_HINT[_framework(obj)].format(n=_as_code(name))
+    raise InputTypeError(
+        f"`{name}` is {dtype_name} ({_what(obj)}); batchjac computes in float32 or float64 "
+        f"today and does not take {dtype_name} inputs (nor does it round them silently). Cast "
+        f"it first: {cast} (float16 inputs are computed in float32 as they are).")
+
+
+def _not_dense(obj: Any) -> tuple[str, str] | None:
+    """(what it is, how to make a dense array of it) when ``obj`` is a sparse or ragged array
+    of a known kind: torch's sparse layouts and nested tensors, TensorFlow's SparseTensor and
+    RaggedTensor, JAX's BCOO and BCSR, SciPy's and pydata's sparse arrays; None otherwise."""
+    layout = getattr(obj, "layout", None)
+    padded = ", if rows padded with zeros are what the model takes"
+    if getattr(obj, "is_sparse", False) is True or (
+            layout is not None and "sparse" in str(layout)):  # COO, CSR, CSC, BSR, BSC
+        return f"a sparse tensor of layout {layout}", "{n}.to_dense()"
+    if getattr(obj, "is_nested", False) is True:
+        return "a nested (ragged) tensor", "torch.nested.to_padded_tensor({n}, 0.0)" + padded
+    if all(hasattr(obj, a) for a in ("dense_shape", "indices", "values")):
+        return "a sparse tensor", "tf.sparse.to_dense({n})"
+    if hasattr(obj, "row_splits") and callable(getattr(obj, "to_tensor", None)):
+        return "a ragged tensor", "{n}.to_tensor()" + padded
+    if hasattr(obj, "nse") and callable(getattr(obj, "todense", None)):
+        return "a sparse array", "{n}.todense()"
+    if hasattr(obj, "nnz") and callable(getattr(obj, "toarray", None)):
+        return "a sparse matrix", "{n}.toarray()"
+    if hasattr(obj, "nnz") and callable(getattr(obj, "todense", None)):
+        return "a sparse array", "{n}.todense()"
+    return None
+
+
+def _variable_value(obj: Any) -> Any:
+    """The value of a TensorFlow or Keras variable as the framework's tensor (what
+    tf.convert_to_tensor gives); None for anything else. A variable is not a tensor: its
+    shape and dtype are not numpy's, and slicing it is not TensorFlow's everywhere."""
+    if _framework(obj) != "tensorflow" or not callable(getattr(obj, "assign", None)):
+        return None
+    read = getattr(obj, "read_value", None)
+    if callable(read):  # tf.Variable
+        return read()
+    value = getattr(obj, "value", None)  # keras.Variable: a property, the backend's tensor
+    return value if value is not None and not callable(value) and hasattr(value, "shape") else None
+
+
+def examine(obj: Any, name: str) -> Any:
+    """The first look at one input, before anything converts it: what batchjac cannot take
+    is refused here, by name, with what was received and the fix (a sparse, ragged,
+    quantized or meta-device tensor, a symbolic value, an array of bfloat16 or float8), and a
+    TensorFlow/Keras variable becomes its value. Everything else is returned as it is.
+    Recognised without importing a framework (attributes and dtype names)."""
+    if isinstance(obj, np.ndarray) and obj.dtype.kind != "V":
+        return obj  # the common case, at once
+    if isinstance(obj, (str, os.PathLike, list, tuple)) or _is_table(obj) or is_lazy(obj):
+        return obj  # (files, lists and tables are read by to_numpy and checked there)
+    if getattr(obj, "is_meta", False) is True:
+        raise InputTypeError(
+            f"`{name}` is a tensor on the 'meta' device ({_what(obj)}): it has a shape and a "
+            f"dtype but no values, and a Jacobian is taken at values. Give a tensor that holds "
+            f"the inputs, on the CPU or a GPU (a module built on 'meta' gets its weights with "
+            f"module.to_empty(device='cpu') and load_state_dict).")
+    if type(obj).__name__ in _SYMBOLIC:
+        raise InputTypeError(
+            f"`{name}` is {_what(obj)}: a symbolic value, with a shape and a dtype but no "
+            f"numbers, and a Jacobian is taken at numbers. Give the input array itself.")
+    found = _not_dense(obj)
+    if found is not None:
+        kind, fix = found
+        raise InputTypeError(
+            f"`{name}` is {kind} ({_what(obj)}); batchjac takes dense arrays, one row per "
+            f"instance. Make it dense first: {fix.format(n=_as_code(name))}.")
+    if getattr(obj, "is_quantized", False) is True:
+        raise InputTypeError(
+            f"`{name}` is a quantized tensor ({_what(obj)}, {getattr(obj, 'dtype', '?')}); "
+            f"batchjac differentiates real numbers. Give {_as_code(name)}.dequantize() instead.")
+    value = _variable_value(obj)
+    if value is not None:
+        obj = value
+    low = _low_precision(getattr(obj, "dtype", None))
+    if low is not None:
+        _refuse_low_precision(obj, low, name)
+    return obj
+
+
 def to_numpy(obj: Any, name: str) -> np.ndarray:
     """Convert numpy arrays, nested lists, tables (pandas DataFrames, column names kept) and
     framework tensors to numpy, without importing any framework (tensors and tables are
-    recognised by their methods)."""
+    recognised by their methods). What cannot be an input is refused first (:func:`examine`)."""
+    obj = examine(obj, name)
     if isinstance(obj, np.ndarray):
         arr = obj
     elif _is_table(obj):
@@ -80,6 +210,12 @@ def to_numpy(obj: Any, name: str) -> np.ndarray:
 
 
 def _check_array(dtype: np.dtype, ndim: int, name: str) -> None:
+    low = _low_precision(dtype)
+    if low is not None:  # nested lists of ml_dtypes' scalars, say
+        raise InputTypeError(
+            f"`{name}` holds {low} numbers; batchjac computes in float32 or float64 today and "
+            f"does not take {low} inputs. Cast them first: "
+            f"np.asarray({_as_code(name)}, dtype=np.float32).")
     if dtype.kind not in "fiub":
         hint = " (ragged rows?)" if dtype == np.dtype(object) else ""
         raise InputTypeError(
@@ -97,6 +233,7 @@ def as_native(obj: Any, name: str, xp: ArrayOps, device: Any) -> Any:
     """An input as an array of kind ``xp`` (see :mod:`batchjac._arrays`): one of that kind as
     it is, on its device; anything else read as numpy (:func:`as_input`, a file whole) and
     converted once, onto ``device``."""
+    obj = examine(obj, name)
     if xp.is_native(obj):
         _check_array(xp.dtype_of(obj), len(obj.shape), name)
         return obj
