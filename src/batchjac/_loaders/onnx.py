@@ -306,7 +306,7 @@ def _convert(model: onnx.ModelProto, what: str) -> torch.nn.Module:
         params = tuple(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
         params = ()
-    if len(params) == len(names):
+    if names and len(params) == len(names):
         module.register_forward_pre_hook(InputCheck(what, tuple(names), params),
                                          with_kwargs=True)
     return module.eval()
