@@ -892,6 +892,71 @@ def _first_line(e: Exception) -> str:
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
+#: the code of the wrapper ``torch.autograd.function.once_differentiable`` puts around a
+#: backward (functools.wraps copies the name, not the code): the Function's own marker
+_ONCE_CODE = torch.autograd.function.once_differentiable(lambda ctx, *g: g).__code__
+
+
+def _is_once_differentiable(function: type) -> bool:
+    """Whether a custom ``torch.autograd.Function``'s backward is ``@once_differentiable``:
+    computed under ``no_grad``, so plain autograd cannot differentiate it again."""
+    for name in ("backward", "vjp"):
+        fn = getattr(function, name, None)
+        if getattr(fn, "__code__", None) is _ONCE_CODE:
+            return True
+    return False
+
+
+def _in_func_form(function: type) -> bool:
+    """Whether torch.func can push a tangent through a custom Function and its backward: its
+    own ``setup_context`` and ``jvp`` staticmethods."""
+    base = torch.autograd.Function
+    return all(getattr(function, name, None) is not getattr(base, name, None)
+               for name in ("setup_context", "jvp"))
+
+
+def _custom_functions(y: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[bool, bool]]:
+    """The custom ``torch.autograd.Function`` classes on a path of ``y``'s graph from ``x``,
+    by name, each with whether its backward is ``@once_differentiable`` and whether it is in
+    torch.func's form (:func:`_in_func_form`). (Functions on the weights' paths only do not
+    count: the derivatives are taken in ``x``.)"""
+    found: dict[str, tuple[bool, bool]] = {}
+    root = y.grad_fn
+    if root is None:
+        return found
+    reaches: dict[int, bool] = {}
+    keep: list[Any] = []  # the nodes walked, alive, so that their ids stay unique
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if not done:
+            if id(node) in reaches:
+                continue
+            reaches[id(node)] = False  # (a DAG: finished before any parent reads it)
+            keep.append(node)
+            stack.append((node, True))
+            stack.extend((n, False) for n, _ in node.next_functions
+                         if n is not None and id(n) not in reaches)
+            continue
+        hit = getattr(node, "variable", None) is x or any(
+            reaches.get(id(n), False) for n, _ in node.next_functions if n is not None)
+        reaches[id(node)] = hit
+        function = getattr(node, "_forward_cls", None)
+        if hit and isinstance(function, type):
+            found[f"{function.__module__}.{function.__qualname__}"] = (
+                _is_once_differentiable(function), _in_func_form(function))
+    return found
+
+
+def _first_sentence(e: Exception) -> str:
+    text = _first_line(e)[:300]
+    return text.split(". ", 1)[0].rstrip(".")
+
+
+def _quoted(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _out_of_memory(e: Exception) -> bool:
     text = str(e)
     return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in text \
@@ -1108,6 +1173,7 @@ class TorchSecondKernel(Kernel):
             if found is not None:
                 return found
             self._select("plain", self.autograd_failed)
+        self._guard(u, ctx)
         _load_forward_ad()  # (torch.func's forward mode, from here on)
         if self.kind in ("diagonal", "laplacian") and self.order == "forward-over-forward":
             return self._diagonal_ff(u, ctx)
@@ -1115,10 +1181,84 @@ class TorchSecondKernel(Kernel):
             return self._hessian_ff(u, ctx)
         if v is not None and self.order == "forward-over-forward":
             return self._hvp_ff(u, ctx, v)
-        return self._over_reverse(u, ctx, v)
+        try:
+            return self._over_reverse(u, ctx, v)
+        except (BatchJacError, Warning):
+            raise
+        except Exception as e:
+            once = self._once(u, ctx)
+            if once:
+                raise self._not_twice(once, e) from e
+            if any(not form for _, form in self._custom(u, ctx).values()) and \
+                    self.variant != "autograd" and "autograd" not in self.autograd_failed:
+                # a Function torch.func refuses (forward(ctx, ...), or no jvp) whose backward
+                # autograd records: plain autograd's forward over reverse (the Laplacian's
+                # kernel has no such build of its own)
+                found = self._autograd_over_reverse(u, ctx, v)
+                if found is not None:
+                    self.variants = ("autograd",)
+                    self._select("autograd", f"torch.func failed: {_first_sentence(e)}")
+                    return found
+            raise
 
     #: why forward over reverse on plain autograd could not run for this model
     autograd_failed = ""
+    #: the custom autograd Functions between the unknowns and the output (see
+    #: :func:`_custom_functions`), found on the first chunk's first row
+    _functions: dict[str, tuple[bool, bool]] | None = None
+
+    def _custom(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                ) -> dict[str, tuple[bool, bool]]:
+        """The custom Functions of the model's graph from the unknowns (one forward pass of
+        one row, once): second derivatives through them need care (:meth:`_guard`)."""
+        if self._functions is None:
+            self._functions = {}
+            with contextlib.suppress(Exception), torch.enable_grad(), _unknowns_require_grad():
+                x = u[:1].detach().requires_grad_(True)
+                self._functions = _custom_functions(
+                    self._bound.apply(x, tuple(c[:1] for c in ctx)), x)
+        return self._functions
+
+    def _once(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], *, func_form: bool = True
+              ) -> list[str]:
+        """The Functions whose backward is ``@once_differentiable`` (of them, with
+        ``func_form=False``, those torch.func cannot differentiate either)."""
+        return sorted(name for name, (once, form) in self._custom(u, ctx).items()
+                      if once and (func_form or not form))
+
+    def _not_twice(self, names: list[str], cause: Exception) -> ModelError:
+        one = len(names) == 1
+        what = ("is a custom torch.autograd.Function whose backward is" if one else
+                "are custom torch.autograd.Functions whose backwards are")
+        err = ModelError(
+            f"The model is not twice differentiable: {_quoted(names)} {what} "
+            f"marked @once_differentiable, so plain autograd cannot differentiate "
+            f"{'it' if one else 'them'} again (it would read the gradient as constant: a zero "
+            f"Hessian), and torch.func, which can, failed: {_first_sentence(cause)}. Make the "
+            f"backward differentiable (drop @once_differentiable; write it with torch "
+            f"operations), or give the Function torch.func's form (setup_context and jvp "
+            f"staticmethods). batchjac.jacobian (first derivatives) works with it as it is.")
+        err.__cause__ = cause
+        return err
+
+    def _guard(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+        """Before torch.func's second-order passes: forward over forward pushes a tangent
+        through a custom Function's ``jvp`` twice, and torch's nested forward mode loses the
+        second-order terms there (zeros, whatever the backward): a clear error instead."""
+        if self.order != "forward-over-forward":
+            return
+        names = sorted(self._custom(u, ctx))
+        if names:
+            one = len(names) == 1
+            raise ModelError(
+                f"Second derivatives cannot be computed with mode='forward-over-forward' for "
+                f"this model: {_quoted(names)} "
+                f"{'is a custom torch.autograd.Function' if one else 'are custom torch.autograd.Functions'}"
+                f", and torch's forward mode loses the second-order terms of a Function's jvp "
+                f"(they would come out zero). Pass mode='forward-over-reverse'"
+                + (" (a backward marked @once_differentiable must then be differentiable, or "
+                   "its Function have setup_context and jvp staticmethods)"
+                   if self._once(u, ctx, func_form=False) else "") + ".")
 
     def _autograd_over_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
                                v: torch.Tensor | None
@@ -1137,6 +1277,14 @@ class TorchSecondKernel(Kernel):
         bound = self._bound
         k, m, out_shape, ushape = self._shapes(u)
         rows = u.shape[0]
+        once = self._once(u, ctx)
+        if once:
+            # its gradient does not require grad (or its graph ends in torch's error node,
+            # off the path to the unknowns): read as constant, it would give zeros
+            self.autograd_failed = (f"plain autograd cannot differentiate the "
+                                    f"@once_differentiable backward of {_quoted(once)}")
+            self.variants = ("plain",)
+            return None
         try:
             with torch.enable_grad(), _unknowns_require_grad():
                 x = u.detach().requires_grad_(True)
@@ -1152,7 +1300,7 @@ class TorchSecondKernel(Kernel):
                     g = g.reshape(rows, k)
                     jac[:, o] = g.detach()
                     if not g.requires_grad:  # the gradient is constant: a zero Hessian
-                        continue
+                        continue  # (not twice differentiable: refused above)
                     for j in range(k if tangents is None else 1):
                         seed = g[:, j] if tangents is None else (g * tangents).sum(-1)
                         (h,) = torch.autograd.grad(seed.sum(), x, retain_graph=True,
