@@ -27,12 +27,12 @@ KINDS = ("hessian", "diagonal", "laplacian", "hvp")
 V = np.array([[1.0, -1.0], [0.5, 2.0], [-1.0, 1.0], [2.0, 0.5]])
 
 
-def true_second(kind: str, x: np.ndarray = X, scale: float = 1.0) -> np.ndarray:
-    """The cube's (times ``scale``) result of ``kind`` for the rows ``x``."""
+def true_second(kind: str, x: np.ndarray = X) -> np.ndarray:
+    """The cube's result of ``kind`` for the rows ``x``."""
     n, k = x.shape
     h = np.zeros((n, k, k, k))  # (row, output, unknown, unknown)
     for o in range(k):
-        h[:, o, o, o] = 6 * x[:, o] * scale
+        h[:, o, o, o] = 6 * x[:, o]
     if kind == "hessian":
         return h
     diag = np.diagonal(h, axis1=-2, axis2=-1)
@@ -47,21 +47,23 @@ def second(model: Any, kind: str, mode: str, x: np.ndarray = X, **options: Any) 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (fallback warnings of the first-order probes)
         if kind == "hvp":
-            return np.asarray(batchjac.hvp(model, x, v=V, mode=mode, **options))
+            v = V.astype(x.dtype)
+            return np.asarray(batchjac.hvp(model, x, v=v, mode=mode, **options))
         return np.asarray(batchjac.hessian(model, x, mode=mode, diagonal=kind == "diagonal",
                                            laplacian=kind == "laplacian", **options))
 
 
-def true_or_clear_error(model: Any, kind: str, mode: str, error: str, scale: float = 1.0,
-                        **options: Any) -> str:
+def true_or_clear_error(model: Any, kind: str, mode: str, error: str, x: np.ndarray = X,
+                        rtol: float = 1e-6, **options: Any) -> str:
     """The true result (``"true"``) or a ModelError matching ``error`` (``"error"``); a zero or
     any other wrong result fails."""
     try:
-        got = second(model, kind, mode, **options)
+        got = second(model, kind, mode, x, **options)
     except batchjac.ModelError as e:
         text = str(e)
     else:
-        np.testing.assert_allclose(got, true_second(kind, scale=scale), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(got, true_second(kind, x.astype(np.float64)), rtol=rtol,
+                                   atol=rtol * 1e-3)
         return "true"
     assert re.search(error, text, re.S), text
     return "error"
@@ -199,3 +201,113 @@ def test_torch_twice_differentiable_function_and_linear_model(kind: str) -> None
         got = second(linear, kind, mode)
         assert got.shape == true_second(kind).shape
         assert not np.any(got)
+
+
+def test_torch_auto_takes_forward_over_reverse_where_forward_over_forward_cannot() -> None:
+    """mode="auto" picks forward over forward for more outputs than unknowns; through a custom
+    Function that order is refused (torch's nested forward mode loses its second-order terms),
+    and auto then computes forward over reverse, for this call and the next."""
+    import torch
+
+    twice = _torch_cubes()["twice"]
+
+    class Wide(torch.nn.Module):  # 2 unknowns, 6 outputs: [cube, 2 cube, x]
+        def forward(self, x: Any) -> Any:
+            y = twice.apply(x)
+            return torch.cat([y, 2 * y, x], dim=1)
+
+    h = true_second("hessian")
+    want = np.concatenate([h, 2 * h, np.zeros_like(h)], axis=1)
+    for _ in range(2):
+        np.testing.assert_allclose(second(Wide(), "hessian", "auto"), want, rtol=1e-6, atol=1e-9)
+    with pytest.raises(batchjac.ModelError, match="mode='forward-over-reverse'"):
+        second(Wide(), "hessian", "forward-over-forward")
+
+
+# ---- TensorFlow -----------------------------------------------------------------------------
+
+
+def _tf_cube(gradient: str) -> Any:
+    tf = pytest.importorskip("tensorflow")
+
+    @tf.custom_gradient
+    def cube(x: Any) -> Any:
+        def grad(dy: Any) -> Any:
+            if gradient == "stop":  # the gradient's dependence on x hidden from the tape
+                return dy * 3 * tf.stop_gradient(x) ** 2
+            if gradient == "numpy":
+                return dy * tf.numpy_function(lambda a: 3 * a**2, [x], x.dtype)
+            return dy * 3 * x**2
+
+        return x**3, grad
+
+    return cube
+
+
+@pytest.mark.parametrize("gradient", ["stop", "numpy"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_tf_gradient_function_not_differentiable_is_an_error(gradient: str, kind: str,
+                                                             mode: str) -> None:
+    """Every build read the second tape's "no path" as zeros (UnconnectedGradients.ZERO)."""
+    model = _tf_cube(gradient)
+    for _ in range(2):  # a second call (the kernel kept) refuses too
+        with pytest.raises(batchjac.ModelError, match=r"not twice differentiable.*custom_gradient"):
+            second(model, kind, mode, backend="tensorflow")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tf_differentiable_gradient_and_constant_gradients(kind: str) -> None:
+    """A gradient function written with TensorFlow operations gives the true Hessian; a linear
+    model and a ReLU network (second derivatives zero where they exist) give zeros."""
+    keras = pytest.importorskip("keras")
+    assert true_or_clear_error(_tf_cube("good"), kind, "auto", "^$", backend="tensorflow") == "true"
+    relu = keras.Sequential([keras.Input((2,)), keras.layers.Dense(8, activation="relu"),
+                             keras.layers.Dense(2)])
+    linear = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    for model in (relu, linear):
+        for mode in MODES:
+            got = second(model, kind, mode, X.astype(np.float32))
+            assert got.shape == true_second(kind).shape
+            assert not np.any(got)
+
+
+# ---- JAX ------------------------------------------------------------------------------------
+
+
+def _jax_cube() -> Any:
+    jax = pytest.importorskip("jax")
+
+    @jax.custom_vjp
+    def cube(x: Any) -> Any:
+        return x**3
+
+    cube.defvjp(lambda x: (x**3, x), lambda x, g: (3 * x**2 * g,))
+    return cube
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_jax_custom_vjp_gives_the_true_hessian_or_a_clear_error(kind: str) -> None:
+    """JAX has no forward mode through a custom_vjp: forward over forward (which mode="auto"
+    took for the full Hessian, its diagonal and the Laplacian here) failed with "Calling the
+    model failed: TypeError: can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+    (or "Differentiation rule for 'custom_lin' not implemented"). Now auto computes forward
+    over reverse (the forward derivative of the vjp rule: the true Hessian), and the order
+    asked for explicitly says why it cannot and what to pass."""
+    cube = _jax_cube()
+    x = X.astype(np.float32)
+    for mode in ("auto", "forward-over-reverse"):
+        assert true_or_clear_error(cube, kind, mode, "^$", x=x, rtol=1e-5) == "true"
+    with pytest.raises(batchjac.ModelError,
+                       match=r"forward-over-forward.*custom_vjp.*mode='forward-over-reverse'"):
+        second(cube, kind, "forward-over-forward", x)
+
+
+def test_jax_linear_model_gives_zeros() -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    w = jnp.asarray([[1.0, 2.0], [3.0, -1.0]], dtype=jnp.float32)
+    for kind in KINDS:
+        for mode in MODES:
+            got = second(lambda x: x @ w, kind, mode, X.astype(np.float32))
+            assert got.shape == true_second(kind).shape
+            assert not np.any(got)

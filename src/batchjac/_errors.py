@@ -29,6 +29,13 @@ class NotConnectedError(ModelError):
     """The model's output does not depend on the unknown inputs at all."""
 
 
+class OrderFailedError(ModelError):
+    """A second-order call's order of differentiation cannot differentiate this model twice
+    (forward over forward through a custom rule: a JAX ``custom_vjp``, a PyTorch
+    ``autograd.Function``); the other order may. ``mode="auto"`` then takes the other order;
+    a call that asked for this one gets this error."""
+
+
 class RowInteractionError(ModelError):
     """The output of one instance depends on the inputs of another instance."""
 

@@ -17,7 +17,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from ._backends._base import SECOND_RESULT
 from ._bind import BackendName, beside_probes, prepare
 from ._config import default_max_memory, parse_bytes
 from ._dask import uses_dask
-from ._errors import BatchJacError, InputError, add_context
+from ._errors import BatchJacError, InputError, OrderFailedError, add_context
 from ._loaders import as_model
 from ._plan import (
     OrderArg,
@@ -48,6 +48,10 @@ from ._stores.hessians import SecondStoreResult, second_to_store
 from ._validate import DTypeLike, NanPolicy, as_native, normalize
 
 log = logging.getLogger("batchjac")
+
+
+#: where a bound model remembers the orders that failed for it (OrderFailedError)
+_FAILED_ORDERS = "_second_orders_failed"
 
 
 @dataclass
@@ -263,6 +267,17 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
         def compute() -> Any:
             plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
                                max_memory=max_memory)
+            try:
+                return _compute(bound, spec, kind, plan, return_outputs=return_outputs,
+                                return_jacobian=return_jacobian, out=out, explain=explain,
+                                progress=progress)
+            except OrderFailedError:
+                # (raised before any chunk is written: building or running the first)
+                if mode != "auto" or plan.order != "forward-over-forward":
+                    raise
+                bound.__dict__.setdefault(_FAILED_ORDERS, set()).add(plan.order)
+            plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
+                               max_memory=max_memory)
             return _compute(bound, spec, kind, plan, return_outputs=return_outputs,
                             return_jacobian=return_jacobian, out=out, explain=explain,
                             progress=progress)
@@ -349,11 +364,22 @@ def plan_second(spec: BatchSpec, bound: _backends.BoundModel, kind: SecondKindAr
     m = math.prod(bound.output_shape)
     in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
     budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
-    return make_second_plan(kind=kind, n=spec.n, k=spec.k, m=m, in_elems=in_elems,
-                            dtype=spec.dtype, order=mode, chunk_size=chunk_size,
-                            max_memory=budget,
-                            reductions_over_forward=bound.reductions_over_forward,
-                            forward_hessian=bound.forward_hessian)
+
+    def plan(order: OrderArg) -> SecondPlan:
+        return make_second_plan(kind=kind, n=spec.n, k=spec.k, m=m, in_elems=in_elems,
+                                dtype=spec.dtype, order=order, chunk_size=chunk_size,
+                                max_memory=budget,
+                                reductions_over_forward=bound.reductions_over_forward,
+                                forward_hessian=bound.forward_hessian)
+
+    chosen = plan(mode)
+    if mode == "auto" and chosen.order in bound.__dict__.get(_FAILED_ORDERS, ()):
+        # an order that failed for this model (OrderFailedError): the other one
+        other = plan("forward-over-reverse")
+        return replace(other, reason=other.reason.replace(
+            "mode='forward-over-reverse' was asked for",
+            f"{chosen.order} cannot differentiate this model twice"))
+    return chosen
 
 
 def result_shapes(spec: BatchSpec, output_shape: tuple[int, ...], kind: SecondKindArg

@@ -59,6 +59,7 @@ from .._errors import (
     ForwardModeFallbackWarning,
     InputError,
     ModelError,
+    OrderFailedError,
     ReverseModeFallbackWarning,
     UnwatchedValuesWarning,
 )
@@ -997,9 +998,18 @@ class JaxSecondKernel(Kernel):
             # remembered on disk as the first-order kernels are (a warm process loads it)
             self._fn, loaded = self._compile(lowered)
             bound.compile_count += not loaded
-        except (BatchJacError, Warning):
-            raise
         except Exception as e:
+            cause = e.__cause__ if isinstance(e, ModelError) else e  # (the model's call: _call)
+            if order == "forward-over-forward" and isinstance(cause, Exception) and \
+                    not isinstance(cause, BatchJacError) and _no_forward_rule(cause):
+                raise OrderFailedError(
+                    f"Second derivatives cannot be computed with mode='forward-over-forward' "
+                    f"for this model: it calls a jax.custom_vjp function, which has no "
+                    f"forward-mode rule ({first_line(cause)[:200]}). Pass "
+                    f"mode='forward-over-reverse' (or 'auto'), which differentiates its vjp "
+                    f"rule in forward mode, or define the function with jax.custom_jvp.") from e
+            if isinstance(e, (BatchJacError, Warning)):
+                raise
             raise bound._explain(e) from e
         self.note = f"{kind}: {order}"
         if kind in FORWARD_RULES and order == "forward-over-forward":
@@ -1204,6 +1214,13 @@ class JaxSecondKernel(Kernel):
                                     for o in outs])[:size] for name in outs[0]}
         release()  # the executable this call compiled is written now, after its result
         return res
+
+
+def _no_forward_rule(e: Exception) -> bool:
+    """Whether ``e`` is JAX refusing forward mode through a ``custom_vjp`` function (directly,
+    or its linearised form inside a second forward pass)."""
+    text = f"{type(e).__name__}: {e}"
+    return ("custom_vjp" in text and "forward-mode" in text) or "'custom_lin'" in text
 
 
 class _Sites:

@@ -976,9 +976,92 @@ class TFSecondKernel(Kernel):
                 raise
             self._fallback(e)
             out = self._fn("graph")(u, *ctx, *self._seed_arrays)
+        if not self._twice_checked:
+            self._check_twice(u, ctx, out)  # (raises on every call of a kernel that fails it)
+            self._twice_checked = True
         if _is_tensor(u):  # tensors in, tensors out, where TensorFlow computed them
             return dict(out)
         return {name: np.asarray(a) for name, a in out.items()}
+
+    #: whether the first chunk's result was checked for second derivatives lost to a
+    #: gradient TensorFlow cannot differentiate (:meth:`_check_twice`)
+    _twice_checked = False
+    #: rows of the check's eager tapes
+    TWICE_CHECK_ROWS = 4
+
+    def _check_twice(self, u: Any, ctx: tuple[Any, ...], out: Any) -> None:
+        """Every build reads a second derivative TensorFlow finds no path for as zero (what a
+        constant gradient gives). So does a gradient that changes with the inputs but that
+        TensorFlow cannot differentiate: a ``tf.custom_gradient`` whose gradient function stops
+        the gradient or computes with numpy (``tf.numpy_function``). For an output whose
+        second derivatives are all zero on the first chunk, eager tapes on a few of its rows
+        tell the two apart: its gradient has no path back to the inputs, yet its values at
+        other inputs differ. Then a ModelError, not zeros."""
+        bound = self._bound
+        m = int(np.prod(bound.output_shape or (), dtype=np.int64))
+        second = tf.convert_to_tensor(out[SECOND_RESULT[self.kind]])
+        rows = int(second.shape[0])
+        if rows == 0 or m == 0:
+            return
+        nonzero = tf.reduce_any(tf.not_equal(tf.reshape(second, (rows, m, -1)), 0), axis=(0, 2))
+        zero = [int(o) for o in np.flatnonzero(~np.asarray(nonzero))]
+        if not zero:
+            return
+        if self.kind == "hvp":
+            ctx = ctx[:-1]  # (the tangents)
+        try:
+            lost = self._lost_second(u, ctx, zero, m)
+        except (BatchJacError, Warning):
+            raise
+        except Exception:  # (the model does not run eagerly: the check cannot tell)
+            return
+        if lost:
+            shown = ", ".join(str(o) for o in lost[:5]) + (" ..." if len(lost) > 5 else "")
+            raise ModelError(
+                f"The model is not twice differentiable: the gradient of output "
+                f"{'(flat index) ' if m > 1 else ''}{shown} changes with the inputs, but "
+                f"TensorFlow finds no path from it back to them, so its second derivatives "
+                f"would come out as zeros. Usual cause: a tf.custom_gradient whose gradient "
+                f"function is not differentiable (it uses tf.stop_gradient, numpy or "
+                f"tf.numpy_function). Write the gradient function with TensorFlow operations "
+                f"of the inputs it depends on; batchjac.jacobian (first derivatives) works with "
+                f"the model as it is.")
+
+    def _lost_second(self, u: Any, ctx: tuple[Any, ...], outputs: list[int], m: int
+                     ) -> list[int]:
+        """The ``outputs`` whose gradient TensorFlow cannot differentiate though it varies
+        (see :meth:`_check_twice`), on the first :attr:`TWICE_CHECK_ROWS` rows."""
+        bound = self._bound
+        n = min(self.TWICE_CHECK_ROWS, int(u.shape[0]))
+        x = tf.cast(tf.convert_to_tensor(u[:n]), bound.tf_dtype)
+        c = tuple(tf.convert_to_tensor(a[:n]) for a in ctx)
+        # a tf.function's Python function (no trace of the model for these shapes)
+        python = getattr(bound.model, "python_function", None)
+        own = python if python is not None and not bound.is_keras else None
+
+        def gradients(at: tf.Tensor, outer: Any = None) -> dict[int, Any]:
+            with tf.GradientTape(persistent=True) as inner:
+                inner.watch(at)
+                y = tf.reshape(bound.apply(at, c, model=own), (n, m))
+            return {o: inner.gradient(y, at, output_gradients=tf.one_hot(
+                tf.fill((n,), o), m, dtype=y.dtype)) for o in outputs}
+
+        with tf.GradientTape(persistent=True) as outer:
+            outer.watch(x)
+            grads = gradients(x)
+        unconnected = [o for o, g in grads.items()
+                       if g is not None and outer.gradient(g, x) is None]
+        if not unconnected:
+            return []
+        elsewhere = gradients(x * 1.5 + 0.25)
+        lost = []
+        for o in unconnected:
+            a, b = np.asarray(grads[o]), elsewhere[o]
+            b = np.zeros_like(a) if b is None else np.asarray(b)
+            scale = max(float(np.max(np.abs(a), initial=0.0)), 1.0)
+            if not np.allclose(a, b, rtol=1e-5, atol=1e-6 * scale):
+                lost.append(o)
+        return lost
 
     def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> Any:
         out = self._fn(variant)(u, *ctx, *self._seed_arrays)

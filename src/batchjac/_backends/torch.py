@@ -44,6 +44,7 @@ from .._errors import (
     InputError,
     ModelError,
     NotConnectedError,
+    OrderFailedError,
     TrainingModeWarning as TrainingModeWarning,
 )
 from .._spec import assemble
@@ -1250,12 +1251,12 @@ class TorchSecondKernel(Kernel):
         names = sorted(self._custom(u, ctx))
         if names:
             one = len(names) == 1
-            raise ModelError(
+            raise OrderFailedError(
                 f"Second derivatives cannot be computed with mode='forward-over-forward' for "
                 f"this model: {_quoted(names)} "
                 f"{'is a custom torch.autograd.Function' if one else 'are custom torch.autograd.Functions'}"
                 f", and torch's forward mode loses the second-order terms of a Function's jvp "
-                f"(they would come out zero). Pass mode='forward-over-reverse'"
+                f"(they would come out zero). Pass mode='forward-over-reverse' (or 'auto')"
                 + (" (a backward marked @once_differentiable must then be differentiable, or "
                    "its Function have setup_context and jvp staticmethods)"
                    if self._once(u, ctx, func_form=False) else "") + ".")
