@@ -112,7 +112,7 @@ class TorchOps:
     def dtype_of(self, a: Any) -> np.dtype:
         try:
             return np.dtype(str(a.dtype).removeprefix("torch."))
-        except TypeError:  # bfloat16 and the like: no numpy dtype (refused as not numbers)
+        except TypeError:  # bfloat16 and the like: no numpy dtype (_validate.examine refuses them by name first)
             return np.dtype(object)
 
     def device_of(self, a: Any) -> Any:
