@@ -60,6 +60,7 @@ import torch
 from onnx import defs, external_data_helper
 
 from .._errors import ModelError, ModelLoadError
+from . import onnx_compat
 
 #: converted modules by the sha256 of the model's bytes: the same file or ModelProto gives the
 #: same module object, so compiled kernels, probes and tuning decisions are found again
@@ -243,7 +244,7 @@ def _key(digest: str, externals: tuple[str, ...], path: Any) -> str:
 def _external_files(model: onnx.ModelProto, base: str) -> tuple[str, ...]:
     """The external data files the model's tensors name, as full paths (sorted, once each)."""
     ext = external_data_helper
-    names = {ext.ExternalDataInfo(t).location for t in ext._get_all_tensors(model)
+    names = {ext.ExternalDataInfo(t).location for t in onnx_compat.all_tensors(model)
              if ext.uses_external_data(t)}
     return tuple(sorted(os.path.realpath(os.path.join(base, n)) for n in names))
 
@@ -485,8 +486,10 @@ def _signature(schema: Any) -> tuple[set[str], list[str], list[str]]:
 
 
 def _extend_registry() -> None:
-    from onnx2torch.node_converters.registry import _CONVERTER_REGISTRY, OperationDescription
-
+    found = onnx_compat.converter_registry()
+    if found is None:  # (an onnx2torch without that registry: its own converters only)
+        return
+    _CONVERTER_REGISTRY, OperationDescription = found
     _register_reductions(_CONVERTER_REGISTRY, OperationDescription)
     for schema in [defs.get_schema("Reshape", 14), *_later_versions("Reshape", 14)]:
         # onnx2torch refuses allowzero=1, which torch.onnx.export (dynamo) writes on every Reshape
