@@ -655,7 +655,7 @@ def test_a_later_process_loads_the_compiled_kernel_instead_of_compiling(
     import os
     from pathlib import Path
 
-    from batchjac._backends import jax_executables
+    from batchjac._backends.jax import executables as jax_executables
 
     monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)  # tiny test kernels
     sizes = (6, 16, 3)
@@ -694,7 +694,7 @@ def test_a_warm_process_loads_the_build_an_earlier_race_chose(
     quick build of the other mode than the one on disk. A build in blocks ("default/120",
     ``blocked``) is traced in those blocks only: one trace (it traced the whole chunk first as
     well, for a build it then replaced)."""
-    from batchjac._backends import jax_executables
+    from batchjac._backends.jax import executables as jax_executables
     from batchjac._backends.jax import JaxKernel
 
     monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)  # tiny test kernels
@@ -742,7 +742,7 @@ def test_a_cache_that_never_held_an_executable_costs_the_call_no_key(
     import threading
     from pathlib import Path
 
-    from batchjac._backends import jax_executables
+    from batchjac._backends.jax import executables as jax_executables
 
     monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)
     made: list[str] = []
@@ -775,7 +775,7 @@ def test_the_executable_writer_thread_exists_before_the_call_has_its_result(
     import os
     from pathlib import Path
 
-    from batchjac._backends import jax_executables as jx
+    from batchjac._backends.jax import executables as jx
 
     monkeypatch.setattr(jx, "MIN_COMPILE_SECONDS", 0.0)
     writer = concurrent.futures.ThreadPoolExecutor(max_workers=1,
@@ -804,7 +804,7 @@ def test_a_store_of_a_small_job_compiles_its_kernel_once(tmp_path: Any) -> None:
     """A store computes every chunk with the backend's first build ("default", recorded in
     its plan); the kernel made for it compiled the quick build first (a small job), which the
     store then replaced: two XLA compilations where one does."""
-    from batchjac._backends import jax_executables
+    from batchjac._backends.jax import executables as jax_executables
 
     sizes = (6, 10, 3)
     model = jax_examples.mlp(sizes, seed=9)
@@ -838,7 +838,7 @@ def test_close_widths_are_computed_in_forward_mode() -> None:
 
 
 def test_an_executable_that_fails_to_load_is_compiled_instead(monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchjac._backends import jax_executables
+    from batchjac._backends.jax import executables as jax_executables
 
     monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)
     x = data((20, 6), seed=32)
@@ -894,7 +894,7 @@ def test_row_independence_is_read_from_the_jaxpr_without_a_forward_pass(
 def test_rows_that_interact_are_never_proven_apart(name: str, fn: Any) -> None:
     """Whatever mixes rows answers "cannot tell" (or is not proven), and the probes' forward
     passes then find the interaction."""
-    from batchjac._backends import jax_rows
+    from batchjac._backends.jax import rows as jax_rows
 
     x = data((4, 3), seed=43)
     closed = jax.make_jaxpr(fn)(x)
@@ -904,7 +904,7 @@ def test_rows_that_interact_are_never_proven_apart(name: str, fn: Any) -> None:
 
 
 def test_rows_apart_follows_the_primitives_it_knows() -> None:
-    from batchjac._backends import jax_rows
+    from batchjac._backends.jax import rows as jax_rows
 
     x = data((4, 3), seed=45)
     w = jnp.asarray(data((3, 5), seed=46))
@@ -1042,7 +1042,7 @@ def test_the_flop_count_matches_xlas_cost_analysis() -> None:
     """batchjac._backends.jax_cost counts from the jaxpr what XLA's cost analysis counts from
     the lowered module (within 15%): matrix products, a convolution; and a scan at its trip
     count (XLA counts a loop's body once: 5 trips are 5 times its count)."""
-    from batchjac._backends import jax_cost
+    from batchjac._backends.jax import cost as jax_cost
 
     rng = np.random.default_rng(45)
     w1, w2 = rng.normal(size=(8, 64)).astype(np.float32), rng.normal(size=(64, 4)).astype(np.float32)
@@ -1112,7 +1112,7 @@ def test_the_executable_writer_waits_for_the_kernels_to_be_quiet(monkeypatch: py
     """The writer serializes a new executable once no kernel was called for WRITE_DELAY (the
     chunks after a call's first keep it waiting), and no later than MAX_WRITE_WAIT after it
     was queued: on a fake clock, with kernel calls that stop, and ones that never stop."""
-    from batchjac._backends import jax_executables as jx
+    from batchjac._backends.jax import executables as jx
 
     clock = [100.0]
     calls: list[float] = []  # when the "chunks" call a kernel (fake seconds)

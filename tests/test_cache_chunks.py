@@ -101,7 +101,7 @@ jnp = pytest.importorskip("jax.numpy")
 
 
 def test_the_peak_of_a_jaxpr_counts_live_batch_arrays_and_not_the_weights() -> None:
-    from batchjac._backends import jax_cost
+    from batchjac._backends.jax import cost as jax_cost
 
     n = 24
     # sin's result and the product live together once; the sum replaces the product
@@ -129,7 +129,7 @@ def test_the_estimate_bounds_xlas_own_temporaries() -> None:
     """Against XLA's buffer assignment of the Jacobian kernel (``memory_analysis``): the
     planner's estimate (one tangent's peak, :data:`PASS_FACTOR` a pass) is above it and
     within 3x of it, for an MLP and a convolution."""
-    from batchjac._backends import jax_cost
+    from batchjac._backends.jax import cost as jax_cost
     from batchjac.examples import workload_inputs, workload_model
 
     for workload, rows in (("W1", 64), ("W4", 16)):

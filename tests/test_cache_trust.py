@@ -311,7 +311,7 @@ def test_a_planted_probe_verdict_never_skips_the_row_interaction_probe(cache_env
 
 MODEL = """
     import json, warnings, numpy as np, jax.numpy as jnp, batchjac
-    from batchjac._backends import jax_executables
+    from batchjac._backends.jax import executables as jax_executables
     jax_executables.MIN_COMPILE_SECONDS = 0.0  # (tiny kernels are written too)
     W = np.random.default_rng({seed}).normal(size=(5, 3)).astype(np.float32)
     def model(x):
@@ -413,7 +413,7 @@ def test_an_executable_for_another_argument_structure_is_a_miss(
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from batchjac._backends import jax_executables
+    from batchjac._backends.jax import executables as jax_executables
 
     monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)
     monkeypatch.setattr(jax_executables, "_SEEN", set())
@@ -451,7 +451,7 @@ def test_the_pickle_scan_refuses_what_it_cannot_prove(tmp_path: Path) -> None:
     jax = pytest.importorskip("jax")
     from jax.experimental import serialize_executable
 
-    from batchjac._backends.jax_executables import _only_known_classes
+    from batchjac._backends.jax.executables import _only_known_classes
 
     lowered = jax.jit(lambda x: x * 2.0).lower(np.ones((3, 2), np.float32))
     blob, _, _ = serialize_executable.serialize(lowered.compile())

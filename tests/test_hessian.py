@@ -476,7 +476,7 @@ def test_a_later_process_loads_the_compiled_jax_hessian_kernel(
     Hessians, which match float64 central differences of the closed-form Jacobian."""
 
     pytest.importorskip("jax")
-    from batchjac._backends import jax_executables
+    from batchjac._backends.jax import executables as jax_executables
     from batchjac._examples import jax as jax_examples
 
     monkeypatch.setenv("BATCHJAC_CACHE_DIR", str(tmp_path / "cache"))

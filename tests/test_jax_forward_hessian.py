@@ -23,7 +23,7 @@ from .helpers import assert_jac_close, central_differences, rng
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from batchjac._backends import jax_laplacian  # noqa: E402
+from batchjac._backends.jax import laplacian as jax_laplacian  # noqa: E402
 
 from .test_jax_laplacian import ACTIVATIONS, mlp_with_known, x64  # noqa: E402
 

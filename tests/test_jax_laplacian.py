@@ -23,7 +23,7 @@ from .helpers import assert_jac_close, central_differences, rng
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from batchjac._backends import jax_laplacian  # noqa: E402
+from batchjac._backends.jax import laplacian as jax_laplacian  # noqa: E402
 from batchjac._backends.jax import JaxSecondKernel  # noqa: E402
 
 
@@ -345,7 +345,7 @@ def test_the_cpu_options_reach_xla_and_an_xla_without_them_compiles_the_next(
     the forward Laplacian's products alone in YNNPACK calls). An XLA that refuses an option
     (here made-up ones) compiles the kernel with the next set, the last its defaults: the
     Laplacian and the Hessian are still the trace of ``jax.hessian`` and ``jax.hessian``."""
-    from batchjac._backends import jax_executables
+    from batchjac._backends.jax import executables as jax_executables
 
     if jax.default_backend() != "cpu":
         pytest.skip("the options are the CPU's")

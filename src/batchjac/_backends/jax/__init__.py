@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import (
+from ..._errors import (
     BatchJacError,
     ForwardModeFallbackWarning,
     InputError,
@@ -63,8 +63,8 @@ from .._errors import (
     ReverseModeFallbackWarning,
     UnwatchedValuesWarning,
 )
-from .._spec import assemble
-from ._base import (
+from ..._spec import assemble
+from .._base import (
     SECOND_RESULT,
     Backend,
     BoundModel,
@@ -84,7 +84,7 @@ from ._base import (
 )
 
 if TYPE_CHECKING:
-    from .jax_executables import Options
+    from .executables import Options
 
 _OPTIONS = ("params", "per_instance", "device")
 #: why a mode fails in JAX, for the fallback's warning and error
@@ -150,7 +150,7 @@ class JaxBound(BoundModel):
     #: TensorFlow (ForwardAccumulator: 399 against 147 ms) and PyTorch (1.14 s against 0.25 s)
     #: forward mode costs more, and they keep the default
     forward_bias: ClassVar[float] = 1.5
-    #: full Hessians pushed forward by :mod:`.jax_laplacian`'s rule set (JaxSecondKernel)
+    #: full Hessians pushed forward by :mod:`.laplacian`'s rule set (JaxSecondKernel)
     forward_hessian: ClassVar[bool] = True
 
     def __init__(self, model: Any, signature: Signature, *, params: Any = _NO_PARAMS,
@@ -390,10 +390,10 @@ class JaxBound(BoundModel):
     def row_working_set(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float | None:
         """From a jaxpr of these rows made already, no new trace: the probes' one of the
         forward derivative (:meth:`_traced_tangent`), the live arrays at its peak
-        (:func:`batchjac._backends.jax_cost.peak_row_bytes`); else the forward's that told the
+        (:func:`batchjac._backends.jax.cost.peak_row_bytes`); else the forward's that told the
         output shape, twice its peak (a tangent beside each array: W1 512 against 1,024 bytes
         a row, W4 21.6 against 43.3 KB)."""
-        from . import jax_cost
+        from . import cost as jax_cost
 
         device = self.device if self.device is not None else _default_device()
         if getattr(device, "platform", "cpu") != "cpu":
@@ -431,13 +431,13 @@ class JaxBound(BoundModel):
         return closed
 
     def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
-        """Read from a jaxpr (:mod:`batchjac._backends.jax_rows`): a trace, no compilation (the
+        """Read from a jaxpr (:mod:`batchjac._backends.jax.rows`): a trace, no compilation (the
         forward passes the probes would run otherwise cost a compilation of the forward, as
         much as the first kernel's on small models). The jaxpr of the forward derivative
         (:meth:`_traced_tangent`, which :meth:`connected` and :meth:`output_shape_of` read
         too) keeps the rows apart only if the function does; where it cannot tell (or forward
         mode fails for the model), the forward's own jaxpr is read."""
-        from . import jax_rows
+        from . import rows as jax_rows
 
         n_args = len(jax.tree_util.tree_leaves(self.args))
         n_ctx = len(jax.tree_util.tree_leaves(tuple(ctx)))
@@ -513,7 +513,7 @@ class JaxKernel(Kernel):
 
     *The quick build* ("quick": XLA at optimization level 0 without its fusion emitters, on
     the CPU) is a first call's build when the chunk's elementwise work is at most
-    :data:`QUICK_ELEMENTS` (counted from the traced equations, :mod:`batchjac._backends.jax_cost`):
+    :data:`QUICK_ELEMENTS` (counted from the traced equations, :mod:`batchjac._backends.jax.cost`):
     it compiles in a third to 40% of the time, and runs XLA's own loops 2-3x slower (matrix
     products are library calls either way). Measured on the project's 2-core CPU, fresh
     processes, ``jit(vmap(jacfwd))`` of the whole input, compile / steady run: W1, 1,000 rows,
@@ -658,9 +658,9 @@ class JaxKernel(Kernel):
         chunk too (a warm W1 first call traced both: 94-106 ms against a cold 82-87 ms). None
         where no race is remembered, the caller fixed the build (a store), or the executable
         is not on disk (the first build is then chosen as usual)."""
-        from .._config import autotune_enabled
-        from . import jax_executables
-        from ._base import recalled_variant, wanted_variant
+        from ..._config import autotune_enabled
+        from . import executables as jax_executables
+        from .._base import recalled_variant, wanted_variant
 
         recalled = recalled_variant()
         if recalled is None or wanted_variant() is not None or not autotune_enabled():
@@ -683,9 +683,9 @@ class JaxKernel(Kernel):
         too small to repay XLA's full optimisation (:data:`QUICK_ELEMENTS`; it waits for the race that
         replaces it), "no-ynnpack" where its matrix products are wide
         (:data:`WIDE_PRODUCTS`), else "default"."""
-        from .._config import autotune_enabled
-        from . import jax_cost
-        from ._base import FIRST_VARIANT, rows_at_hand, wanted_variant
+        from ..._config import autotune_enabled
+        from . import cost as jax_cost
+        from .._base import FIRST_VARIANT, rows_at_hand, wanted_variant
 
         wanted = wanted_variant()
         if wanted == FIRST_VARIANT:
@@ -780,8 +780,8 @@ class JaxKernel(Kernel):
 
     def _load_or_compile(self, lowered: Any, options: Options) -> Any:
         """XLA's compilation, or the executable an earlier process compiled for the same
-        lowered module (:mod:`batchjac._backends.jax_executables`)."""
-        from . import jax_executables
+        lowered module (:mod:`batchjac._backends.jax.executables`)."""
+        from . import executables as jax_executables
 
         # the probes beside this first kernel may trace once XLA holds the CPU, not Python
         compiled, loaded = jax_executables.compile(lowered, options,
@@ -820,7 +820,7 @@ class JaxKernel(Kernel):
 
     def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
-        from .jax_executables import used
+        from .executables import used
 
         self._check_asked()
         if self.variant is None:
@@ -835,7 +835,7 @@ class JaxKernel(Kernel):
                 ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
         """The wait for ``out``: numpy views of its buffers, or (``native``: JAX arrays in)
         the JAX arrays themselves, left on their device."""
-        from .jax_executables import release
+        from .executables import release
 
         def wait() -> tuple[Any, Any]:
             if native:  # (waited for as numpy results are: the tuning times these calls)
@@ -853,8 +853,8 @@ class JaxKernel(Kernel):
         jax.block_until_ready(self._compiled[variant](self._bound.args, u, tuple(ctx)))
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        from .._config import autotune_enabled
-        from ._base import race_allowed, untimed_note
+        from ..._config import autotune_enabled
+        from .._base import race_allowed, untimed_note
 
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} ({self._forced_why})")
@@ -905,7 +905,7 @@ class JaxKernel(Kernel):
         self._bound.hint = (winner.split("/")[0], "/" in winner)
         timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in times.items())
         self._select(winner, f"{winner} (timed one chunk: {timed})")
-        from .jax_executables import release
+        from .executables import release
 
         # the race's executables are written now: a process that stops calling after its
         # race (the bench's settle loop) left them unwritten, and the warm process compiled
@@ -942,7 +942,7 @@ _MAX_HOPS = 4
 _MAX_NESTING = 64
 
 
-#: the second-order kinds forward over forward pushes through :mod:`.jax_laplacian`'s rule
+#: the second-order kinds forward over forward pushes through :mod:`.laplacian`'s rule
 #: set (value, ``k`` tangents and the second-order terms in one pass), with their names
 FORWARD_RULES = {"laplacian": "a forward Laplacian", "diagonal": "a forward Hessian diagonal",
                  "hessian": "a forward Hessian"}
@@ -955,7 +955,7 @@ class JaxSecondKernel(Kernel):
 
     - forward over reverse: ``jacfwd(jacrev(f))``, the native ``jax.hessian``; ``hvp`` is
       ``jvp(jacrev(f), (x,), (v,))`` (one tangent, no Hessian formed);
-    - forward over forward: the rule set of :mod:`.jax_laplacian`, one pass of the value,
+    - forward over forward: the rule set of :mod:`.laplacian`, one pass of the value,
       its ``k`` tangents and the second-order terms, the primal and first-order work done
       once: one summed term for the Laplacian (W7: ``k + 2`` matrix products a layer against
       ``2k + 1`` for ``jvp`` of ``jvp``), ``k`` for the diagonal, the ``k(k+1)/2`` pairs of
@@ -970,7 +970,7 @@ class JaxSecondKernel(Kernel):
 
     One build, no race (on the CPU without XLA's fusion emitters, and the forward Laplacian
     without YNNPACK's fusions too, :meth:`_compile`). The executable is remembered on disk
-    (:mod:`batchjac._backends.jax_executables`).
+    (:mod:`batchjac._backends.jax.executables`).
     """
 
     def __init__(self, bound: JaxBound, kind: SecondKind, order: Order, chunk_size: int,
@@ -1049,7 +1049,7 @@ class JaxSecondKernel(Kernel):
         fusions (W6 steady, one bench run each: 18.4 ms with them, 22.0 without; W6 and W7H
         the same with the products alone). An XLA that refuses an option set compiles with
         the next (:meth:`_options`), the last its defaults."""
-        from . import jax_executables
+        from . import executables as jax_executables
 
         starting = self._bound.compiling.set
         *preferred, last = self._options()
@@ -1062,7 +1062,7 @@ class JaxSecondKernel(Kernel):
 
     @property
     def uses_forward_rules(self) -> bool:
-        """Whether the kernel pushes the second-order terms forward (:mod:`.jax_laplacian`)."""
+        """Whether the kernel pushes the second-order terms forward (:mod:`.laplacian`)."""
         return self.kind in FORWARD_RULES and self.order == "forward-over-forward" and \
             not self.forward_rules_failed
 
@@ -1153,12 +1153,12 @@ class JaxSecondKernel(Kernel):
 
     def _forward_rules(self, one: Callable[[Any, tuple[Any, ...]], Any], u: Any,
                        ctx: tuple[Any, ...]) -> tuple[Any, Any, Any] | None:
-        """``(y, J, result)`` of the chunk in one pass per instance (:mod:`.jax_laplacian`,
+        """``(y, J, result)`` of the chunk in one pass per instance (:mod:`.laplacian`,
         over the jaxpr of one instance's function, ``vmap``-ed over the rows), or None where
         that jaxpr has a primitive without a rule (``self.forward_rules_failed`` names it; the
         body then computes the same values the other way). Decided here, once, while the
         kernel is traced."""
-        from . import jax_laplacian
+        from . import laplacian as jax_laplacian
 
         ushape = tuple(u.shape[1:])
         kind = self.kind
@@ -1191,7 +1191,7 @@ class JaxSecondKernel(Kernel):
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
                  ) -> dict[str, np.ndarray]:
-        from .jax_executables import release, used
+        from .executables import release, used
 
         used()
         size, rows = int(u.shape[0]), self.block_rows
@@ -1200,7 +1200,7 @@ class JaxSecondKernel(Kernel):
             out = self._fn(self._bound.args, u, tuple(ctx))
             res = dict(out) if on_device else {name: np.asarray(a) for name, a in out.items()}
         else:  # block by block (all queued before the first is read), the last one padded
-            from .._xp import NUMPY
+            from ..._xp import NUMPY
 
             xp = JaxOps() if on_device else NUMPY
 

@@ -53,7 +53,7 @@ from typing import Any
 
 import jax
 
-from .._tunecache import TuneKey, default_cache
+from ..._tunecache import TuneKey, default_cache
 
 #: XLA's compiler options: strings, or Python booleans for its boolean flags (it refuses "false")
 Options = dict[str, str | bool]

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-if TYPE_CHECKING:  # (at run time told apart by their attributes, as jax_cost does:
+if TYPE_CHECKING:  # (at run time told apart by their attributes, as cost.py does:
     # importing jax.extend for the classes costs ~23 ms of a first call, W6's ~300)
     from jax.extend.core import ClosedJaxpr, Jaxpr
 
