@@ -1,4 +1,4 @@
-"""The forward Laplacian of TensorFlow models (batchjac._backends.tf_laplacian), a build of the
+"""The forward Laplacian of TensorFlow models (batchjac._backends.tensorflow.laplacian), a build of the
 TensorFlow Laplacian kernel.
 
 References: the trace of TensorFlow's own nested ``batch_jacobian`` Hessian and its

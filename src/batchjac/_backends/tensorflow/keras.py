@@ -1,4 +1,5 @@
-"""Whether a Keras model keeps its rows apart, read from its layers: no call, no trace.
+"""Keras models: whether one keeps its rows apart, read from its layers (no call, no trace),
+and its float64 clone.
 
 The probes (:mod:`batchjac._probes`) call a TensorFlow model three times in a traced graph and
 once more under a gradient tape; for a Keras model those traces are most of what they cost
@@ -10,12 +11,20 @@ deterministic, maps each row to its own output row, and, having one input that e
 is computed from, is connected to it: the probes then need no call. Anything else, a
 subclassed model, a ``Lambda`` or custom layer, a custom activation, a normalisation or a
 concatenation that could reach the batch axis, answers "cannot tell", and the probes run
-with values as before.
+with values as before. A layer counts as Keras's own only if its class is the class Keras
+exports under that name (:func:`.compat.is_keras_class`): a renamed or unknown class means
+"call the model", never "skip the probes".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
+
+from ..._errors import InputError
+from . import compat
 
 #: Keras layers that act on each row alone, whatever their settings
 ROWWISE = frozenset({
@@ -29,11 +38,18 @@ ROWWISE = frozenset({
 #: ... and those that do unless told to work along the batch axis
 WITH_AXIS = frozenset({"Concatenate", "Softmax"})
 MODELS = frozenset({"Sequential", "Functional"})
+_ROW_BY_ROW = MODELS | ROWWISE
 _KERAS = ("keras.", "tf_keras.")
 
 
 def _ours(obj: Any) -> bool:
     return (getattr(type(obj), "__module__", "") or "").startswith(_KERAS)
+
+
+def _named(obj: Any, names: frozenset[str]) -> bool:
+    """Whether ``obj`` is of the Keras class of one of ``names``, exactly."""
+    name = type(obj).__name__
+    return name in names and compat.is_keras_class(obj, name)
 
 
 def _activation_ours(layer: Any) -> bool:
@@ -44,11 +60,10 @@ def _activation_ours(layer: Any) -> bool:
 def output_shape(model: Any, row: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
     """The per-row output shape of a Keras model proven to keep its rows apart (and, given
     ``row``, declaring that per-row input shape), or None when that cannot be told."""
-    if type(model).__name__ not in MODELS or not _ours(model):
+    if not _named(model, MODELS) or not _ours(model):
         return None
-    try:
-        layers = list(model._flatten_layers(include_self=False, recursive=True))
-    except Exception:  # another Keras: call it
+    layers = compat.keras_layers(model)
+    if layers is None:  # another Keras: call it
         return None
     try:
         inputs, shape = model.inputs, model.output_shape
@@ -62,12 +77,52 @@ def output_shape(model: Any, row: tuple[int, ...] | None = None) -> tuple[int, .
                             any(d is not None and d != r for d, r in zip(declared, row))):
         return None
     for layer in layers:
-        name = type(layer).__name__
         if not _ours(layer) or not _activation_ours(layer):
             return None
-        if name in MODELS or name in ROWWISE:
+        if _named(layer, _ROW_BY_ROW):
             continue
         axis = getattr(layer, "axis", 0)
-        if name not in WITH_AXIS or not isinstance(axis, int) or not (axis > 0 or axis == -1):
+        if not _named(layer, WITH_AXIS) or not isinstance(axis, int) or not (axis > 0 or axis == -1):
             return None
     return tuple(int(d) for d in shape[1:])
+
+
+# -- the float64 clone -------------------------------------------------------------------------
+
+def is_keras(model: Any) -> bool:
+    return any((c.__module__ or "").split(".")[0] in ("keras", "tf_keras")
+               for c in type(model).__mro__)
+
+
+def float64_copy(model: Any, build: Callable[[Any], None]) -> Any:
+    """A float64 clone of a Keras model with the same weights, or raise InputError.
+
+    Rebuilt from its config with every dtype widened, so Input layers are float64 too (a
+    float32 Input would round the inputs before the first layer). ``build`` calls the clone
+    once on a float64 sample, which builds subclassed models.
+    """
+    keras = compat.keras_module()
+    assert keras is not None
+    if all(w.dtype == "float64" for w in model.weights):
+        return model
+    with compat.dtype_policy(keras, "float64"):  # sublayers made in a subclass's __init__
+        try:
+            clone = compat.clone_from_config(keras, model)
+            build(clone)
+            clone.set_weights([np.asarray(w, np.float64) if np.asarray(w).dtype.kind == "f" else w
+                               for w in model.get_weights()])
+        except Exception as e:
+            raise InputError(
+                f"float64 was asked for (dtype='float64' or float64 inputs), but this Keras model "
+                f"({type(model).__name__}) could not be cloned in float64 "
+                f"({compat.framework_versions()}): {type(e).__name__}: {e}. "
+                f"Build the model with dtype='float64', make it serialisable (get_config/"
+                f"from_config), or compute in float32 with dtype='float32'."
+            ) from e
+    if any(str(w.dtype).startswith("float") and w.dtype != "float64" for w in clone.weights):
+        raise InputError(
+            f"float64 was asked for, but the float64 clone of {type(model).__name__} still has "
+            f"float32 weights (its layers pin their dtype). Build it with dtype='float64' or "
+            f"use dtype='float32'."
+        )
+    return clone

@@ -1,5 +1,5 @@
 """A forward Laplacian, and a forward Hessian, for TensorFlow models (the rule set of
-:mod:`batchjac._backends.torch_laplacian`, on TensorFlow's graph): the outputs, their
+the PyTorch backend's forward Laplacian, on TensorFlow's graph): the outputs, their
 Jacobians and their Laplacians over the unknowns in one pass, ``k + 2`` matrix products a
 dense layer where the trace of the Hessian (nested ``batch_jacobian`` tapes) costs ``2k + 2``.
 
@@ -12,11 +12,12 @@ rules: matrix products and elementwise products with one varying argument, sums,
 additions and the shape operations (affine in what varies: the tangent is the
 operation of the tangents, constants as zeros), and the elementwise functions met most (tanh,
 sin, cos, exp, sigmoid, log, relu, softplus, square). An operation without a rule raises
-:class:`NotImplementedError`, and the kernel keeps its other builds.
+:class:`NotImplementedError`, and the kernel keeps its other builds; so does an operation
+this TensorFlow cannot re-create, or whose type the tables do not know (:mod:`.compat`).
 
 :func:`run_hessian` walks the same rules carrying, instead of the one summed term, the second
 derivatives along every pair of unit tangents ``a <= b``, ``(k(k+1)/2, *x.shape)`` (as
-:mod:`.jax_laplacian` does: ``sum_k j_k^2`` read as ``j_a j_b`` per pair, the product rule's
+the JAX backend's forward Hessian does: ``sum_k j_k^2`` read as ``j_a j_b`` per pair, the product rule's
 cross term as ``ja_a jb_b + ja_b jb_a``, a linear operation applied to each pair's term).
 """
 
@@ -28,22 +29,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-#: affine in the floating inputs that vary: the tangent is the operation applied to the
-#: tangents, with every other floating input as zeros (integer inputs: shapes, axes, indices)
-_AFFINE = {
-    "ConcatV2", "Pack", "AddV2", "Add", "Sub", "BiasAdd", "Identity", "Reshape", "Squeeze",
-    "ExpandDims", "Transpose", "Sum", "Mean", "StridedSlice", "Slice", "GatherV2", "Cast",
-    "Neg", "Tile", "Pad", "PadV2", "SelectV2", "Select", "AddN", "Unpack", "Split", "SplitV",
-    "EnsureShape", "StopGradient_never",
-}
-#: linear in each floating input: linear while only one varies (the others kept)
-_MULTILINEAR = {"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Mul", "Einsum", "Conv2D",
-                "RealDiv", "DepthwiseConv2dNative"}
-#: affine operations that only move or relabel their first input's elements: their tangents
-#: are moved alike (:func:`_reshaped`)
-_RESHAPES = {"Identity", "EnsureShape", "Reshape", "Squeeze", "ExpandDims", "Cast"}
-#: operations that compute nothing the derivatives need
-_SKIP = {"NoOp"}
+from . import compat
+
+#: the op-type tables (:mod:`.compat`): an operation of a type in none of them, and without a
+#: rule of its own below, has no rule (``NotImplementedError``: the kernel's other builds)
+_AFFINE, _MULTILINEAR, _RESHAPES, _SKIP = compat.AFFINE, compat.MULTILINEAR, compat.RESHAPES, compat.SKIP
 
 
 def _unary(kind: str, x: tf.Tensor, y: tf.Tensor) -> tuple[Any, Any] | None:
@@ -108,10 +98,7 @@ class _Form:
 
 def _rebuild(op: tf.Operation, inputs: list[tf.Tensor]) -> list[tf.Tensor]:
     """``op`` created again in the current graph on ``inputs`` (its attributes as they were)."""
-    graph = tf.compat.v1.get_default_graph()
-    attrs = dict(op.node_def.attr.items())
-    new = graph.create_op(op.type, inputs, dtypes=[o.dtype for o in op.outputs], attrs=attrs)
-    return list(new.outputs)
+    return compat.rebuild_op(op, inputs)
 
 
 def run(concrete: Any, u: tf.Tensor, ctx: tuple[tf.Tensor, ...]
@@ -152,7 +139,8 @@ def _push(concrete: Any, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], form: _Form
         values[inner.ref()] = outer
     placeholders = {t.ref() for t in graph.inputs}
     for op in graph.get_operations():
-        if op.type in _SKIP or (op.type == "Placeholder" and op.outputs[0].ref() in placeholders):
+        kind = compat.op_type(op)
+        if kind in _SKIP or (kind == "Placeholder" and op.outputs[0].ref() in placeholders):
             continue
         outs = _apply(op, [values[t.ref()] for t in op.inputs], k, form)
         for t, v in zip(op.outputs, outs):
@@ -188,7 +176,7 @@ def _apply(op: tf.Operation, ins: list[Any], k: int, form: _Form) -> list[Any]:
     primals = [a[0] if isinstance(a, tuple) else a for a in ins]
     if not vary:
         return _rebuild(op, primals)
-    kind = op.type
+    kind = compat.op_type(op)
     if kind == "MatMul" and vary == [0] and not op.get_attr("transpose_a"):
         (y,) = _rebuild(op, primals)
         _, jac, lap = ins[0]
@@ -272,17 +260,18 @@ def _reshaped(op: tf.Operation, primals: list[tf.Tensor], varying: tuple[Any, An
     Keras model has two reshapes and an identity: 95 ms of its 240 ms trace). None where
     the shapes are not all known (the generic rule then)."""
     x, jac, lap = varying
-    if op.type not in ("Identity", "EnsureShape") and not (
+    kind = compat.op_type(op)
+    if kind not in ("Identity", "EnsureShape") and not (
             x.shape.is_fully_defined() and op.outputs[0].shape.is_fully_defined()):
         return None  # (before the op is made again: the generic rule makes it)
     (y,) = _rebuild(op, primals)
-    if op.type in ("Identity", "EnsureShape"):
+    if kind in ("Identity", "EnsureShape"):
         return [(y, jac, lap)]
-    if op.type != "Cast" and x.shape == y.shape:
+    if kind != "Cast" and x.shape == y.shape:
         # (a Keras model's reshape of its input to its own shape: the unit tangents stay one
         # row, which the first matrix product broadcasts)
         return [(y, jac, lap)]
-    if op.type == "Cast":
+    if kind == "Cast":
         if not y.dtype.is_floating:
             return [y]
         return [(y, tf.cast(jac, y.dtype), None if lap is None else tf.cast(lap, y.dtype))]

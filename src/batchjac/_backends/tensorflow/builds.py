@@ -1,0 +1,534 @@
+"""First-order TensorFlow builds: the Jacobians in forward and reverse mode, vectorised by pfor
+or in a while loop (:data:`PATHS`), and :class:`TFKernel`, which compiles them with XLA and
+as a plain graph and keeps the faster."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorflow as tf
+
+from ..._errors import (
+    ForwardModeFallbackWarning,
+    ModelError,
+    ReverseModeFallbackWarning,
+    VectorizationFallbackWarning,
+    XLAFallbackWarning,
+)
+from .._base import (
+    Kernel,
+    Mode,
+    asked_mode_failed,
+    fallback_allowed,
+    fallback_message,
+    first_line,
+    in_mode_race,
+    other_mode,
+    race,
+    user_stacklevel,
+)
+from . import compat
+
+if TYPE_CHECKING:
+    from . import TFBound
+
+
+#: the ways a kernel can compute the Jacobians: a mode, vectorised by pfor (vectorized_map,
+#: batch_jacobian), or in a while loop over the basis where pfor cannot vectorise the model
+PATHS = ("forward", "reverse", "forward-loop", "reverse-loop")
+
+
+_PATH_NAMES = {"forward": "forward mode", "reverse": "reverse mode",
+               "forward-loop": "forward mode in a loop", "reverse-loop": "reverse mode in a loop"}
+
+
+def _path_mode(path: str) -> Mode:
+    return "forward" if path.startswith("forward") else "reverse"
+
+
+#: why forward mode fails in TensorFlow, for the fallback's warning and error
+_FORWARD_CAUSE = ("Usual cause: control flow (while loops, tf.foldl, tf.map_fn, tf.cond) or "
+                  "variables read inside it, which TensorFlow's forward-mode accumulator cannot "
+                  "trace, or an output that is not a plain tensor.")
+_REVERSE_CAUSE = "Usual cause: an operation without a registered gradient."
+_PFOR_CAUSE = ("Usual cause: control flow (tf.map_fn, while loops, tf.cond) that TensorFlow's "
+               "vectoriser, pfor, has no rule for.")
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, tf.errors.ResourceExhaustedError))
+
+
+def _at_run_time(e: BaseException | None) -> bool:
+    """Whether a failure happened while the graph ran (an op's error, which may depend on the
+    values), not while it was built (the same for any rows)."""
+    while e is not None:
+        if isinstance(e, tf.errors.OpError):
+            return True
+        e = e.__cause__
+    return False
+
+
+#: what a model XLA cannot compile raises when its XLA build first runs
+_XLA_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.InternalError)
+
+
+def jac_reverse(bound: TFBound, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], pfor: bool = True
+                ) -> tuple[tf.Tensor, tf.Tensor]:
+    """``pfor=False``: batch_jacobian's while loop over the outputs, for models whose
+    gradient pfor cannot vectorise."""
+    # batch_jacobian wants a target and a source of rank >= 2: a scalar output per
+    # instance, (N,), is exactly where mode="auto" picks reverse mode. Both are flattened
+    # to (N, m) and (N, k) (reshapes, which change no value) and J is shaped back.
+    ushape = bound.signature.unknown_shape
+    k = int(np.prod(ushape, dtype=np.int64))
+    rows = tf.shape(u)[0]
+    flat_u = tf.reshape(u, (-1, k))
+    with tf.GradientTape() as tape:
+        tape.watch(flat_u)
+        y = bound.apply(tf.reshape(flat_u, tf.shape(u)), ctx)
+        m = y.shape[1:].num_elements()
+        flat_y = tf.reshape(y, (rows, -1 if m is None else m))
+    jac = compat.batch_jacobian(tape, flat_y, flat_u, pfor=pfor)
+    if jac is None:  # (a TensorFlow whose batch_jacobian cannot be told to loop)
+        jac = _looped_reverse(bound, u, ctx, flat_u, tf.shape(flat_y)[1])
+    return y, tf.reshape(jac, tf.concat([tf.shape(y), list(ushape)], axis=0))
+
+
+def _looped_reverse(bound: TFBound, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], flat_u: tf.Tensor,
+                    m: tf.Tensor) -> tf.Tensor:
+    """``(rows, m, k)``: batch_jacobian's while loop over the outputs with public calls only, a
+    pass of the model and one of its gradient per output."""
+    rows = tf.shape(u)[0]
+
+    def one(i: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            tape.watch(flat_u)
+            y = bound.apply(tf.reshape(flat_u, tf.shape(u)), ctx)
+            column = tf.gather(tf.reshape(y, (rows, -1)), i, axis=1)
+        return tape.gradient(column, flat_u, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    return tf.transpose(tf.map_fn(one, tf.range(m), fn_output_signature=bound.tf_dtype), (1, 0, 2))
+
+
+def jac_forward(bound: TFBound, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], pfor: bool = True
+                ) -> tuple[tf.Tensor, tf.Tensor]:
+    """``pfor=False``: a ``tf.map_fn`` (while loop) over the tangents instead of
+    ``tf.vectorized_map``, for models whose forward mode pfor cannot vectorise."""
+    ushape = bound.signature.unknown_shape
+    k = int(np.prod(ushape, dtype=np.int64))
+    if k == 0:  # no unknown feature: no tangent to push (vectorized_map of none fails)
+        y = bound.apply(u, ctx)
+        return y, tf.zeros(tf.concat([tf.shape(y), list(ushape)], axis=0), bound.tf_dtype)
+    basis = tf.reshape(tf.eye(k, dtype=bound.tf_dtype), (k, *ushape))
+
+    def one(tangent: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        with tf.autodiff.ForwardAccumulator(u, tf.broadcast_to(tangent, tf.shape(u))) as acc:
+            y = bound.apply(u, ctx)
+        return y, acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    if pfor:
+        ys, jvps = tf.vectorized_map(one, basis)  # (k, B, *out)
+    else:
+        ys, jvps = tf.map_fn(one, basis, fn_output_signature=(bound.tf_dtype, bound.tf_dtype))
+    y = ys[0]
+    rows = tf.shape(u)[0]
+    out_shape = tf.shape(y)[1:]
+    jac = tf.transpose(tf.reshape(jvps, (k, rows, -1)), (1, 2, 0))
+    jac = tf.reshape(jac, tf.concat([[rows], out_shape, list(ushape)], axis=0))
+    return y, jac
+
+
+def jacobian_fn(bound: TFBound, path: str) -> Callable[[tf.Tensor, tuple[tf.Tensor, ...]],
+                                                     tuple[tf.Tensor, tf.Tensor]]:
+    """``(u, ctx) -> (y, J)`` for one of :data:`PATHS`."""
+    jac = jac_forward if _path_mode(path) == "forward" else jac_reverse
+    pfor = not path.endswith("-loop")
+    return lambda u, ctx: jac(bound, u, ctx, pfor)
+
+
+class TFKernel(Kernel):
+    """XLA (``jit_compile=True``) or a plain TensorFlow graph, whichever is faster here.
+
+    Neither always wins on a CPU: XLA removes per-op dispatch, which dominates small chunks,
+    while TensorFlow's own (oneDNN) kernels for large matrix products and convolutions beat
+    XLA's: measured here, W4's reverse-mode chunk takes 610 ms with XLA and 295 ms as a graph,
+    W2's 400 and 285 ms, W1's (1,000 rows) is faster with XLA. So the first call compiles
+    both and times one chunk in each (interleaved, the minimum of a few), unless a variant
+    was fixed with :meth:`use`.
+
+    A chunk of at least :data:`BLOCKED_CHUNK` rows has a third build, ``"xla/blocks"``: XLA
+    over blocks of about :data:`BLOCK_ROWS` rows in a ``tf.map_fn``, whose temporaries stay
+    in cache. Raced only, never the untimed first. Measured here (steady, one process, the
+    Jacobians of W1 in reverse mode under XLA): 100,000 rows in one piece 65 ms, in blocks of
+    1,024 rows 58 ms, 2,048 48 ms, 4,096 42 ms, 8,192 42 ms; 10,000 rows 4.8 ms in one piece
+    and 6.0-7.3 ms in blocks; W2's 10,000 rows 413 ms in one piece, 446-463 in blocks.
+    """
+
+    variants: tuple[str, ...] = ("xla", "graph")
+    @property
+    def cheap_first(self) -> str | None:
+        return "graph"  # built sooner than XLA compiles (see _first_call)
+    #: below this ratio graph/XLA time, the graph is chosen
+    GRAPH_MARGIN = 0.95
+    #: rows of a block of "xla/blocks" (evened over the chunk), and the least chunk that has it
+    BLOCK_ROWS, BLOCKED_CHUNK = 4096, 16384
+    #: below this ratio of times to the faster of the others, "xla/blocks" is chosen
+    BLOCK_MARGIN = 0.95
+
+    def __init__(self, bound: TFBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
+        self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
+        self._bound = bound
+        self._specs = bound._specs(chunk_size)
+        #: how the Jacobians are computed (one of PATHS), chosen by the first call: ``mode``,
+        #: unless it fails for this model (see :meth:`_establish`)
+        self.path: str | None = None
+        #: why the paths before ``path`` failed (empty when ``path`` is ``mode``)
+        self.failures: list[tuple[str, str]] = []
+        self._fns: dict[str, Any] = {}
+        self.variants = self._builds()
+        self.variant = None
+        self.note = ""
+        #: ``(variant, result)`` of the first call's run, its answer (:meth:`_kept_result`)
+        self._kept: tuple[str, Any] | None = None
+
+    def _builds(self) -> tuple[str, ...]:
+        """XLA and the graph, and on the CPU XLA in blocks for a chunk of :data:`BLOCKED_CHUNK`
+        rows (a GPU's memory is not a CPU's cache: not offered there)."""
+        blocked = ("xla/blocks",) if self.chunk_size >= self.BLOCKED_CHUNK and \
+            not tf.config.list_logical_devices("GPU") else ()
+        return (*type(self).variants, *blocked)
+
+    @property
+    def computes(self) -> Mode:
+        return self.mode if self.path is None else _path_mode(self.path)
+
+    def _enter(self, path: str) -> None:
+        """Compute by ``path`` from now on; nothing is traced until it is used (the untimed
+        first call traces the plain graph only)."""
+        bound, with_outputs = self._bound, self.with_outputs
+        jac = jacobian_fn(bound, path)
+
+        def traced(u: tf.Tensor, *ctx: tf.Tensor) -> Any:
+            bound.trace_count += 1
+            y, j = jac(u, ctx)
+            return (y, j) if with_outputs else j
+
+        self._traced = traced
+        self.path = path
+        self._fns = {}
+        self.variants = self._builds()  # (a path XLA failed for had the graph only)
+        self.variant, self.note, self.untimed = None, "", False
+
+    def _fn(self, variant: str) -> Any:
+        if variant not in self._fns:
+            traced = self._in_blocks() if variant == "xla/blocks" else self._traced
+            self._fns[variant] = tf.function(traced, jit_compile=variant.startswith("xla"),
+                                             autograph=False).get_concrete_function(*self._specs)
+        return self._fns[variant]
+
+    def _in_blocks(self) -> Callable[..., Any]:
+        """The traced Jacobians over blocks of the chunk (:data:`BLOCK_ROWS`, evened), in a
+        ``tf.map_fn`` (:func:`_map_blocks`)."""
+        bound, traced = self._bound, self._traced
+        assert bound.output_shape is not None
+        block = _evened(self.chunk_size, self.BLOCK_ROWS)
+        out_shape, ushape = tuple(bound.output_shape), tuple(bound.signature.unknown_shape)
+        jac = tf.TensorSpec((block, *out_shape, *ushape), bound.tf_dtype)
+        signature = (tf.TensorSpec((block, *out_shape), bound.tf_dtype), jac) \
+            if self.with_outputs else jac
+        return lambda u, *ctx: _map_blocks(traced, (u, *ctx), block, signature)
+
+    def _select(self, variant: str, note: str) -> None:
+        # the concrete function's flat call, which skips re-binding the arguments to the
+        # signature (a quarter of a small chunk); the public call where this TensorFlow has none
+        self._call = compat.fast_call(self._fn(variant))
+        if self.failures and self.path is not None:
+            note = f"{note}; computed in {_PATH_NAMES[self.path]} ({self._why()})"
+        self.variant, self.note = variant, note
+
+    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[np.ndarray | None, np.ndarray]:
+        established = None
+        if self.variant is None:
+            with self.building:  # (threads sharing the kernel: one establishes it)
+                if self.variant is None:
+                    established = (self._establish(u, ctx),)
+        if established is not None:
+            out = established[0]
+        else:
+            if self.path is not None and _path_mode(self.path) != self.mode and \
+                    not fallback_allowed():  # an earlier call fell back; this one asks the mode
+                raise self._asked_failed()
+            out = self._call_selected(u, ctx)
+        if _is_tensor(u):  # tensors in, tensors out, where TensorFlow computed them
+            return (out[0], out[1]) if self.with_outputs else (None, out)
+        # The Jacobians as a read-only view of TensorFlow's buffer: ``.numpy()`` would copy
+        # them (78 ms of W2's 370 ms). Read-only because TensorFlow may hand out one buffer
+        # twice (a constant-folded Jacobian); the runner copies chunks into the result anyway.
+        if self.with_outputs:
+            return out[0].numpy(), np.asarray(out[1])
+        return None, np.asarray(out)
+
+    def _call_selected(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> Any:
+        try:
+            return self._call(u, *ctx)
+        except _XLA_ERRORS as e:
+            if not str(self.variant).startswith("xla") or "graph" not in self.variants:
+                raise
+            self._xla_failed(e)  # XLA fixed (use) on a kernel that ran the graph until then
+            return self._call(u, *ctx)
+
+    def _paths(self) -> list[str]:
+        """The paths to try, best first: the kernel's mode, vectorised, then in a loop (which
+        runs min(k, m) passes, the number the mode was chosen for), then the other mode
+        likewise."""
+        other = other_mode(self.mode)
+        return [self.mode, f"{self.mode}-loop", other, f"{other}-loop"]
+
+    def _establish(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> Any:
+        """The first call: build and run the first path of :meth:`_paths` that works for this
+        model (one warning if it is not the first), and keep it. Where only the other mode
+        works and the call asked for this one, it raises a ModelError naming the other mode;
+        where every path fails, the error of the first (the model's failure, not a mode's).
+        Nothing of a path that failed is kept; a failure to build where a later path worked is
+        remembered by the bound model (it is the same for every chunk size), one while running
+        is not (it may depend on the rows, e.g. an assertion in the model)."""
+        bound = self._bound
+        own = [self.mode, f"{self.mode}-loop"]
+        if not fallback_allowed() and all(p in bound.failed for p in own):
+            self.failures = [(p, bound.failed[p]) for p in own]
+            raise self._asked_failed()
+        failures: list[tuple[str, str]] = []
+        errors: list[tuple[str, Exception]] = []  # the paths tried by this call that failed
+        for path in self._paths():
+            if path in bound.failed:
+                failures.append((path, bound.failed[path]))
+                continue
+            self._enter(path)
+            try:
+                with compat.quiet_pfor():
+                    self._first_call(u, ctx)
+                    out = self._kept_result()
+                    if out is None:
+                        out = self._call_selected(u, ctx)
+            except Exception as e:
+                if isinstance(e, Warning) or _out_of_memory(e):  # warnings as errors, OOM
+                    self._reset()
+                    raise
+                failures.append((path, first_line(e)))
+                errors.append((path, e))
+                continue
+            for failed, error in errors:
+                if not _at_run_time(error):
+                    bound.failed[failed] = first_line(error)
+            self.failures = failures
+            if _path_mode(path) != self.mode and not fallback_allowed():
+                self._reset()  # (the other mode only showed that the failure is the mode's)
+                raise self._asked_failed() from (errors[0][1] if errors else None)
+            self._warn_fallback()
+            return out
+        self._reset()
+        if errors:
+            raise errors[0][1]
+        raise ModelError(f"Every way of computing the Jacobians failed for this model: "
+                         f"{self._why(failures)}.")
+
+    def _reset(self) -> None:
+        """Back to the state before the first call (the next call tries again)."""
+        self.path, self._fns, self.variant, self.note, self._kept = None, {}, None, "", None
+        self.variants = self._builds()
+
+    def _why(self, failures: list[tuple[str, str]] | None = None) -> str:
+        failures = self.failures if failures is None else failures
+        merged: list[tuple[list[str], str]] = []  # one entry for paths that failed alike
+        for path, why in failures:
+            if merged and merged[-1][1] == why:
+                merged[-1][0].append(_PATH_NAMES[path])
+            else:
+                merged.append(([_PATH_NAMES[path]], why))
+        return "; ".join(f"{' and '.join(names)}: {why}" for names, why in merged)
+
+    def _asked_failed(self) -> Exception:
+        cause = _FORWARD_CAUSE if self.mode == "forward" else _REVERSE_CAUSE
+        why = self._why([(p, w) for p, w in self.failures if _path_mode(p) == self.mode])
+        return asked_mode_failed(self.mode, why, cause)
+
+    def _warn_fallback(self) -> None:
+        """One warning per bound model and kind when the path in use is not the first."""
+        if not self.failures or self.path is None or in_mode_race():
+            return
+        bound = self._bound
+        used = _path_mode(self.path)
+        loop = " (unvectorised: in a while loop)" if self.path.endswith("-loop") else ""
+        if used != self.mode:
+            kind: type[Warning] = ForwardModeFallbackWarning if self.mode == "forward" \
+                else ReverseModeFallbackWarning
+            cause = _FORWARD_CAUSE if self.mode == "forward" else _REVERSE_CAUSE
+            text = fallback_message(self.mode, self._why(), cause)
+            text = text.replace(f"in {used} mode instead", f"in {used} mode{loop} instead")
+        else:
+            kind = VectorizationFallbackWarning
+            over = "unknowns" if used == "forward" else "outputs"
+            text = (f"TensorFlow could not vectorise the {used}-mode Jacobians of this model "
+                    f"({self._why()}); batchjac computes them in a while loop over the {over} "
+                    f"instead, which gives the same values but is slower. {_PFOR_CAUSE}")
+        if kind in bound.warned:
+            return
+        bound.warned.add(kind)
+        warnings.warn(text, kind, stacklevel=user_stacklevel())
+
+    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...], *,
+             keep: bool = False) -> float:
+        """Seconds of one call of ``variant`` on the chunk; with ``keep``, its result is kept
+        for :meth:`_kept_result` (the first call's answer: W2's first call computed its
+        Jacobians twice, 0.3 s of 1.2, before it was)."""
+        self._kept = None  # (a race's calls keep none: their results would double the peak)
+        start = time.perf_counter()
+        out = self._fn(variant)(u, *ctx)
+        jac = out[1] if self.with_outputs else out
+        if _is_tensor(u):  # tensors in: wait for one number, not a copy of J to the host
+            tf.reduce_sum(jac[:1]).numpy()
+        else:
+            np.asarray(jac)
+        if keep:
+            self._kept = (variant, out)
+        return time.perf_counter() - start
+
+    def _kept_result(self) -> Any:
+        """The result :meth:`_run` kept, if it came from the variant now selected (once)."""
+        kept, self._kept = self._kept, None
+        return kept[1] if kept is not None and kept[0] == self.variant else None
+
+    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        from ..._config import autotune_enabled
+        from .._base import race_allowed, untimed_note
+
+        if self._forced == "graph":  # no need to compile XLA at all
+            self._select("graph", "graph (fixed)")
+            return
+        # (with BATCHJAC_AUTOTUNE=off, the first implementation, XLA, as stores use)
+        if self._forced is None and not race_allowed() and autotune_enabled():
+            # untimed: the plain graph, which is built sooner than XLA compiles (measured here,
+            # first calls W1 0.10 s vs 0.14, W2 0.52 vs 0.57, W4 0.40 vs 0.79); XLA is tried
+            # against it once the work repays a race (retune)
+            try:
+                self._run("graph", u, ctx, keep=True)
+            except tf.errors.OpError:
+                pass  # the graph fails where XLA may not: take the XLA path below
+            else:
+                self._select("graph", f"graph ({untimed_note()})")
+                self.untimed = True
+                return
+        build = self._forced if self._forced == "xla/blocks" else "xla"  # (one XLA build)
+        try:
+            first = self._run(build, u, ctx, keep=True)
+        except Exception as xla_error:  # (a trace-time failure fails the graph below as well)
+            if isinstance(xla_error, Warning) or _out_of_memory(xla_error):
+                raise
+            try:
+                self._fn("graph")
+                self._run("graph", u, ctx, keep=True)
+            except tf.errors.OpError as e:
+                raise ModelError(f"The model failed while computing the Jacobian: {e.message}") from e
+            self._xla_failed(xla_error)
+            return
+        if self._forced is not None:
+            self._select(self._forced, f"{self._forced} ({self._forced_why})")
+            return
+        if not race_allowed():  # autotune off, or the plain graph failed above: XLA, untimed
+            self._select("xla", f"xla ({untimed_note()})")
+            return
+        self._race_builds(u, ctx, first)
+
+    def _xla_failed(self, xla_error: Exception) -> None:
+        """XLA cannot compile this model: the plain graph from now on, with one warning."""
+        if not self._bound._xla_warned:
+            self._bound._xla_warned = True
+            text = str(getattr(xla_error, "message", xla_error)).strip().splitlines()[0][:300]
+            warnings.warn(
+                f"XLA could not compile this model ({text}); batchjac runs it as a plain "
+                f"TensorFlow graph instead, which is correct but can be slower.",
+                XLAFallbackWarning, stacklevel=user_stacklevel(),
+            )
+        self.variants = ("graph",)
+        self._select("graph", "graph (XLA could not compile the model)")
+
+    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if not self.untimed or self._forced is not None or "xla" not in self.variants:
+            return
+        self.untimed = False
+        try:
+            first = self._run("xla", u, ctx)
+        except Exception as e:  # the graph runs: a race is optional, never a failure
+            if isinstance(e, Warning):
+                raise
+            if not _out_of_memory(e):
+                self._xla_failed(e)
+            return
+        self._race_builds(u, ctx, first)
+
+    def _race_builds(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], first: float) -> None:
+        try:
+            self._run("graph", u, ctx)  # trace and warm up
+        except Exception as e:  # XLA runs it but the graph does not: keep XLA
+            if isinstance(e, Warning):
+                raise
+            self._select("xla", "xla (the plain graph failed)")
+            return
+        del first
+        names = ["xla", "graph"]
+        if "xla/blocks" in self.variants:
+            try:
+                self._run("xla/blocks", u, ctx)  # trace, compile and warm up
+            except Exception as e:  # (XLA ran the chunk whole: the blocks are optional)
+                if isinstance(e, Warning) or _out_of_memory(e):
+                    raise
+                self.variants = tuple(v for v in self.variants if v != "xla/blocks")
+            else:
+                names.append("xla/blocks")
+        # the shared race (interleaved rounds of back-to-back calls, medians): two single calls
+        # each, as this timed before, once kept the graph for W1 (1.1 vs 1.3 ms just after
+        # XLA's compilation) where XLA then ran 0.73 ms a call against the graph's 1.0
+        best = race(lambda v: self._run(v, u, ctx), tuple(names))
+        winner = "graph" if best["graph"] < self.GRAPH_MARGIN * best["xla"] else "xla"
+        if "xla/blocks" in best and best["xla/blocks"] < self.BLOCK_MARGIN * best[winner]:
+            winner = "xla/blocks"
+        timed = f"XLA {best['xla'] * 1e3:.1f} ms, graph {best['graph'] * 1e3:.1f} ms"
+        if "xla/blocks" in best:
+            timed += f", XLA in blocks {best['xla/blocks'] * 1e3:.1f} ms"
+        self._select(winner, f"{winner} (timed one chunk: {timed})")
+
+
+def _evened(rows: int, limit: int) -> int:
+    """Rows of each block when ``rows`` are cut into blocks of at most ``limit``, evened."""
+    return -(-rows // -(-rows // limit))
+
+
+def _map_blocks(fn: Callable[..., Any], arrays: tuple[tf.Tensor, ...], block: int,
+                signature: Any) -> Any:
+    """``fn`` over blocks of ``block`` rows of ``arrays`` (cut alike) in a ``tf.map_fn``,
+    whose results (``signature``: one block's) are joined and cut back to the rows; the last
+    block is padded with copies of the last row."""
+    rows = int(arrays[0].shape[0])
+    blocks = -(-rows // block)
+    padded = blocks * block
+
+    def split(a: tf.Tensor) -> tf.Tensor:
+        if padded > rows:
+            a = tf.concat([a, tf.repeat(a[-1:], padded - rows, axis=0)], 0)
+        return tf.reshape(a, (blocks, block, *a.shape[1:]))
+
+    outs = tf.map_fn(lambda args: fn(*args), tuple(split(a) for a in arrays),
+                     fn_output_signature=signature)
+    return tf.nest.map_structure(lambda o: tf.reshape(o, (padded, *o.shape[2:]))[:rows], outs)
+
+
+def _is_tensor(a: Any) -> bool:
+    """``tf.is_tensor``, answered at once for a numpy array: ``tf.is_tensor`` checks a
+    runtime Protocol (~27 us a call), three times a call of a kernel on numpy chunks: 0.08 ms
+    of W1's 0.9 ms steady call at 1,000 rows."""
+    return not isinstance(a, np.ndarray) and tf.is_tensor(a)
