@@ -39,7 +39,7 @@ def _in_a_small_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, verb: Any
 
 
 def test_the_count_is_a_rows_intermediates_not_its_weights_nor_views() -> None:
-    from batchjac._backends import torch_cost
+    from batchjac._backends.torch import cost as torch_cost
 
     model = _mlp(1, (6, 16, 3))  # addmm 16, tanh 16, addmm 3 floats a row
     for rows in (4, 16):
@@ -65,7 +65,7 @@ def test_the_count_is_a_rows_intermediates_not_its_weights_nor_views() -> None:
 def test_a_convolution_gets_no_estimate() -> None:
     """oneDNN tiles its convolutions itself, and each new chunk shape costs its setup on the
     first call (W4: 0.32 s whole against 0.42-0.45 s in cache-sized chunks): no estimate."""
-    from batchjac._backends import torch_cost
+    from batchjac._backends.torch import cost as torch_cost
 
     torch.manual_seed(2)
     conv = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Tanh(),

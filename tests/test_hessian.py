@@ -76,7 +76,7 @@ def native_hessian(name: str, f: Callable[[Any], Any], x: np.ndarray) -> np.ndar
     if name == "torch":
         import torch
 
-        from batchjac._backends.torch_state import _load_forward_ad
+        from batchjac._backends.torch.state import _load_forward_ad
 
         _load_forward_ad()  # (jacfwd's first use: its import's deprecation warning silenced)
         one = torch.func.hessian(lambda z: f(z[None])[0])

@@ -20,8 +20,8 @@ from .helpers import race_now, rng, run_in_fresh_process
 
 torch = pytest.importorskip("torch")
 
-from batchjac._backends import torch_laplacian  # noqa: E402
-from batchjac._backends.torch_state import _load_forward_ad  # noqa: E402
+from batchjac._backends.torch import laplacian as torch_laplacian  # noqa: E402
+from batchjac._backends.torch.state import _load_forward_ad  # noqa: E402
 from batchjac._bind import prepare  # noqa: E402
 from batchjac._validate import normalize  # noqa: E402
 

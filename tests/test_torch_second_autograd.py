@@ -25,7 +25,7 @@ from .helpers import race_now, rng
 
 torch = pytest.importorskip("torch")
 
-from batchjac._backends.torch_state import _load_forward_ad  # noqa: E402
+from batchjac._backends.torch.state import _load_forward_ad  # noqa: E402
 from batchjac._bind import prepare  # noqa: E402
 from batchjac._validate import normalize  # noqa: E402
 

@@ -3,7 +3,7 @@ forward pass of the probes' rows (:meth:`TorchBound.row_working_set`).
 
 The planner cuts a chunk's temporaries to the CPU's cache (:func:`batchjac._plan.fit_cache`),
 from an estimate of the bytes a row holds. JAX reads it from a jaxpr
-(:func:`batchjac._backends.jax_cost.peak_row_bytes`); eager PyTorch has no program to read,
+(:func:`batchjac._backends.jax.cost.peak_row_bytes`); eager PyTorch has no program to read,
 so the probes' forward pass runs under a dispatch mode that adds up the bytes of what each
 operation returns with the batch's rows on its leading axis. That is the sum, not the peak:
 the torch kernels differentiate with autograd, which keeps every such intermediate for its

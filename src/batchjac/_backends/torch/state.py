@@ -1,4 +1,4 @@
-"""PyTorch state shared by its backend's modules (:mod:`.torch`, :mod:`.torch_laplacian`): the
+"""PyTorch state shared by its backend's modules (:mod:`batchjac._backends.torch`, :mod:`.laplacian`): the
 process-wide lock of forward mode, a thread-safe warning filter, and the one-off load of forward
 mode's decompositions. Its own module so that both import it and neither imports the other."""
 

@@ -266,7 +266,7 @@ def _apply(target: Any, args: Any, kwargs: Any, k: int) -> Any:
         a, kw = pytree.tree_unflatten(vals, spec)
         return target(*a, **kw)
 
-    from .torch_state import _load_forward_ad
+    from .state import _load_forward_ad
 
     _load_forward_ad()  # (torch.func's forward mode: its decompositions, once)
     p = tuple(c.x for c in carried)

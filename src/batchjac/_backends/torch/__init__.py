@@ -38,7 +38,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .._errors import (
+from ..._errors import (
     BatchJacError,
     ForwardModeFallbackWarning as ForwardModeFallbackWarning,
     InputError,
@@ -47,8 +47,8 @@ from .._errors import (
     OrderFailedError,
     TrainingModeWarning as TrainingModeWarning,
 )
-from .._spec import assemble
-from ._base import (
+from ..._spec import assemble
+from .._base import (
     SECOND_RESULT,
     Backend,
     BoundModel,
@@ -65,7 +65,7 @@ from ._base import (
     rows_at_hand,
     user_stacklevel,
 )
-from .torch_state import _FORWARD_AD, _load_forward_ad, _silenced
+from .state import _FORWARD_AD, _load_forward_ad, _silenced
 
 Engine = Literal["func", "autograd", "replicated", "looped", "transposed"]
 
@@ -386,7 +386,7 @@ class TorchBound(BoundModel):
                 raise _explain_model_failure(e, self.signature) from e
         return _to_numpy(y)
 
-    #: bytes a row of the model's intermediates holds (:mod:`.torch_cost`), once counted
+    #: bytes a row of the model's intermediates holds (:mod:`.cost`), once counted
     _row_bytes_seen: float | None = None
     _row_bytes_counted = False
 
@@ -394,20 +394,20 @@ class TorchBound(BoundModel):
         """The forward pass, on the CPU the first time with its intermediates counted (the
         probes' pass: :meth:`row_working_set`). A model that fails under the counting (a
         compiled one, say) is run again as it is, and nothing is counted."""
-        from . import torch_cost
+        from . import cost
 
         if self._row_bytes_counted or self.device.type != "cpu" or ut.dim() == 0:
             return self.apply(ut, ct)
         self._row_bytes_counted = True
         try:
-            y, self._row_bytes_seen = torch_cost.counted(lambda: self.apply(ut, ct), ut.shape[0])
+            y, self._row_bytes_seen = cost.counted(lambda: self.apply(ut, ct), ut.shape[0])
         except Exception:  # (the plain call below raises the model's own error, if any)
             self._row_bytes_seen = None
             return self.apply(ut, ct)
         return y  # type: ignore[no-any-return]
 
     def row_working_set(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> float | None:
-        """From the probes' forward pass on the CPU (:mod:`.torch_cost`): the bytes a row of its
+        """From the probes' forward pass on the CPU (:mod:`.cost`): the bytes a row of its
         intermediates holds, which autograd keeps for the backward passes; None elsewhere."""
         return self._row_bytes_seen if self.device.type == "cpu" else None
 
@@ -770,8 +770,8 @@ class TorchKernel(Kernel):
         The builds are raced later, once the work repays it (:meth:`retune`). None: the usual
         first call (a variant fixed, a race allowed, torch.func loaded already, another kernel
         of this model found that torch.func fails)."""
-        from .._config import autotune_enabled
-        from ._base import race_allowed, untimed_note
+        from ..._config import autotune_enabled
+        from .._base import race_allowed, untimed_note
 
         forced = self._bound.reverse_engine in (None, "func") and (
             (self._forced in ("replicated", "looped") and self.mode == "reverse")
@@ -801,7 +801,7 @@ class TorchKernel(Kernel):
     def _race_skipped(self, running: str) -> bool:
         """Before a race of builds: a fixed variant is selected, or, where the work does not
         repay a race, ``running`` is kept untimed (True: no race)."""
-        from ._base import race_allowed, untimed_note
+        from .._base import race_allowed, untimed_note
 
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} ({self._forced_why})")
@@ -1032,7 +1032,7 @@ class TorchSecondKernel(Kernel):
         #: why the forward Laplacian could not run for this model (the order's own then)
         self.laplacian_failed = ""
         if kind == "laplacian":
-            # the forward Laplacian (one pass, see batchjac._backends.torch_laplacian), whose
+            # the forward Laplacian (one pass, see batchjac._backends.torch.laplacian), whose
             # trace into ATen operations costs one forward pass of a block, or the order's own
             # computation, whose torch.func passes import torch._dynamo on their first use
             # (W7, fresh processes, first calls: 1,000 rows 36 ms against 1.72 s, 100,000
@@ -1078,7 +1078,7 @@ class TorchSecondKernel(Kernel):
         self.variant, self.note = variant, f"{self.kind}: {self.order}, {what} ({note})"
 
     def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
-        from ._base import race_allowed, untimed_note
+        from .._base import race_allowed, untimed_note
 
         chosen = self._bound.__dict__.get("_laplacian_build")
         if self._forced is not None:
@@ -1335,11 +1335,11 @@ class TorchSecondKernel(Kernel):
 
     def _forward_laplacian(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(y, J, Laplacian)`` in one forward pass (:mod:`.torch_laplacian`), in blocks of
+        """``(y, J, Laplacian)`` in one forward pass (:mod:`.laplacian`), in blocks of
         rows (:meth:`_block_rows`), or None where the model cannot be traced into ATen
         operations or one of them has no forward derivative (the note says why; the order's
         own build then, the same values)."""
-        from . import torch_laplacian
+        from . import laplacian
 
         k, m, out_shape, ushape = self._shapes(u)
         rows = u.shape[0]
@@ -1348,7 +1348,7 @@ class TorchSecondKernel(Kernel):
             parts = []
             for s in range(0, rows, block):
                 us, cs = u[s:s + block], tuple(c[s:s + block] for c in ctx)
-                parts.append(torch_laplacian.run(self._tape(us, cs), [us, *cs], 0))
+                parts.append(laplacian.run(self._tape(us, cs), [us, *cs], 0))
         except (BatchJacError, Warning):
             raise
         except Exception as e:
@@ -1367,21 +1367,21 @@ class TorchSecondKernel(Kernel):
     def _tape(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> Any:
         """The model's ATen operations for these shapes, recorded once (again where the
         weights changed: a tape holds the weights it saw)."""
-        from . import torch_laplacian
+        from . import laplacian
 
         bound = self._bound
         weights = tuple((id(t), t._version) for t in _weights(bound))
         key = (tuple(u.shape), *(tuple(c.shape) for c in ctx))
         tape, seen = self._graphs.get(key, (None, None))
         if tape is None or seen != weights:
-            tape = torch_laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
+            tape = laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
             self._graphs[key] = (tape, weights)
         return tape
 
     def _block_rows(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], k: int) -> int:
         """Rows a block of the forward Laplacian (:data:`LAPLACIAN_LIVE_VALUES`), evened over
         the chunk; the whole chunk on an accelerator, or where it is small."""
-        from .._config import cache_bytes
+        from ..._config import cache_bytes
 
         rows = u.shape[0]
         if u.device.type != "cpu" or rows <= 2 * self.MIN_BLOCK_ROWS:
