@@ -1,0 +1,486 @@
+"""The first-order JAX kernel: ``jit(vmap(jacfwd | jacrev))`` over the rows of a chunk,
+compiled ahead of time in the builds :class:`JaxKernel` chooses between."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..._errors import (
+    ForwardModeFallbackWarning,
+    InputError,
+    ModelError,
+    ReverseModeFallbackWarning,
+)
+from .._base import (
+    Kernel,
+    Mode,
+    asked_mode_failed,
+    fallback_allowed,
+    fallback_message,
+    first_line,
+    in_mode_race,
+    other_mode,
+    race,
+    user_stacklevel,
+)
+
+if TYPE_CHECKING:
+    from . import JaxBound
+    from .executables import Options
+
+#: why a mode fails in JAX, for the fallback's warning and error
+_CAUSES: dict[Mode, str] = {
+    "forward": "Usual cause: a jax.custom_vjp function, which has no forward-mode rule.",
+    "reverse": ("Usual cause: lax.while_loop (or fori_loop with traced bounds), which has no "
+                "reverse-mode rule."),
+}
+
+
+class JaxKernel(Kernel):
+    """The compiled chunk kernel, in one of several builds of the same computation.
+
+    *Builds*: XLA's defaults ("default"), whose matrix products are YNNPACK library calls on
+    the CPU, or XLA's own dot emitter ("no-ynnpack", the ``xla_cpu_experimental_ynn_fusion_type``
+    option emptied). Neither always wins: measured on this 2-core CPU, the second takes 0.73x
+    the time on a W2 chunk (313 vs 429 ms) and 0.85-0.9x on W3, the same on W1 at 1,000 rows,
+    and as a bare kernel 0.97x on W4 but 1.07x on W1 at 6,252 rows.
+
+    *Blocks* ("default/125": that build, the chunk computed 125 rows at a time in a
+    ``lax.map`` inside the one compiled call). XLA's CPU runtime splits each large operation
+    of a chunk over its thread pool, and for small chunks the hand-offs cost more than they
+    save: W1 at 1,000 rows takes 0.52 ms pinned to one core and 0.65-0.70 ms on two. In
+    blocks of 100-200 rows no operation is large enough to be split, and the same chunk took
+    0.71-0.80x the time (W1, 1,000 rows), 0.91x on W2 (100 rows of 2,500); above ~240 rows
+    the gain is gone, and convolutions (W4: 2x slower) and wide forward mode (W3: 1.2-2x)
+    lose. So only :data:`BLOCK_ROWS` are tried, on chunks at least twice as large.
+
+    The first call compiles every variant and times them in one
+    :func:`~batchjac._backends._base.race` of interleaved rounds (those clearly slower in a
+    first timing left out): "no-ynnpack" must beat "default" by ``MARGIN``, blocks the faster
+    of those by ``BLOCK_MARGIN``. Unless a variant was fixed with :meth:`use` (stores,
+    reproducible solves) or ``BATCHJAC_AUTOTUNE=off``: then "default". On a GPU, or a JAX
+    without that option, there is only "default".
+
+    *The quick build* ("quick": XLA at optimization level 0 without its fusion emitters, on
+    the CPU) is a first call's build when the chunk's elementwise work is at most
+    :data:`QUICK_ELEMENTS` (counted from the traced equations, :mod:`batchjac._backends.jax.cost`):
+    it compiles in a third to 40% of the time, and runs XLA's own loops 2-3x slower (matrix
+    products are library calls either way). Measured on the project's 2-core CPU, fresh
+    processes, ``jit(vmap(jacfwd))`` of the whole input, compile / steady run: W1, 1,000 rows,
+    24-29 ms / 2.6-4.0 ms against the default build's 73-82 ms / 0.9 ms (level 0 alone, the
+    earlier quick build: 59 ms / 2.5-5 ms); W3, 1,000 rows, 36-38 / 25 ms against 97 / 16 ms
+    (level 0 alone 65-72 / 32 ms); W1 at 10,000 rows 30 / 30 ms against 85 / 16 ms, where
+    it no longer pays. Batchjac's W1 first call: 81-90 ms against 129-139 with level 0 alone
+    (the native ``jit(vmap(jacfwd))``: 118-138 ms). It is never raced and never a store's
+    build: the race the first call skipped, once the work repays it (:mod:`batchjac._tuning`),
+    replaces it with the fastest of the others. Chunks with wide matrix products
+    (:data:`WIDE_PRODUCTS`) take "no-ynnpack" as their first build, untimed, for the same
+    reason: the cost model's choice beats a race the first call cannot repay.
+    """
+
+    _OPTIONS: ClassVar[dict[str, Options]] = {
+        "default": {}, "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""},
+        "quick": {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": False}}
+    #: calls whose equations other than matrix products and convolutions write at most
+    #: this many elements (in all their chunks) compile "quick" first: at 0.3-1 ns more an
+    #: element, the quick build costs at most ~40 ms more a call, less than the 50-60 ms its
+    #: compilation saves (W1: 2.6 million per 1,000 rows; W3 16 million; W2 at 10,000 rows 340 million)
+    QUICK_ELEMENTS = 4e7
+    #: chunks of at least this many floating-point operations in matrix products compile
+    #: "no-ynnpack" first (W2's 10,000 rows: 5.9e10, 273 against 361 ms a chunk; W3's 10,000
+    #: rows 2e10, 179 against 196 ms; W2's 2,000 rows and W4's 1,000 the same either way)
+    WIDE_PRODUCTS = 1e10
+    #: below this ratio of times, "no-ynnpack" is chosen
+    MARGIN = 0.97
+    #: block sizes tried (each made even over the chunk: 1,000 rows in blocks of 125)
+    BLOCK_ROWS = (128,)
+    #: below this ratio of times, computing in blocks is chosen
+    BLOCK_MARGIN = 0.95
+    #: variants slower than the fastest by this factor in a first timing are not raced
+    PRUNE = 1.3
+    #: blocks are tried where their temporary arrays take at most this many bytes
+    BLOCK_MAX_BYTES = 4 << 20
+
+    asynchronous = True
+
+    def __init__(self, bound: JaxBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
+        self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
+        self._bound = bound
+        self._lowered: dict[int, Any] = {}  # block rows (the chunk size: no blocks) -> lowering
+        self._compiled: dict[str, Any] = {}
+        #: the mode computed: ``mode``, or the other one where ``mode`` fails for this model
+        #: and the call did not ask for it (see :meth:`_compile_default`)
+        self._computes: Mode = mode
+        self.failure = ""  # why ``mode`` failed, when ``computes`` is the other mode
+        self._jaxpr: Any = None  # the chunk's traced equations (the quick build's count)
+        #: the variant compiled first: "quick" for a small chunk on the CPU, else "default",
+        #: or the one an earlier race chose, loaded from the disk (:meth:`_load_recalled`)
+        self._first = "default"
+        self._compile_default()
+        self._builds: tuple[str, ...] = ("default",)
+        if jax.default_backend() == "cpu":
+            self._builds = ("default", "no-ynnpack")
+        self._variants: tuple[str, ...] | None = None
+        self._fn = self._compiled[self._first]
+        self.variant, self.note = None, ""
+
+    @property
+    def computes(self) -> Mode:
+        return self._computes
+
+    @property  # type: ignore[override]
+    def variants(self) -> tuple[str, ...]:
+        """The builds, then each in blocks where :meth:`_block_sizes` allows: read when first
+        asked (a race, a remembered blocked build), since the block sizes need the default
+        build's memory analysis (2-4 ms), which a first call that races nothing never uses."""
+        if self._variants is None:
+            self._variants = self._builds + tuple(f"{b}/{rows}" for b in self._builds
+                                                  for rows in self._block_sizes())
+        return self._variants
+
+    @variants.setter
+    def variants(self, value: tuple[str, ...]) -> None:
+        self._variants = tuple(value)
+
+    def _hinted(self, build: str, blocked: bool) -> str:
+        """The variant of a hint: ``build``, in blocks if this chunk has them and the hint
+        was blocked."""
+        if not blocked:
+            return build
+        return next((v for v in self.variants if v.startswith(build + "/")), build)
+
+    def _compile_default(self) -> None:
+        """Trace and compile the default build of ``mode``. Where that fails (JAX has no
+        reverse mode for ``lax.while_loop`` with traced bounds, no forward mode for
+        ``custom_vjp``) and the other mode works, the kernel computes the other mode, with one
+        warning, unless the call asked for the mode: that call gets a ModelError naming the
+        other mode. Where both fail, the model's error for ``mode`` is raised."""
+        bound = self._bound
+        if not fallback_allowed() and self.mode in bound.failed:  # a kernel of another size
+            raise asked_mode_failed(self.mode, bound.failed[self.mode], _CAUSES[self.mode])
+        failed: Exception | None = None
+        for mode in (self.mode, other_mode(self.mode)):
+            if mode in bound.failed:  # the other mode worked for a kernel of another size
+                self.failure = bound.failed[mode]
+                continue
+            self._computes = mode
+            self._lowered.clear()
+            try:  # each build of one blocking compiles the same lowering
+                recalled = self._load_recalled()
+                if recalled is not None:
+                    self._first, compiled = recalled
+                else:
+                    lowered = self._lowering(self.chunk_size)
+                    self._first = self._first_build()
+                    try:
+                        compiled = self._load_or_compile(lowered, self._OPTIONS[self._first])
+                    except Exception:  # an XLA without that option: its defaults (a model's
+                        if self._first == "default":  # failure fails those too)
+                            raise
+                        self._first = "default"
+                        compiled = self._load_or_compile(lowered, {})
+                self._compiled[self._first] = compiled
+            except InputError:
+                raise
+            except Exception as e:
+                if isinstance(e, Warning):  # warnings as errors: not the model's failure
+                    raise
+                error = e if isinstance(e, ModelError) else bound._explain(e)
+                if error is not e:
+                    error.__cause__ = e
+                failed = failed or error
+                continue
+            if mode != self.mode:  # the failure is the mode's, not the model's
+                if failed is not None:
+                    self.failure = bound.failed[self.mode] = first_line(failed)
+                if not fallback_allowed():
+                    raise asked_mode_failed(self.mode, self.failure, _CAUSES[self.mode]) from failed
+                self._warn_fallback()
+            return
+        assert failed is not None
+        raise failed
+
+    def _load_recalled(self) -> tuple[str, Any] | None:
+        """The variant an earlier process's race chose (:func:`~batchjac._backends._base.recalled_variant`)
+        and its executable, where that process left it on disk: loading it (2-14 ms) is
+        cheaper than compiling even the quick build (W1: 80 ms), and it is the faster build.
+        A variant in blocks ("default/125") is traced in its blocks only, not first as a whole
+        chunk too (a warm W1 first call traced both: 94-106 ms against a cold 82-87 ms). None
+        where no race is remembered, the caller fixed the build (a store), or the executable
+        is not on disk (the first build is then chosen as usual)."""
+        from ..._config import autotune_enabled
+        from .._base import recalled_variant, wanted_variant
+        from . import executables as jax_executables
+
+        recalled = recalled_variant()
+        if recalled is None or wanted_variant() is not None or not autotune_enabled():
+            return None
+        build, blocked, rows = recalled.partition("/")
+        if build not in self._OPTIONS or build == "quick":
+            return None
+        block = int(rows) if rows.isdigit() else 0
+        if blocked and not 0 < block < self.chunk_size:
+            return None  # (not a variant this chunk has)
+        lowered = self._lowering(block if blocked else self.chunk_size)
+        loaded = jax_executables.load(lowered, self._OPTIONS[build],
+                                      starting=self._bound.compiling.set)
+        return None if loaded is None else (recalled, loaded)
+
+    def _first_build(self) -> str:
+        """The build compiled first, on the CPU with tuning on (``BATCHJAC_AUTOTUNE=off`` and
+        other devices: "default"): "quick" where the call's elementwise work (the chunk's,
+        times the chunks of the rows at hand, :func:`~batchjac._backends._base.call_rows`) is
+        too small to repay XLA's full optimisation (:data:`QUICK_ELEMENTS`; it waits for the race that
+        replaces it), "no-ynnpack" where its matrix products are wide
+        (:data:`WIDE_PRODUCTS`), else "default"."""
+        from ..._config import autotune_enabled
+        from .._base import FIRST_VARIANT, rows_at_hand, wanted_variant
+        from . import cost as jax_cost
+
+        wanted = wanted_variant()
+        if wanted == FIRST_VARIANT:
+            return "default"  # (variants[0])
+        if wanted is not None and wanted.split("/")[0] in self._OPTIONS:
+            return wanted.split("/")[0]  # the build the caller fixes (a store's): compiled once
+        if jax.default_backend() != "cpu" or not autotune_enabled() or self._jaxpr is None:
+            return "default"
+        self.work = jax_cost.work(self._jaxpr)
+        # the quick build's cost is per element of every chunk of the call (W4's 2,000 images
+        # in chunks of 100: 3.1e7 elements a chunk, 6e8 a call, 0.88 against 0.48 s); never in
+        # a mode race, which times full builds (provisional): a quick one would be compiled
+        # for nothing
+        chunks = max(1, -(-rows_at_hand() // self.chunk_size))
+        if self.work.elements * chunks <= self.QUICK_ELEMENTS and not in_mode_race():
+            return "quick"
+        return "no-ynnpack" if self.work.products >= self.WIDE_PRODUCTS else "default"
+
+    #: the chunk's estimated work, where counted
+    work: Any = None
+
+    @property
+    def cheap_first(self) -> str | None:
+        return "quick" if self._first == "quick" else None
+
+    def _warn_fallback(self) -> None:
+        bound = self._bound
+        kind: type[Warning] = ForwardModeFallbackWarning if self.mode == "forward" \
+            else ReverseModeFallbackWarning
+        if kind not in bound.warned and not in_mode_race():
+            bound.warned.add(kind)
+            warnings.warn(fallback_message(self.mode, self.failure, _CAUSES[self.mode]), kind,
+                          stacklevel=user_stacklevel())
+
+    def _check_asked(self) -> None:
+        """A kernel that fell back, called by a call that asks for its mode: refuse."""
+        if self._computes != self.mode and not fallback_allowed():
+            raise asked_mode_failed(self.mode, self.failure, _CAUSES[self.mode])
+
+    def _block_sizes(self) -> list[int]:
+        """Rows a block for each of BLOCK_ROWS, evened over the chunk: for chunks at least
+        twice as large, on the CPU, where a block's temporary arrays take at most
+        BLOCK_MAX_BYTES (W1: 0.3 MB, W2: 2.8 MB; W4's convolutions: 29 MB, not tried)."""
+        if jax.default_backend() != "cpu":
+            return []
+        try:  # (the quick build's, before the default build exists)
+            temp = self._compiled.get("default", self._compiled[self._first]) \
+                .memory_analysis().temp_size_in_bytes
+        except Exception:  # no memory analysis in this JAX: no blocks
+            return []
+        sizes = []
+        for rows in self.BLOCK_ROWS:
+            if self.chunk_size >= 2 * rows and temp / self.chunk_size * rows <= self.BLOCK_MAX_BYTES:
+                sizes.append(-(-self.chunk_size // -(-self.chunk_size // rows)))
+        return sizes
+
+    def _body(self, args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
+        """The Jacobians (and outputs) of the rows of ``u``: ``vmap(jacfwd|jacrev)``."""
+        one = self._bound._instance_fn(args)
+        jac = jax.jacfwd if self._computes == "forward" else jax.jacrev
+        if self.with_outputs:
+            j, y = jax.vmap(jac(lambda u_i, c_i: (one(u_i, c_i),) * 2, has_aux=True))(u, ctx)
+            return y, j
+        return jax.vmap(jac(one))(u, ctx)
+
+    def _lowering(self, rows: int) -> Any:
+        """The traced kernel computing the chunk ``rows`` rows at a time (the last block
+        padded with copies of the chunk's last row, whose results are dropped)."""
+        if rows in self._lowered:
+            return self._lowered[rows]
+        bound, size = self._bound, self.chunk_size
+
+        def traced(args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
+            bound.trace_count += 1
+            if rows >= size:
+                return self._body(args, u, ctx)
+            return in_blocks(lambda b_u, b_c: self._body(args, b_u, b_c), rows, u, ctx)
+
+        u_spec, ctx_spec = bound._specs(size)
+        staged = jax.jit(traced).trace(bound.args, u_spec, ctx_spec)
+        if rows >= size:
+            self._jaxpr = staged.jaxpr
+        self._lowered[rows] = staged.lower()
+        return self._lowered[rows]
+
+    def _compile(self, variant: str) -> Any:
+        if variant not in self._compiled:
+            build, _, rows = variant.partition("/")
+            lowered = self._lowering(int(rows) if rows else self.chunk_size)
+            self._compiled[variant] = self._load_or_compile(lowered, self._OPTIONS[build])
+        return self._compiled[variant]
+
+    def _load_or_compile(self, lowered: Any, options: Options) -> Any:
+        """XLA's compilation, or the executable an earlier process compiled for the same
+        lowered module (:mod:`batchjac._backends.jax.executables`)."""
+        from . import executables as jax_executables
+
+        # the probes beside this first kernel may trace once XLA holds the CPU, not Python
+        compiled, loaded = jax_executables.compile(lowered, options,
+                                                   starting=self._bound.compiling.set)
+        self._bound.compile_count += not loaded
+        return compiled
+
+    def _select(self, variant: str, note: str) -> None:
+        self._fn = self._compile(variant)
+        if self._computes != self.mode:
+            note = f"{note}; computed in {self._computes} mode ({self.failure})"
+        self.variant, self.note = variant, note
+
+    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+                 ) -> tuple[np.ndarray | None, np.ndarray]:
+        return self.launch(u, ctx)()
+
+    @property
+    def provisional_builds(self) -> int:
+        """A quick first build that :meth:`provisional` replaces by a full one: 1."""
+        return int(set(self._compiled) == {"quick"})
+
+    def provisional(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+                    ) -> tuple[np.ndarray | None, np.ndarray]:
+        """Before the first call has chosen: what the last kernel of this model chose (its
+        build, in blocks if this chunk has them), else the default; nothing is timed. Never
+        the quick build: the races that call this (the modes, the chunk sizes) compare full
+        builds, since the quick one's slow loops favour whichever mode has fewer of them (W1:
+        forward 1.28 against reverse 1.30 ms a chunk at level 0, 0.4 ms either way in full)."""
+        self._check_asked()
+        fn = self._fn
+        if self.variant is None or self.variant == "quick":
+            first = "default" if self._first == "quick" else self._first
+            fn = self._compile(self._hinted(*(self._bound.hint or (first, False))))
+        return self._result(fn(self._bound.args, u, tuple(ctx)), isinstance(u, jax.Array))()
+
+    def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+               ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+        from .executables import used
+
+        self._check_asked()
+        if self.variant is None:
+            with self.building:  # (threads sharing the kernel: one chooses its build)
+                if self.variant is None:
+                    self._first_call(u, ctx)
+        used()
+        return self._result(self._fn(self._bound.args, u, tuple(ctx)),  # runs in the background
+                            isinstance(u, jax.Array))
+
+    def _result(self, out: Any, native: bool = False
+                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+        """The wait for ``out``: numpy views of its buffers, or (``native``: JAX arrays in)
+        the JAX arrays themselves, left on their device."""
+        from .executables import release
+
+        def wait() -> tuple[Any, Any]:
+            if native:  # (waited for as numpy results are: the tuning times these calls)
+                res = (tuple(jax.block_until_ready(out)) if self.with_outputs
+                       else (None, jax.block_until_ready(out)))
+            elif self.with_outputs:
+                res = (np.asarray(out[0]), np.asarray(out[1]))
+            else:
+                res = (None, np.asarray(out))
+            release()  # the executables this call compiled are written now, after its result
+            return res
+        return wait
+
+    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        jax.block_until_ready(self._compiled[variant](self._bound.args, u, tuple(ctx)))
+
+    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        from ..._config import autotune_enabled
+        from .._base import race_allowed, untimed_note
+
+        if self._forced is not None:
+            self._select(self._forced, f"{self._forced} ({self._forced_why})")
+            return
+        if len(self._builds) == 1 and len(self.variants) == 1:
+            self._select("default", "")
+            return
+        if not race_allowed() and self._first == "quick":
+            self._select("quick", f"quick (XLA at optimization level 0, no fusion emitters: "
+                                  f"{self.work.elements:.2g} elements of elementwise work a "
+                                  f"chunk, too few to repay a full build; {untimed_note()})")
+            self.untimed = True
+            return
+        if not race_allowed():
+            # what an earlier kernel of this model chose by timing (none with autotune off)
+            hint = self._hinted(*(self._bound.hint or (self._first, False)) if autotune_enabled()
+                                else ("default", False))
+            self._select(hint, f"{hint} ({untimed_note()})")
+            self.untimed = True
+            return
+        self._race_builds(u, ctx)
+
+    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if not self.untimed or self._forced is not None or (
+                len(self._builds) == 1 and len(self.variants) == 1):
+            return
+        self.untimed = False
+        self._race_builds(u, ctx)
+
+    def _race_builds(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        try:
+            self._compile("no-ynnpack")
+        except Exception:  # e.g. a JAX whose XLA has no such option: one build only
+            self.variants = tuple(v for v in self.variants if v.split("/")[0] == "default")
+        for v in self.variants:
+            self._compile(v)
+        # one race of all: a second race, minutes later on a shared machine, compared the
+        # winner of the first with itself at another load and once took blocks for it
+        times = race(lambda v: self._run(v, u, ctx), self.variants, prune=self.PRUNE)
+        winner = "default"
+        if "no-ynnpack" in times and times["no-ynnpack"] < self.MARGIN * times["default"]:
+            winner = "no-ynnpack"
+        blocked = [v for v in self.variants if "/" in v]
+        if blocked:
+            fastest = min(blocked, key=lambda v: times[v])
+            if times[fastest] < self.BLOCK_MARGIN * times[winner]:
+                winner = fastest
+        self._bound.hint = (winner.split("/")[0], "/" in winner)
+        timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in times.items())
+        self._select(winner, f"{winner} (timed one chunk: {timed})")
+        from .executables import release
+
+        # the race's executables are written now: a process that stops calling after its
+        # race (the bench's settle loop) left them unwritten, and the warm process compiled
+        release()
+
+
+def in_blocks(body: Callable[[Any, tuple[Any, ...]], Any], rows: int, u: Any,
+              ctx: tuple[Any, ...]) -> Any:
+    """``body(u, ctx)`` (traced) computed ``rows`` rows at a time in a ``lax.map`` inside the
+    one compiled call, the last block padded with copies of the chunk's last row, whose
+    results are dropped."""
+    size = int(u.shape[0])
+    blocks = -(-size // rows)
+    padded = blocks * rows
+
+    def split(a: Any) -> Any:
+        if padded > size:
+            a = jnp.concatenate([a, jnp.broadcast_to(a[-1:], (padded - size, *a.shape[1:]))])
+        return a.reshape((blocks, rows, *a.shape[1:]))
+
+    out = jax.lax.map(lambda b: body(b[0], b[1]), (split(u), tuple(split(c) for c in ctx)))
+    return jax.tree_util.tree_map(lambda o: o.reshape((padded, *o.shape[2:]))[:size], out)
