@@ -1,0 +1,467 @@
+"""The PyTorch backend's first-order builds and the kernel that chooses among them.
+
+Forward mode: torch.func's ``vmap`` of ``jvp`` over the unknowns' basis ("vmap",
+:func:`jac_forward`), or reverse mode transposed on plain autograd ("transposed",
+:func:`jac_transposed`). Reverse mode: torch.func's ``vmap`` of the ``vjp`` pullback ("vmap",
+:func:`jac_reverse`), plain autograd batched over the outputs' basis (for ``autograd.Function``
+subclasses torch.func refuses), the chunk replicated once per output ("replicated",
+:func:`_jac_replicated`) or a backward pass per output ("looped", :func:`_jac_looped`). Each
+takes the bound model (:class:`batchjac._backends.torch.TorchBound`) whose ``apply`` runs the
+model on the chunk; :class:`TorchKernel` finds what works for the model and picks the build.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import warnings
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import torch
+
+from ..._errors import ForwardModeFallbackWarning, ModelError
+from .._base import (
+    Kernel,
+    Mode,
+    allowed,
+    asked_mode_failed,
+    fallback_allowed,
+    in_mode_race,
+    race,
+    rows_at_hand,
+    user_stacklevel,
+)
+from .errors import _FORWARD_CAUSE, _explain_model_failure, _first_line, _out_of_memory
+from .state import _FORWARD_AD, _load_forward_ad
+from .tensors import _basis, _to_numpy, _unknowns_require_grad
+
+if TYPE_CHECKING:
+    from . import TorchBound
+
+Engine = Literal["func", "autograd", "replicated", "looped", "transposed"]
+
+
+def jac_forward(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
+                basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``basis`` is ``(k, rows, *unknown_shape)``: unit tangents broadcast over the rows."""
+    def push(tangent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.func.jvp(lambda a: bound.apply(a, ctx), (u,), (tangent,))
+        return out[0], out[1]
+
+    # out_dims None: the primal output does not depend on the tangent, so it is unbatched
+    y, jt = torch.func.vmap(push, out_dims=(None, 0))(basis)  # type: ignore[arg-type]
+    # jt: (k, rows, *out)
+    jac = jt.movedim(0, -1)
+    return y, jac.reshape(*jac.shape[:-1], *bound.signature.unknown_shape)
+
+
+def jac_transposed(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
+                   basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward mode on plain autograd, by transposing reverse mode: ``g(w) = J^T w`` (one
+    backward pass with ``create_graph``) is linear in the cotangent ``w``, so its
+    pullback along a unit tangent ``e_j`` is ``J e_j``: one batched double-backward pass
+    over ``basis`` (``(k, rows, *unknown_shape)``) gives every column. It loads neither
+    torch.func (whose forward mode imports torch._dynamo through ``F.linear``'s
+    decomposition: 0.5-1.4 s) nor the forward-mode decompositions (0.3 s), and on W3's
+    1,000 rows took 128-136 ms against vmap(jvp)'s 176 ms (side by side, loaded)."""
+    ushape = tuple(u.shape[1:])
+    with torch.enable_grad(), _unknowns_require_grad():
+        x = u.detach().requires_grad_(True)
+        y = bound.apply(x, ctx)
+        jt = None
+        if y.requires_grad:
+            w = torch.zeros_like(y, requires_grad=True)
+            (g,) = torch.autograd.grad(y, x, w, create_graph=True, allow_unused=True,
+                                       materialize_grads=True)
+            if g.requires_grad:  # (J constant in w only where no path leads from u)
+                (jt,) = torch.autograd.grad(g, w, basis, is_grads_batched=True,
+                                            allow_unused=True, materialize_grads=True)
+        if jt is None:  # no path from the unknowns at all (probes off): zero Jacobians
+            jt = y.new_zeros((basis.shape[0], *y.shape))
+    jac = jt.detach().movedim(0, -1)  # (rows, *out, k)
+    return y.detach(), jac.reshape(*jac.shape[:-1], *ushape)
+
+
+def jac_reverse(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
+                basis: torch.Tensor | None, engine: Engine = "func"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``basis`` is ``(m, rows, *out)``: unit cotangents broadcast over the rows (None:
+    built here). ``engine="func"`` is ``torch.func.vjp`` (the fastest); ``"autograd"`` is
+    plain autograd, for ``autograd.Function`` subclasses that torch.func rejects."""
+    if engine == "replicated":
+        return _jac_replicated(bound, u, ctx)
+    if engine == "looped":
+        return _jac_looped(bound, u, ctx)
+    if engine == "func":
+        y, pull = torch.func.vjp(lambda a: bound.apply(a, ctx), u)[:2]
+    else:
+        with torch.enable_grad(), _unknowns_require_grad():
+            x = u.detach().requires_grad_(True)
+            y = bound.apply(x, ctx)
+    rows, out_shape = y.shape[0], tuple(y.shape[1:])
+    m = math.prod(out_shape)
+    if basis is None or tuple(basis.shape[1:]) != (rows, *out_shape):
+        basis = _basis(m, rows, out_shape, y.dtype, y.device)
+    if engine == "func":
+        (jt,) = torch.func.vmap(pull)(basis)
+    elif y.requires_grad:
+        (jt,) = torch.autograd.grad(y, x, basis, is_grads_batched=True, allow_unused=True,
+                                    materialize_grads=True)
+    else:  # no path from the unknowns at all (probes off): zero Jacobians
+        jt = x.new_zeros((m, *x.shape))
+    jac = jt.movedim(0, 1)  # (rows, m, *unknown_shape)
+    return y.detach(), jac.reshape(rows, *out_shape, *bound.signature.unknown_shape)
+
+
+def _jac_replicated(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reverse mode with plain autograd and no vmap: the chunk repeated once per output,
+    one forward and one backward pass, block ``i`` seeded with the unit cotangent ``e_i``
+    (rows are independent, which the probes check). It computes the forward pass ``m``
+    times, but skips torch.func's per-call Python work (~0.2 ms), which dominates small
+    chunks of small models."""
+    assert bound.output_shape is not None
+    out_shape = bound.output_shape
+    m, rows = math.prod(out_shape), u.shape[0]
+
+    def rep(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat(m, *([1] * (t.ndim - 1)))
+
+    with torch.enable_grad(), _unknowns_require_grad():
+        x = rep(u.detach()).requires_grad_(True)
+        y = bound.apply(x, tuple(rep(c) for c in ctx))
+        if y.requires_grad:
+            seed = _basis(m, rows, out_shape, y.dtype, y.device).reshape(m * rows, *out_shape)
+            (g,) = torch.autograd.grad(y, x, seed, allow_unused=True, materialize_grads=True)
+        else:  # no path from the unknowns at all (probes off): zero Jacobians
+            g = torch.zeros_like(x)
+    jac = g.reshape(m, rows, *u.shape[1:]).movedim(0, 1)
+    return y[:rows].detach(), jac.reshape(rows, *out_shape, *bound.signature.unknown_shape)
+
+
+def _jac_looped(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reverse mode with plain autograd and no vmap: one forward pass of the chunk, then
+    one backward pass per output ``o`` of ``sum_rows y[:, o]`` (rows are independent,
+    which the probes check, so its gradient at row ``i`` is row ``i``'s Jacobian row).
+    It imports nothing (torch.func's vmap imports torch._dynamo, 0.6-0.9 s, on its first
+    pullback), holds one copy of the activations (the replicated pass holds ``m``), and
+    on W2's 10,000 rows took 437 ms against vmap's 507-541 ms (side by side, loaded)."""
+    assert bound.output_shape is not None
+    out_shape = bound.output_shape
+    m, rows, ushape = math.prod(out_shape), u.shape[0], tuple(u.shape[1:])
+    with torch.enable_grad(), _unknowns_require_grad():
+        x = u.detach().requires_grad_(True)
+        y = bound.apply(x, ctx)
+        jac = x.new_empty((rows, m, *ushape))
+        if not y.requires_grad:  # no path from the unknowns at all (probes off)
+            jac.zero_()
+        else:
+            flat = y.reshape(rows, m)
+            for o in range(m):
+                (g,) = torch.autograd.grad(flat[:, o].sum(), x, retain_graph=o < m - 1,
+                                           allow_unused=True, materialize_grads=True)
+                jac[:, o] = g
+    return y.detach(), jac.reshape(rows, *out_shape, *bound.signature.unknown_shape)
+
+
+class TorchKernel(Kernel):
+    """Forward or reverse mode over chunks of ``chunk_size`` rows. The first call finds the
+    fastest path that works for this model: forward mode falls back to reverse mode (with one
+    warning), and torch.func's reverse mode to plain autograd (same values, no warning).
+
+    Reverse mode has three implementations: torch.func's ``vmap`` of ``vjp`` ("vmap"), one
+    backward pass through the chunk repeated once per output ("replicated", see
+    :func:`_jac_replicated`) and one forward pass with a backward pass per output
+    ("looped", :func:`_jac_looped`). Measured here on an 8-output MLP (5-32-32-8,
+    float64), "replicated" takes 0.22 ms for 15 rows against 0.39 ms, but 2.2 against 1.6 ms
+    for 1,000 rows; on W2's 10,000 rows "looped" took 437 ms against vmap's 507-541 ms. A
+    first call whose work repays a race times "vmap" against "looped", and "replicated" too
+    when a chunk takes less than ``REPLICATED_BELOW`` (:func:`~batchjac._backends._base.race`),
+    unless a variant was fixed with :meth:`use` (stores, reproducible solves) or
+    ``BATCHJAC_AUTOTUNE=off``: then "vmap". A first call too small to repay a race runs a
+    plain-autograd build untimed (:meth:`_first_plain`).
+    """
+
+    MARGIN = 0.95
+    #: "replicated" is timed only against chunks faster than this (where the Python work
+    #: around torch.func matters), never on large chunks (it holds m copies of the chunk)
+    REPLICATED_BELOW = 0.005
+
+    def __init__(self, bound: TorchBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
+        self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
+        self._bound = bound
+        bound.trace_count += 1
+        sig = bound.signature
+        self._out_basis: torch.Tensor | None = None
+        if bound.output_shape is not None:
+            m = math.prod(bound.output_shape)
+            self._out_basis = _basis(m, chunk_size, bound.output_shape, bound.dtype, bound.device)
+        self._in_basis = _basis(bound._k, chunk_size, sig.unknown_shape, bound.dtype, bound.device)
+        self._path: tuple[Mode, Engine] | None = None
+        self.planned = mode  # ``mode`` becomes "reverse" where forward mode falls back
+        self.variants = ("vmap", "replicated", "looped") if mode == "reverse" \
+            else ("vmap", "transposed")
+        self.variant = None
+
+    def _select(self, variant: str, note: str) -> None:
+        if self._path is not None and self._path[1] in _PLAIN_ENGINES:
+            self._path = (self._path[0], _VARIANT_ENGINE.get(variant, "func"))
+        super()._select(variant, note)
+
+    def _run(self, path: tuple[Mode, Engine], u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        if path == ("forward", "transposed"):
+            return jac_transposed(self._bound, u, ctx, self._in_basis)
+        if path[0] == "forward":
+            _load_forward_ad()  # (only torch.func's forward mode needs them: 0.3 s)
+            with _FORWARD_AD:
+                return jac_forward(self._bound, u, ctx, self._in_basis)
+        return jac_reverse(self._bound, u, ctx, self._out_basis, path[1])
+
+    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+                 ) -> tuple[np.ndarray | None, np.ndarray]:
+        bound = self._bound
+        ut, ct = bound.tensors(u, ctx)
+        with bound.calling():
+            first = None
+            if self._path is None:
+                with self.building:  # (threads sharing the kernel: one chooses its path)
+                    if self._path is None:
+                        first = self._first_call(ut, ct)
+            path = self._path
+            if first is not None:
+                y, jac = first
+            else:
+                assert path is not None
+                if path[0] != self.planned and not fallback_allowed():
+                    raise asked_mode_failed(self.planned, str(bound.forward_failure), _FORWARD_CAUSE)
+                y, jac = self._run(path, ut, ct)
+        if isinstance(u, torch.Tensor):  # tensors in, tensors out, on the device
+            return (y if self.with_outputs else None), jac
+        return (_to_numpy(y) if self.with_outputs else None), _to_numpy(jac)
+
+    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if self.untimed and self._path == ("forward", "transposed") and self._forced is None:
+            self.untimed = False
+            ut, ct = self._bound.tensors(u, ctx)
+            with self._bound.calling(), allowed(True):
+                self._choose_forward(ut, ct)
+            return
+        if not self.untimed or self._path is None or self._path[0] != "reverse" \
+                or self._path[1] not in _PLAIN_ENGINES or "replicated" not in self.variants:
+            return
+        self.untimed = False
+        bound = self._bound
+        ut, ct = bound.tensors(u, ctx)
+        with bound.calling(), allowed(True):
+            self._choose_reverse(ut, ct)
+
+    #: the replicated pass is a reverse-mode first call's build while it holds at most this
+    #: many rows (the call's, or the chunk's where larger, times the outputs) and torch.func
+    #: has not loaded torch._dynamo;
+    #: past it the looped pass is. (At 16,384 a remembered chunk of 625 W2 rows took the
+    #: replicated pass, which runs the 784-wide forward pass 10 times: the bench's warm W2
+    #: first call 1.10x native against the cold one's 0.50x.)
+    REPLICATED_FIRST_ROWS = 2048
+
+    def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._first_plain(u, ctx)
+        if out is not None:
+            return out
+        bound = self._bound
+        paths: list[tuple[Mode, Engine]] = [("reverse", "func"), ("reverse", "autograd")]
+        if bound.reverse_engine is not None:  # another kernel found what works
+            paths = [("reverse", bound.reverse_engine)]
+        if self.mode == "forward" and bound.forward_failure is None:
+            paths.insert(0, ("forward", "func"))
+        first: Exception | None = None
+        for path in paths:
+            try:
+                out = self._run(path, u, ctx)
+            except (ModelError, Warning):  # Warning: a warnings-as-errors run, not a failure
+                raise
+            except Exception as e:
+                if _out_of_memory(e):
+                    raise _explain_model_failure(e, bound.signature) from e
+                first = first or e
+                if path[0] == "forward":
+                    bound.forward_failure = f"{type(e).__name__}: {_first_line(e)}"
+                continue
+            if path[0] == "reverse":
+                bound.reverse_engine = path[1]
+                if self.mode == "forward" and not fallback_allowed():
+                    # asked for (as TensorFlow and JAX do): refuse, the failure being the mode's
+                    raise asked_mode_failed("forward", str(bound.forward_failure),
+                                            _FORWARD_CAUSE) from first
+                if self.mode == "forward":
+                    self._warn_fallback()
+            self._path = path
+            self.variant = "vmap"
+            if path == ("reverse", "func") and "replicated" in self.variants:
+                self._choose_reverse(u, ctx)
+            elif path == ("forward", "func") and "transposed" in self.variants:
+                self._choose_forward(u, ctx)
+            elif path[0] == "reverse" and self.planned == "forward":
+                self.variants = ("vmap",)  # (forward mode failed: its builds are gone)
+            return out
+        assert first is not None
+        raise _explain_model_failure(first, bound.signature) from first
+
+    def _plain_first(self) -> str | None:
+        """The plain-autograd build that answers this kernel's first call sooner than
+        torch.func, which would import torch._dynamo first (see :meth:`_first_plain`):
+        "replicated" for small chunks, "looped" past ``REPLICATED_FIRST_ROWS``; None where
+        torch.func is loaded already, the mode is forward, or torch.func failed here."""
+        bound = self._bound
+        if self.mode == "forward":
+            plain = "transposed" in self.variants and "torch._dynamo" not in sys.modules \
+                and bound.forward_failure is None and bound.reverse_engine in (None, "func")
+            return "transposed" if plain else None
+        if not (self.mode == "reverse" and "replicated" in self.variants
+                and "torch._dynamo" not in sys.modules and bound.reverse_engine in (None, "func")
+                and bound.output_shape is not None):
+            return None
+        # (the call's rows: a large call cut into cache-sized chunks, W4's 2,000 images in
+        # chunks of 143, ran its conv net's forward pass 10 times a chunk replicated, first
+        # call 0.61 s against 0.37 looped)
+        rows = max(self.chunk_size, rows_at_hand())
+        small = math.prod(bound.output_shape) * rows <= self.REPLICATED_FIRST_ROWS
+        return "replicated" if small else "looped"
+
+    @property
+    def cheap_first(self) -> str | None:
+        """The build a first call takes when an earlier process's race chose another one
+        (:func:`batchjac._tuning.recall_variant`): a plain-autograd build where it imports
+        nothing and torch.func would import torch._dynamo (0.6 s of a 25 ms first call,
+        measured in the bench's warm-cache W1 case); the remembered build replaces it once
+        the work repays it."""
+        return self._plain_first()
+
+    def _first_plain(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An untimed reverse-mode first call on plain autograd, where that is the cheaper
+        first answer: torch.func's reverse mode imports torch._dynamo when its first pullback
+        runs (measured here: 0.5 s idle, 2.4-2.7 s on the loaded machine, for a W1 job that
+        then computes in 1.5 ms; 0.6-0.9 s of W2's first call at 10,000 rows). Small chunks
+        take the replicated pass (1.4x slower at 1,000 rows of an 8-output MLP, faster below),
+        larger ones the looped pass (a backward pass per output, as fast as vmap or faster).
+        The builds are raced later, once the work repays it (:meth:`retune`). None: the usual
+        first call (a variant fixed, a race allowed, torch.func loaded already, another kernel
+        of this model found that torch.func fails)."""
+        from ..._config import autotune_enabled
+        from .._base import race_allowed, untimed_note
+
+        forced = self._bound.reverse_engine in (None, "func") and (
+            (self._forced in ("replicated", "looped") and self.mode == "reverse")
+            or (self._forced == "transposed" and self.mode == "forward"))
+        build = self._forced if forced else self._plain_first()
+        if not forced and (self._forced is not None or race_allowed() or not autotune_enabled()):
+            return None
+        if build is None:
+            return None
+        engine = _VARIANT_ENGINE[build]
+        mode: Mode = "forward" if build == "transposed" else "reverse"
+        try:
+            out = self._run((mode, engine), u, ctx)
+        except (ModelError, Warning):
+            raise
+        except Exception:  # e.g. a model that keeps state across rows: the usual first call
+            return None
+        self._path, self.variant = (mode, engine), build
+        if forced:  # a plain-autograd build fixed (remembered, a store's record): no vmap first
+            self.note = f"{build} ({self._forced_why})"
+            return out
+        self.untimed = True
+        self.note = (f"{build} (plain autograd: torch.func's {mode} mode would load "
+                     f"torch._dynamo first; {untimed_note()})")
+        return out
+
+    def _race_skipped(self, running: str) -> bool:
+        """Before a race of builds: a fixed variant is selected, or, where the work does not
+        repay a race, ``running`` is kept untimed (True: no race)."""
+        from .._base import race_allowed, untimed_note
+
+        if self._forced is not None:
+            self._select(self._forced, f"{self._forced} ({self._forced_why})")
+            return True
+        if not race_allowed():
+            self.note = f"{running} ({untimed_note()})"
+            self.untimed = True
+            return True
+        return False
+
+    def _choose_forward(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+        """"vmap" (torch.func's jvp) or "transposed" for a forward-mode kernel, timed where
+        the work repays it (both compute the same columns)."""
+        if self._race_skipped(str(self.variant)):
+            return
+        runs = {v: (lambda v=v: self._run(("forward", _VARIANT_ENGINE[v]), u, ctx))
+                for v in ("vmap", "transposed")}
+        for name, run in list(runs.items()):
+            try:
+                run()  # (warm up: torch.func's first call imports, the plain one may fail)
+            except Exception:  # e.g. an operator without a double-backward rule
+                del runs[name]
+        if len(runs) < 2:
+            only = next(iter(runs), "vmap")
+            self._path, self.variant = ("forward", _VARIANT_ENGINE[only]), only
+            self.variants = (only,)
+            self.note = f"{only} (the other forward-mode build failed)"
+            return
+        best = race(lambda v: runs[v](), list(runs), timing_seconds=0.1)
+        winner = "transposed" if best["transposed"] < self.MARGIN * best["vmap"] else "vmap"
+        self._path, self.variant = ("forward", _VARIANT_ENGINE[winner]), winner
+        timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in best.items())
+        self.note = f"{winner} (timed one chunk: {timed})"
+
+    def _choose_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+        """"vmap", "replicated" or "looped" for a reverse-mode kernel that runs with torch.func."""
+        if self._race_skipped("vmap"):
+            return
+        start = time.perf_counter()
+        self._run(("reverse", "func"), u, ctx)
+        took = time.perf_counter() - start
+        # the replicated pass holds m copies of the chunk: only for fast chunks
+        rivals = ["looped"] if took >= self.REPLICATED_BELOW else ["replicated", "looped"]
+        for name in list(rivals):
+            try:
+                self._run(("reverse", _VARIANT_ENGINE[name]), u, ctx)  # warm up
+            except Exception:  # e.g. a model that keeps state across rows: torch.func only
+                rivals.remove(name)
+        self.variants = ("vmap", *(v for v in self.variants if v in rivals))
+        if not rivals:
+            self._path, self.variant = ("reverse", "func"), "vmap"
+            self.note = "vmap (the plain-autograd passes failed)"
+            return
+        best = race(lambda v: self._run(("reverse", _VARIANT_ENGINE[v]), u, ctx),
+                    ["vmap", *rivals], timing_seconds=0.1)
+        fastest = min(rivals, key=lambda v: best[v])
+        winner = fastest if best[fastest] < self.MARGIN * best["vmap"] else "vmap"
+        self._path = ("reverse", _VARIANT_ENGINE[winner])
+        self.variant = winner
+        timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in best.items())
+        self.note = f"{winner} (timed one chunk: {timed})"
+
+    def _warn_fallback(self) -> None:
+        self.mode = "reverse"
+        bound = self._bound
+        if bound.fallback_warned or in_mode_race():
+            return
+        bound.fallback_warned = True
+        warnings.warn(
+            f"Forward mode failed for this model ({bound.forward_failure}); batchjac computes "
+            f"the Jacobians in reverse mode instead, which gives the same values but takes one "
+            f"backward pass per output rather than one pass per unknown. {_FORWARD_CAUSE} "
+            f"Pass mode='reverse' to skip the attempt.",
+            ForwardModeFallbackWarning, stacklevel=user_stacklevel(),
+        )
+
+
+#: the reverse-mode builds of :class:`TorchKernel` and the engine each runs on
+_VARIANT_ENGINE: dict[str, Engine] = {"vmap": "func", "replicated": "replicated", "looped": "looped",
+                                      "transposed": "transposed"}
+_PLAIN_ENGINES = ("func", "replicated", "looped", "transposed")
