@@ -469,8 +469,7 @@ def test_a_remembered_xla_build_waits_until_the_work_repays_it() -> None:
 def test_a_keras_model_of_row_wise_layers_is_probed_without_a_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dense and convolution stacks of Keras's own layers keep their rows apart: the probes
     call nothing (no graph trace of their own), and the Jacobians are still right."""
-    from batchjac._backends.tensorflow import keras as keras_rows
-    from batchjac._backends.tensorflow import TFBound
+    from batchjac._backends.tensorflow import TFBound, keras as keras_rows
 
     calls: list[str] = []
     original = TFBound.forward

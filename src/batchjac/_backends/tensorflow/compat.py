@@ -10,9 +10,9 @@ The sites (the numbers of the fragility census in the engine review):
 
 1. :func:`keras_layers`: Keras's ``model._flatten_layers``; without it, no layer list, and
    the probes call the model (:mod:`.keras`).
-2. :func:`is_keras_class`: the row-wise layer allowlist names public Keras classes; a layer
-   counts only if its class *is* the public class of that name, so a renamed, moved or
-   unknown class means "call the model", never "skip the probe".
+2. :func:`is_keras_class`: the row-wise layer allowlist names Keras's classes; a layer counts
+   only if its class *is* the class its Keras exports under that name, so a renamed, moved,
+   subclassed or unknown class means "call the model", never "skip the probes".
 3. :func:`fast_call`: ``ConcreteFunction._call_flat(args, captured)``; absent, or with
    another signature, or refusing the arguments with a TypeError: the public call.
 4. :func:`gpu_memory_limit`: ``tensorflow.python.client.device_lib``; without it, no device
@@ -28,7 +28,8 @@ The sites (the numbers of the fragility census in the engine review):
    TensorFlow's own log lines and warnings show (cosmetic).
 9. :func:`widen_config`, :func:`clone_from_config`, :func:`dtype_policy`: the Keras config
    schema and the global dtype policy for the float64 clone; where a Keras cannot be cloned
-   in float64, an InputError that names its version and offers float32.
+   in float64 (the clone would keep float32 weights or Input layers), an InputError that names
+   the versions and offers float32.
 10. :func:`rebuild_op`: ``Graph.create_op(op.type, attrs=op.node_def.attr)`` for the forward
     Laplacian; where it is missing or refuses, ``NotImplementedError``: the kernel keeps its
     other builds.
@@ -36,9 +37,10 @@ The sites (the numbers of the fragility census in the engine review):
     :data:`RESHAPES`, :data:`SKIP`): an operation whose type is in no table has no rule, and
     the forward Laplacian raises ``NotImplementedError`` (the kernel's other builds: nested
     tapes); no name is matched by prefix or pattern.
-12. :func:`twice_concat`, :func:`twice_take`: a workaround for XLA's missing gradient of
-    ``XlaDynamicUpdateSlice``; without it, a second-order XLA build that cannot be traced
-    falls back to the plain graph (:class:`~batchjac.XLAFallbackWarning`).
+12. :func:`twice_concat`, :func:`twice_take`: a workaround, in public operations, for XLA's
+    missing gradient of ``XlaDynamicUpdateSlice``; a second-order XLA build that still meets
+    such a gap while it is traced (:data:`XLA_GRADIENT_GAP`) falls back to the plain graph,
+    with an :class:`~batchjac.XLAFallbackWarning`.
 """
 
 from __future__ import annotations
@@ -351,13 +353,17 @@ def op_type(op: tf.Operation) -> str:
     return str(op.type)
 
 
+#: the method of TensorFlow's graphs that adds an operation by its type and attributes
+CREATE_OP = "create_op"
+
+
 def rebuild_op(op: tf.Operation, inputs: list[tf.Tensor]) -> list[tf.Tensor]:
     """``op`` created again in the current graph on ``inputs`` (its attributes as they were);
     ``NotImplementedError`` where this TensorFlow cannot (no ``create_op``, or one that takes
     other arguments): the forward Laplacian is then not built, and the kernel keeps its
     other builds."""
     graph = tf.compat.v1.get_default_graph()
-    create = getattr(graph, "create_op", None)
+    create = getattr(graph, CREATE_OP, None)
     if not callable(create):
         raise NotImplementedError(
             f"this TensorFlow cannot re-create graph operations (no Graph.create_op; "
@@ -374,9 +380,10 @@ def rebuild_op(op: tf.Operation, inputs: list[tf.Tensor]) -> list[tf.Tensor]:
 
 # -- 12: the inputs of second-order builds, assembled twice-differentiably under XLA ---------
 
-#: whether second-order builds assemble the model's input with selector products (True) or
-#: with TensorFlow's concat and gather
-XLA_SAFE_ASSEMBLY = True
+#: what tracing a second-order XLA build raises where an operation XLA put in has no gradient
+#: registered (``LookupError: gradient registry has no entry for: XlaDynamicUpdateSlice``),
+#: a gap :func:`twice_concat` does not cover: the kernel then runs the plain graph
+XLA_GRADIENT_GAP: tuple[type[Exception], ...] = (LookupError,)
 
 
 def _selector(rows: int, cols: int, pairs: list[tuple[int, int]], dtype: Any) -> tf.Tensor:
@@ -391,9 +398,10 @@ def twice_concat(xs: list[tf.Tensor]) -> tf.Tensor:
     the gradients of ``concat``, ``slice`` and ``pad`` are ``XlaDynamicUpdateSlice`` ops,
     which have no gradient of their own, so a ``ForwardAccumulator`` over a tape fails to
     trace through them; matrix products differentiate any number of times, and the
-    selectors are as wide as the model's input row."""
-    if not XLA_SAFE_ASSEMBLY:
-        return tf.concat(xs, axis=-1)
+    selectors are as wide as the model's input row. Public operations only, and needed
+    whether or not a TensorFlow closes that gap: without them, TensorFlow's forward mode
+    reuses what it traced for one kind of build in the other, so a failed XLA trace can fail
+    the plain graph's too."""
     widths = [int(x.shape[-1]) for x in xs]
     total, before, out = sum(widths), 0, None
     for x, w in zip(xs, widths):
@@ -409,7 +417,5 @@ def twice_concat(xs: list[tf.Tensor]) -> tf.Tensor:
 def twice_take(x: tf.Tensor, idx: tuple[int, ...]) -> tf.Tensor:
     """``tf.gather(x, idx, axis=-1)`` as a product with a 0/1 selector (see
     :func:`twice_concat`)."""
-    if not XLA_SAFE_ASSEMBLY:
-        return tf.gather(x, list(idx), axis=-1)
     sel = _selector(int(x.shape[-1]), len(idx), [(src, pos) for pos, src in enumerate(idx)], x.dtype)
     return tf.einsum("...i,ij->...j", x, sel)

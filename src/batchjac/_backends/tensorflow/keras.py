@@ -122,7 +122,25 @@ def float64_copy(model: Any, build: Callable[[Any], None]) -> Any:
     if any(str(w.dtype).startswith("float") and w.dtype != "float64" for w in clone.weights):
         raise InputError(
             f"float64 was asked for, but the float64 clone of {type(model).__name__} still has "
-            f"float32 weights (its layers pin their dtype). Build it with dtype='float64' or "
-            f"use dtype='float32'."
+            f"float32 weights (its layers pin their dtype; {compat.framework_versions()}). "
+            f"Build it with dtype='float64' or use dtype='float32'."
+        )
+    narrow = [d for d in _input_dtypes(clone) if "float" in d and d != "float64"]
+    if narrow:  # (its Input layers would round the inputs to float32 before the first layer)
+        raise InputError(
+            f"float64 was asked for, but the float64 clone of {type(model).__name__} still takes "
+            f"{narrow[0]} inputs: this Keras's config of its Input layers was not widened "
+            f"({compat.framework_versions()}). Build it with dtype='float64' or use "
+            f"dtype='float32'."
         )
     return clone
+
+
+def _input_dtypes(model: Any) -> list[str]:
+    """The dtypes of a Keras model's declared inputs (none for a subclassed model)."""
+    try:
+        inputs = list(getattr(model, "inputs", None) or [])
+    except Exception:
+        return []
+    return [str(getattr(dtype, "name", dtype)) for dtype in
+            (getattr(t, "dtype", None) for t in inputs) if dtype is not None]

@@ -171,7 +171,7 @@ class TFSecondKernel(Kernel):
                 out = tried[2]  # (computed on these rows by the check that the build works)
             else:
                 out = self._fn(self.variant)(u, *ctx, *self._seed_arrays)
-        except _XLA_ERRORS as e:
+        except (*_XLA_ERRORS, *compat.XLA_GRADIENT_GAP) as e:
             if self.variant != "xla" or _out_of_memory(e):
                 raise
             self._fallback(e)
