@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import functools
 import hashlib
 import hmac
@@ -80,7 +79,6 @@ import os
 import platform
 import stat
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -88,6 +86,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from . import _cachefiles as _files
+from ._cachefiles import KEY_BYTES as KEY_BYTES, KEY_FILE as KEY_FILE
 from ._config import CACHE_MAX_BYTES, cache_dir, cache_enabled, cache_max_bytes
 from ._errors import InputError, InputTypeError, TuneCacheWarning
 from ._version import __version__
@@ -103,10 +103,6 @@ MAX_BYTES = 1 << 20
 MAX_BLOB_BYTES = 64 << 20
 #: the file whose presence says that a payload was stored in the directory
 PAYLOADS_MARK = "payloads"
-#: the file that holds the folder's signing key (random bytes, readable by its owner only)
-KEY_FILE = "key"
-#: the signing key's length in bytes
-KEY_BYTES = 32
 
 #: a decision validator: a callable that raises or returns False to reject a decision, or a
 #: schema ``{field: spec}`` where spec is a type (or tuple of types), a set or list of the
@@ -322,9 +318,9 @@ class TuneCache:
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             with contextlib.suppress(FileExistsError):  # (a non-directory: lstat says so below)
                 folder.mkdir(mode=0o700)
-        problem = _distrust(self._dir, follow=True)
+        problem = _files.distrust(self._dir, follow=True)
         if problem is None:
-            problem = _distrust(folder, follow=False)
+            problem = _files.distrust(folder, follow=False)
         if problem == "":  # not there (yet)
             return None
         if problem is not None:
@@ -349,14 +345,14 @@ class TuneCache:
         if path is None or folder is None:
             return None
         try:
-            raw = _read_regular(path, MAX_BYTES + 1)
+            raw = _files.read_regular(path, MAX_BYTES + 1)
         except (FileNotFoundError, NotADirectoryError):  # nothing stored (yet)
             return None
         except OSError as err:
             _warn_once("read", f"batchjac cannot read the tuning cache file {path}: "
-                       f"{_os_error_text(err)}.", _READ_FIX)
+                       f"{_files.os_error_text(err)}.", _READ_FIX)
             return None
-        decision, problem = _parse(raw, key, _signing_key(folder, create=False))
+        decision, problem = _parse(raw, key, _files.signing_key(folder, create=False))
         if problem is None and decision is not None and validate is not None:
             problem = _rejection(decision, validate)
         if problem is not None or decision is None:
@@ -380,10 +376,10 @@ class TuneCache:
             folder = self._folder(create=True)
             if folder is None:
                 return
-            _atomic_write(path, _encode(key, decision, _writable_key(folder)))
+            _files.atomic_write(path, _encode(key, decision, _files.writable_key(folder)))
         except OSError as err:
             _warn_once("write", f"batchjac cannot write its tuning cache in {path.parent}: "
-                       f"{_os_error_text(err)}; the decision is not remembered (the next process "
+                       f"{_files.os_error_text(err)}; the decision is not remembered (the next process "
                        "times the alternatives again).", _WRITE_FIX)
 
     # -- binary payloads (a compiled executable) ------------------------------------------------
@@ -417,15 +413,15 @@ class TuneCache:
         if path is None or folder is None:
             return None
         try:
-            raw = _read_regular(path, MAX_BLOB_BYTES + MAX_BYTES + 1)
+            raw = _files.read_regular(path, MAX_BLOB_BYTES + MAX_BYTES + 1)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as err:
             _warn_once("read", f"batchjac cannot read the cache file {path}: "
-                       f"{_os_error_text(err)}.", _READ_FIX)
+                       f"{_files.os_error_text(err)}.", _READ_FIX)
             return None
         head, sep, payload = raw.partition(b"\n")
-        header, problem = (_parse(head, key, _signing_key(folder, create=False)) if sep
+        header, problem = (_parse(head, key, _files.signing_key(folder, create=False)) if sep
                            else (None, "it has no header line"))
         if problem is None and header is not None:
             if header.get("bytes") != len(payload):
@@ -457,13 +453,13 @@ class TuneCache:
                 return
             header = _encode(key, {"bytes": len(payload),
                                    "sha256": hashlib.sha256(payload).hexdigest()},
-                             _writable_key(folder), indent=None)
-            _touch(folder / PAYLOADS_MARK)  # (before the payload: never one unseen)
-            _atomic_write(path, header + b"\n" + bytes(payload))
-            _evict_payloads(folder, self.max_payload_bytes, keep=path)
+                             _files.writable_key(folder), indent=None)
+            _files.touch(folder / PAYLOADS_MARK)  # (before the payload: never one unseen)
+            _files.atomic_write(path, header + b"\n" + bytes(payload))
+            _files.evict_payloads(folder, self.max_payload_bytes, keep=path)
         except OSError as err:
             _warn_once("write", f"batchjac cannot write its cache in {path.parent}: "
-                       f"{_os_error_text(err)}; the payload is not remembered.", _WRITE_FIX)
+                       f"{_files.os_error_text(err)}; the payload is not remembered.", _WRITE_FIX)
 
 
 def default_cache() -> TuneCache:
@@ -493,31 +489,6 @@ _WRITE_FIX = ("Set BATCHJAC_CACHE_DIR to a directory you can write, or BATCHJAC_
 _REFUSED: set[str] = set()
 
 
-def _distrust(path: Path, *, follow: bool) -> str | None:
-    """Why ``path`` is not a directory only this user can write (None: it is; "" when it does
-    not exist). ``follow`` follows a symbolic link at ``path`` itself, whose target is checked."""
-    try:
-        st = os.stat(path) if follow else os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return ""
-    except OSError as err:
-        return f"{path} cannot be examined ({_os_error_text(err)})"
-    if stat.S_ISLNK(st.st_mode):
-        return f"{path} is a symbolic link (batchjac follows none inside its cache)"
-    if not stat.S_ISDIR(st.st_mode):
-        return ""  # (a file where the directory should be: writing says so, reading misses)
-    if os.name != "posix":
-        return None
-    me = os.geteuid()
-    if st.st_uid != me:
-        return f"{path} is owned by user id {st.st_uid}, not by you (user id {me})"
-    if st.st_mode & 0o022:
-        who = " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "other users"))
-                           if st.st_mode & bit)
-        return f"{path} can be written by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
 def _refuse(directory: Path, problem: str) -> None:
     """Turn the cache in ``directory`` off for this process, with one warning that says why."""
     with _warned_lock:
@@ -529,101 +500,6 @@ def _refuse(directory: Path, problem: str) -> None:
         "off for this process (results are the same, first calls are slower).",
         f"Use a directory that only you own and can write (chmod go-w {directory}, or set "
         "BATCHJAC_CACHE_DIR to another one), or set BATCHJAC_CACHE=off to do without it.")
-
-
-_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
-
-
-def _read_regular(path: Path, limit: int) -> bytes:
-    """At most ``limit`` bytes of ``path``, a regular file of this user's: a symbolic link is
-    not followed, and a FIFO, a device or a directory is not read (an OSError that says so;
-    FileNotFoundError when nothing is there)."""
-    try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "it is a symbolic link (batchjac follows none inside "
-                                       "its cache)") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "it is not a regular file (a FIFO, a device or a "
-                                        "directory is never read)")
-        if os.name == "posix" and st.st_uid != os.geteuid():
-            raise OSError(errno.EPERM, f"it is owned by user id {st.st_uid}, not by you")
-        chunks, left = [], limit
-        while left > 0:
-            block = os.read(fd, min(left, 1 << 22))
-            if not block:
-                break
-            chunks.append(block)
-            left -= len(block)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _touch(path: Path) -> None:
-    """Create ``path`` (mode 0600) if it is not there; a link or a FIFO there is not followed
-    or opened for long (O_NOFOLLOW, O_NONBLOCK: an OSError)."""
-    flags = (os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-             | getattr(os, "O_CLOEXEC", 0))
-    fd = os.open(path, flags, 0o600)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file")
-    finally:
-        os.close(fd)
-
-
-def _signing_key(folder: Path, *, create: bool) -> bytes | None:
-    """The folder's signing key (:data:`KEY_FILE`), made with ``create`` where there is none;
-    None where there is none, or it is not a regular file of this user's of the right size.
-    Two processes making it at once agree: it is written under a temporary name and linked to
-    its name, which fails for the second (who then reads the first one's)."""
-    path = folder / KEY_FILE
-    for _ in range(2):
-        try:
-            key = _read_regular(path, KEY_BYTES + 1)
-            return key if len(key) == KEY_BYTES else None
-        except FileNotFoundError:
-            if not create:
-                return None
-        except OSError:
-            return None
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".key.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(os.urandom(KEY_BYTES))
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass
-            except OSError:  # a file system without hard links: the last writer's key wins
-                os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        _fsync_dir(folder)
-    return None
-
-
-def _writable_key(folder: Path) -> bytes:
-    """The folder's signing key, made where there is none; an OSError where it cannot be."""
-    secret = _signing_key(folder, create=True)
-    if secret is None:
-        raise OSError(errno.EINVAL, f"its signing key {folder / KEY_FILE} is not a regular file "
-                                    f"of yours of {KEY_BYTES} bytes")
-    return secret
-
-
-def _sign(secret: bytes, document: Mapping[str, Any]) -> str:
-    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hmac.new(secret, text.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
 # -- reading, writing, checking -----------------------------------------------------------------
@@ -638,7 +514,7 @@ def _check_key(key: object) -> None:
 def _encode(key: TuneKey, decision: Mapping[str, Any], secret: bytes, *,
             indent: int | None = 1) -> bytes:
     """The file's bytes: the document (schema, version, key, decision, when) and its signature
-    under ``secret`` (:func:`_sign`), as JSON."""
+    under ``secret`` (:func:`_files.sign`), as JSON."""
     if not isinstance(decision, Mapping) or not all(isinstance(k, str) for k in decision):
         raise InputTypeError(f"A tuning decision must be a dict with string keys; got "
                              f"{type(decision).__name__} {decision!r:.200}.")
@@ -646,7 +522,7 @@ def _encode(key: TuneKey, decision: Mapping[str, Any], secret: bytes, *,
                 "decision": dict(decision),
                 "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
-        document["mac"] = _sign(secret, document)
+        document["mac"] = _files.sign(secret, document)
         text = json.dumps(document, sort_keys=True, indent=indent)
     except (TypeError, ValueError) as err:
         raise InputTypeError(f"A tuning decision must hold JSON values only (str, int, float, bool, "
@@ -657,71 +533,6 @@ def _encode(key: TuneKey, decision: Mapping[str, Any], secret: bytes, *,
         raise InputError(f"A tuning decision must be small (at most {MAX_BYTES} bytes as JSON); "
                          f"this one is {len(data)} bytes. Store the decision, not the data behind it.")
     return data
-
-
-def _evict_payloads(folder: Path, limit: int, *, keep: Path) -> None:
-    """Remove the least recently used payloads (by modification time, which a read renews)
-    until those left take at most ``limit`` bytes; ``keep`` (the one just written) stays.
-    Another process removing the same file meanwhile is not an error."""
-    entries = []
-    for entry in os.scandir(folder):  # (the folder passed the trust checks: no link to follow)
-        if entry.name.endswith(".bin") and entry.is_file(follow_symlinks=False):
-            with contextlib.suppress(OSError):
-                st = entry.stat(follow_symlinks=False)
-                entries.append((st.st_mtime, st.st_size, entry.path))
-    total = sum(size for _, size, _ in entries)
-    for _, size, name in sorted(entries):
-        if total <= limit:
-            break
-        if name == str(keep):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(name)
-            total -= size
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that no reader ever sees a partial file: a temporary file in
-    the same directory (a rename is atomic only within one file system), flushed to disk before
-    it replaces ``path``, so that a crash leaves the old file or the new one, not an empty one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem[:16]}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        _replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _replace(src: str, dst: Path) -> None:
-    # Windows refuses to replace a file another process has open (a reader, or a writer's
-    # replace in flight) with PermissionError; such a window is short.
-    attempts = 5 if os.name == "nt" else 1
-    for attempt in range(attempts):
-        try:
-            os.replace(src, dst)
-            return
-        except PermissionError:
-            if attempt == attempts - 1:
-                raise
-            time.sleep(0.01 * (attempt + 1))
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable (POSIX); best effort: a lost rename only loses a decision."""
-    if os.name != "posix":
-        return
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _parse(raw: bytes, key: TuneKey, secret: bytes | None
@@ -757,7 +568,7 @@ def _parse(raw: bytes, key: TuneKey, secret: bytes | None
     if secret is None:
         return None, (f"this cache has no signing key to check it against ({KEY_FILE} is missing "
                       "or damaged: a file copied from elsewhere)")
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, _sign(secret, document)):
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, _files.sign(secret, document)):
         return None, ("its signature does not match this cache's key (written by another cache, "
                       "or changed since it was written)")
     return decision, None
@@ -814,10 +625,6 @@ def _describe(spec: Any) -> str:
     if isinstance(spec, (set, frozenset, list, tuple)):
         return "one of " + ", ".join(sorted(repr(s) for s in spec))
     return f"accepted by {getattr(spec, '__name__', repr(spec))}"
-
-
-def _os_error_text(err: OSError) -> str:
-    return f"{type(err).__name__}: {err}"
 
 
 # -- one warning per process and kind -----------------------------------------------------------
