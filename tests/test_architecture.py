@@ -139,7 +139,8 @@ def test_frameworks_only_in_framework_modules() -> None:
 LAYERS = [
     ["batchjac._version", "batchjac._errors", "batchjac._config", "batchjac._finite_diff",
      "batchjac._fit"],
-    ["batchjac._spec", "batchjac._xp", "batchjac._fingerprint", "batchjac._tunecache"],
+    ["batchjac._spec", "batchjac._xp", "batchjac._fingerprint", "batchjac._tunecache",
+     "batchjac._cachefiles"],
     ["batchjac._backends", "batchjac._loaders", "batchjac._examples"],  # the framework modules
     ["batchjac._plan", "batchjac._probes", "batchjac._sinks", "batchjac._runner",
      "batchjac._validate", "batchjac._io", "batchjac._fastpath", "batchjac._arrays"],
@@ -173,3 +174,87 @@ def test_imports_point_down_the_layers() -> None:
     assert not up, "imports pointing up the layers: " + "; ".join(up)
     assert _layer("batchjac._backends.torch") == 2
     assert _layer("batchjac._runner") == 3
+
+
+#: modules that may use a framework's private names: each backend's compat module and the ONNX
+#: loader's (whose every use is guarded, with a fallback: tests/test_compat_*.py), and the
+#: benchmark harness (it reads nothing private into a result)
+COMPAT_MODULES = ("batchjac._backends.jax.compat", "batchjac._backends.torch.compat",
+                  "batchjac._backends.tensorflow.compat", "batchjac._loaders.onnx_compat")
+#: dotted names that are private by the framework's own convention, beside ``_``-prefixed ones
+PRIVATE_PACKAGES = ("tensorflow.python", "jax.interpreters", "jaxlib.xla_extension")
+
+
+def _is_private(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return (any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts[1:])
+            or dotted.startswith(PRIVATE_PACKAGES))
+
+
+def _private_uses(path: Path) -> list[str]:
+    """The framework-private names ``path`` imports or reaches through a module alias:
+    ``import torch.utils._pytree``, ``from jax._src import core``, ``from torch.nn.modules.batchnorm
+    import _BatchNorm``, ``torch.utils._python_dispatch.TorchDispatchMode``,
+    ``getattr(jax, "_src")``."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases: dict[str, str] = {}
+    found = []
+    for statement in _imports(tree):
+        if isinstance(statement, ast.Import):
+            for alias in statement.names:
+                if alias.name.split(".")[0] in FRAMEWORKS:
+                    aliases[alias.asname or alias.name.split(".")[0]] = (
+                        alias.name if alias.asname else alias.name.split(".")[0])
+                    if _is_private(alias.name):
+                        found.append(alias.name)
+        elif statement.module and not statement.level and statement.module.split(".")[0] in FRAMEWORKS:
+            for alias in statement.names:
+                dotted = f"{statement.module}.{alias.name}"
+                aliases[alias.asname or alias.name] = dotted
+                if _is_private(dotted):
+                    found.append(dotted)
+    for node in ast.walk(tree):
+        chain: list[str] = []
+        base: ast.AST = node
+        while isinstance(base, ast.Attribute):
+            chain.append(base.attr)
+            base = base.value
+        if chain and isinstance(base, ast.Name) and base.id in aliases:
+            dotted = ".".join([aliases[base.id], *reversed(chain)])
+            if _is_private(dotted):
+                found.append(dotted)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in
+                ("getattr", "hasattr") and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in aliases and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)):
+            dotted = f"{aliases[node.args[0].id]}.{node.args[1].value}"
+            if _is_private(dotted):
+                found.append(dotted)
+    return sorted(set(found))
+
+
+def test_the_private_name_scan_sees_each_form(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import torch\nimport torch.utils._pytree as pt\nfrom jax._src import core\n"
+        "from torch.nn.modules.batchnorm import _BatchNorm\nimport tensorflow as tf\n"
+        "x = torch.utils._python_dispatch.TorchDispatchMode\ny = getattr(tf, '_api')\n"
+        "z = tf.python.client\nok = torch.nn.functional.relu\n")
+    assert _private_uses(source) == [
+        "jax._src.core", "tensorflow._api", "tensorflow.python", "tensorflow.python.client",
+        "torch.nn.modules.batchnorm._BatchNorm", "torch.utils._python_dispatch",
+        "torch.utils._python_dispatch.TorchDispatchMode", "torch.utils._pytree"]
+
+
+def test_private_framework_names_only_in_compat_modules() -> None:
+    """Census #1-34 of the engine review: every private or version-specific framework name a
+    module reaches by import or through a module alias is in its backend's compat module, where
+    each is guarded (tests/test_compat_*.py remove each one and still get right numbers)."""
+    wrong = {}
+    for module, path in _modules().items():
+        if module in COMPAT_MODULES or module.startswith("batchjac._bench"):
+            continue
+        uses = _private_uses(path)
+        if uses:
+            wrong[module] = uses
+    assert not wrong, f"private framework names outside the compat modules: {wrong}"
