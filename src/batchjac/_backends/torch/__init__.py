@@ -54,6 +54,7 @@ from .._base import (
     Signature,
     user_stacklevel,
 )
+from . import compat
 from .builds import Engine, TorchKernel as TorchKernel
 from .errors import _explain_model_failure
 from .second import TorchSecondKernel as TorchSecondKernel
@@ -61,8 +62,6 @@ from .tensors import _to_numpy, _to_torch, _unknowns_require_grad
 
 _OPTIONS = ("train_mode", "device")
 
-#: layers whose output depends on training mode (batch statistics, random masks)
-_MODE_DEPENDENT = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
 
 
 class TorchOps:
@@ -190,7 +189,7 @@ class TorchBound(BoundModel):
         # Parameters and buffers whose dtype differs from the compute dtype are run as cast
         # copies through torch.func.functional_call (the user's module is never changed).
         self._cast: dict[str, torch.Tensor] = {}
-        self._cast_src: dict[str, tuple[torch.Tensor, int]] = {}
+        self._cast_src: dict[str, tuple[torch.Tensor, int | None]] = {}
         self._mode_warned = False
         self._mode_lock = threading.Lock()
         self._active = 0  # calls in progress: the first switches to eval, the last restores
@@ -216,10 +215,11 @@ class TorchBound(BoundModel):
         wanted = {n: t for n, t in named if t.is_floating_point() and t.dtype != self.dtype}
         with torch.no_grad():
             for name, src in wanted.items():
-                old = self._cast_src.get(name)
-                if old is None or old[0] is not src or old[1] != src._version:
+                old, version = self._cast_src.get(name), compat.version(src)
+                # (a version that cannot be read is taken as changed: the copy is made again)
+                if old is None or old[0] is not src or version is None or old[1] != version:
                     self._cast[name] = src.detach().to(self.dtype)
-                    self._cast_src[name] = (src, src._version)
+                    self._cast_src[name] = (src, version)
         for name in set(self._cast) - set(wanted):
             del self._cast[name], self._cast_src[name]
         return False  # the kernels take the cast weights as arguments: none is stale
@@ -253,7 +253,9 @@ class TorchBound(BoundModel):
         if self._mode_warned:
             return
         assert self.module is not None
-        found = [m for m, f in flags if f and isinstance(m, _MODE_DEPENDENT)]
+        # layers whose output depends on training mode (batch statistics, random masks)
+        layers = compat.mode_dependent_layers()
+        found = [m for m, f in flags if f and isinstance(m, layers)]
         if not found:
             return
         names = {id(m): n for n, m in self.module.named_modules()}

@@ -13,7 +13,6 @@ model on the chunk; :class:`TorchKernel` finds what works for the model and pick
 from __future__ import annotations
 
 import math
-import sys
 import time
 import warnings
 from typing import TYPE_CHECKING, Literal
@@ -33,6 +32,7 @@ from .._base import (
     rows_at_hand,
     user_stacklevel,
 )
+from . import compat
 from .errors import _FORWARD_CAUSE, _explain_model_failure, _first_line, _out_of_memory
 from .state import _FORWARD_AD, _load_forward_ad
 from .tensors import _basis, _to_numpy, _unknowns_require_grad
@@ -318,11 +318,11 @@ class TorchKernel(Kernel):
         torch.func is loaded already, the mode is forward, or torch.func failed here."""
         bound = self._bound
         if self.mode == "forward":
-            plain = "transposed" in self.variants and "torch._dynamo" not in sys.modules \
+            plain = "transposed" in self.variants and not compat.dynamo_loaded() \
                 and bound.forward_failure is None and bound.reverse_engine in (None, "func")
             return "transposed" if plain else None
         if not (self.mode == "reverse" and "replicated" in self.variants
-                and "torch._dynamo" not in sys.modules and bound.reverse_engine in (None, "func")
+                and not compat.dynamo_loaded() and bound.reverse_engine in (None, "func")
                 and bound.output_shape is not None):
             return None
         # (the call's rows: a large call cut into cache-sized chunks, W4's 2,000 images in

@@ -25,30 +25,26 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from . import compat
 
 
-class RowBytes(TorchDispatchMode):
+class RowBytes:
     """Adds up the bytes of the non-view tensors the operations return whose leading axis is
-    the batch's ``rows``; notes whether a convolution ran."""
+    the batch's ``rows``; notes whether a convolution ran. A torch dispatch mode once made one
+    (:func:`.compat.dispatch_mode`, which keeps TorchDynamo out of its handler)."""
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # (True, the default, wraps __torch_dispatch__ in torch._dynamo.disable, whose first
-        # call imports TorchDynamo, 0.6-0.9 s: this mode runs no compiled code)
-        return False
-
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, leaves: Any) -> None:
         super().__init__()
         self.rows, self.total, self.convolution = rows, 0, False
+        self.leaves = leaves
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if "convolution" in str(func):
             self.convolution = True
         if not getattr(func, "is_view", False):
-            for t in tree_leaves(out):
+            for t in self.leaves(out):
                 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == self.rows:
                     self.total += t.numel() * t.element_size()
         return out
@@ -56,8 +52,12 @@ class RowBytes(TorchDispatchMode):
 
 def counted(fn: Any, rows: int) -> tuple[Any, float | None]:
     """``fn()`` and the bytes a row of its intermediates holds (None where none has the batch's
-    rows on its leading axis, or the model convolves). Raises what ``fn`` raises."""
-    mode = RowBytes(rows)
+    rows on its leading axis, or the model convolves; or where this torch lacks the dispatch
+    modes or pytrees the count needs: :mod:`.compat`). Raises what ``fn`` raises."""
+    mode_class, tree = compat.dispatch_mode(RowBytes), compat.pytree()
+    if mode_class is None or tree is None:
+        return fn(), None
+    mode = mode_class(rows, tree.tree_leaves)
     with mode:
         out = fn()
     if mode.convolution or mode.total <= 0 or rows <= 0:

@@ -4,10 +4,10 @@ devices or dtypes that do not match, and the first line of any other error."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from ..._errors import ModelError
 from .._base import Signature
+from . import compat
 
 _FORWARD_CAUSE = ("Usual cause: an operator or a custom torch.autograd.Function without a "
                   "forward-mode rule (jvp, or vmap support).")
@@ -29,7 +29,7 @@ def _quoted(names: list[str]) -> str:
 
 def _out_of_memory(e: Exception) -> bool:
     text = str(e)
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in text \
+    return isinstance(e, compat.out_of_memory_errors()) or "out of memory" in text \
         or "can't allocate memory" in text
 
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import compat
 
 #: ATen operations linear in every argument that carries a derivative (a constant argument,
 #: such as a weight or a shape, may be anything): their second derivatives vanish
@@ -91,9 +91,20 @@ class Carried:
     d: torch.Tensor
 
 
-def _name(target: Any) -> str:
-    packet = getattr(target, "overloadpacket", None)
-    return str(getattr(packet, "__name__", getattr(target, "__name__", "")))
+def _name(target: Any) -> str | None:
+    """The ATen name the tables above use (:func:`.compat.aten_name`): "" where it cannot be
+    read (the general rule), None for an operation outside ATen (no rule: see :func:`_apply`)."""
+    return compat.aten_name(target)
+
+
+def _tree() -> Any:
+    """torch's pytree functions (:func:`.compat.pytree`). Where this torch has none batchjac
+    can use, the tape cannot be made or run: the kernel then computes by its order."""
+    tree = compat.pytree()
+    if tree is None:
+        raise NotImplementedError(f"torch {torch.__version__} has no torch.utils._pytree "
+                                  f"batchjac can use: no forward Laplacian")
+    return tree
 
 
 @dataclass(frozen=True)
@@ -120,19 +131,15 @@ class Tape:
     widest: int = 0
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder:
     """Records the ATen operations of a call under ``functionalize`` (no in-place operation
-    reaches it) as they run. ``make_fx`` does the same, but imports TorchDynamo and Inductor
-    to read one setting: 2.2 s of a first call in a fresh process, measured here (W7)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # (True, the default, wraps __torch_dispatch__ in torch._dynamo.disable, whose first
-        # call imports TorchDynamo: this mode runs no compiled code)
-        return False
+    reaches it) as they run, as a torch dispatch mode (:func:`.compat.dispatch_mode`, which
+    keeps TorchDynamo out of its handler). ``make_fx`` does the same, but imports TorchDynamo
+    and Inductor to read one setting."""
 
     def __init__(self, inputs: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
+        self.pytree = _tree()
         self.where: dict[int, _Ref] = {}
         self.alive: list[torch.Tensor] = []  # every value named: no id is reused meanwhile
         self.ops: list[tuple[Any, Any, Any]] = []
@@ -152,6 +159,7 @@ class _Recorder(TorchDispatchMode):
                            ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        pytree = self.pytree
         recorded = pytree.tree_map(self.ref, (args, kwargs))
         slot = self.inputs + len(self.ops)
         tensors = isinstance(out, torch.Tensor) or (
@@ -176,7 +184,11 @@ class _Recorder(TorchDispatchMode):
 def trace(fn: Callable[..., torch.Tensor], *example: torch.Tensor) -> Tape:
     """``fn`` as the ATen operations it runs, for inputs of the shapes of ``example`` (runs
     ``fn`` once on them); the operations its output does not depend on dropped."""
-    recorder = _Recorder(example)
+    pytree, mode = _tree(), compat.dispatch_mode(_Recorder)
+    if mode is None:
+        raise NotImplementedError(f"torch {torch.__version__} has no dispatch mode batchjac "
+                                  f"can use: no forward Laplacian")
+    recorder = mode(example)
     with recorder:
         out = torch.func.functionalize(fn)(*example)
     output = pytree.tree_map(recorder.ref, out)
@@ -214,6 +226,7 @@ def run(tape: Tape, inputs: list[torch.Tensor], varying: int
     """``(y, J, L)`` of the tape's one output for ``inputs``: ``J`` ``(k, *y.shape)``, the
     derivatives along the unit tangents of ``inputs[varying]`` (``(rows, *unknown_shape)``,
     ``k`` unknowns a row), and ``L`` the sum of the second derivatives along them."""
+    pytree = _tree()
     u = inputs[varying]
     rows, ushape = u.shape[0], tuple(u.shape[1:])
     k = math.prod(ushape)
@@ -241,6 +254,7 @@ def run(tape: Tape, inputs: list[torch.Tensor], varying: int
 
 
 def _apply(target: Any, args: Any, kwargs: Any, k: int) -> Any:
+    pytree = _tree()
     leaves, spec = pytree.tree_flatten((args, kwargs))
     vary = [i for i, a in enumerate(leaves) if isinstance(a, Carried)]
     if not vary:
@@ -248,6 +262,9 @@ def _apply(target: Any, args: Any, kwargs: Any, k: int) -> Any:
     primals = [a.x if isinstance(a, Carried) else a for a in leaves]
     carried: list[Carried] = [leaves[i] for i in vary]
     name = _name(target)
+    if name is None:  # (a custom op: torch's forward mode may drop its tangents, silently)
+        raise NotImplementedError(f"{target} is not an ATen operation: the forward Laplacian "
+                                  f"has no rule for it")
     if len(vary) == 1:
         fast = _fast_one(name, target, primals, vary[0], carried[0], leaves, spec)
         if fast is not None:
@@ -297,6 +314,7 @@ def _fast_one(name: str, target: Any, primals: list[Any], at: int, c: Carried,
               leaves: list[Any], spec: Any) -> Carried | None:
     """The rules of the operations most models spend their time in, one argument varying:
     matrix products with the weights, sums with constants, elementwise functions."""
+    pytree = _tree()
     k1 = c.d.shape[0]
     if name in ("mm", "addmm") and at == len(leaves) - 2 and not spec_has_kwargs(spec):
         # mm(x, W) / addmm(b, x, W): the tangents are x's, times W, in one product
@@ -330,5 +348,6 @@ def _fast_one(name: str, target: Any, primals: list[Any], at: int, c: Carried,
 
 def spec_has_kwargs(spec: Any) -> bool:
     """Whether the call had keyword arguments (``alpha=``, ``beta=``: the general rule)."""
+    pytree = _tree()
     kw = pytree.tree_unflatten([None] * spec.num_leaves, spec)[1]
     return bool(kw)

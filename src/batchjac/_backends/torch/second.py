@@ -28,27 +28,13 @@ import torch
 
 from ..._errors import BatchJacError, ModelError, OrderFailedError
 from .._base import SECOND_RESULT, Kernel, Order, SecondKind, race
+from . import compat
 from .errors import _explain_model_failure, _first_line, _first_sentence, _quoted
 from .state import _FORWARD_AD, _load_forward_ad
 from .tensors import _basis, _to_numpy, _unknowns_require_grad
 
 if TYPE_CHECKING:
     from . import TorchBound
-
-
-#: the code of the wrapper ``torch.autograd.function.once_differentiable`` puts around a
-#: backward (functools.wraps copies the name, not the code): the Function's own marker
-_ONCE_CODE = torch.autograd.function.once_differentiable(lambda ctx, *g: g).__code__
-
-
-def _is_once_differentiable(function: type) -> bool:
-    """Whether a custom ``torch.autograd.Function``'s backward is ``@once_differentiable``:
-    computed under ``no_grad``, so plain autograd cannot differentiate it again."""
-    for name in ("backward", "vjp"):
-        fn = getattr(function, name, None)
-        if getattr(fn, "__code__", None) is _ONCE_CODE:
-            return True
-    return False
 
 
 def _in_func_form(function: type) -> bool:
@@ -63,11 +49,14 @@ def _custom_functions(y: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[bool,
     """The custom ``torch.autograd.Function`` classes on a path of ``y``'s graph from ``x``,
     by name, each with whether its backward is ``@once_differentiable`` and whether it is in
     torch.func's form (:func:`_in_func_form`). (Functions on the weights' paths only do not
-    count: the derivatives are taken in ``x``.)"""
+    count: the derivatives are taken in ``x``.) Where this torch's graph cannot be read
+    (:func:`.compat.functions_readable`), every node of a Python class, wherever it sits, counts
+    as a Function whose backward may be once differentiable, named by its node's class."""
     found: dict[str, tuple[bool, bool]] = {}
     root = y.grad_fn
     if root is None:
         return found
+    readable = compat.functions_readable()
     reaches: dict[int, bool] = {}
     keep: list[Any] = []  # the nodes walked, alive, so that their ids stay unique
     stack: list[tuple[Any, bool]] = [(root, False)]
@@ -82,13 +71,15 @@ def _custom_functions(y: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[bool,
             stack.extend((n, False) for n, _ in node.next_functions
                          if n is not None and id(n) not in reaches)
             continue
-        hit = getattr(node, "variable", None) is x or any(
+        hit = compat.leaf_of(node) is x or any(
             reaches.get(id(n), False) for n, _ in node.next_functions if n is not None)
         reaches[id(node)] = hit
-        function = getattr(node, "_forward_cls", None)
-        if hit and isinstance(function, type):
+        function = compat.function_of(node) if readable else None
+        if hit and function is not None:
             found[f"{function.__module__}.{function.__qualname__}"] = (
-                _is_once_differentiable(function), _in_func_form(function))
+                compat.once_differentiable(function), _in_func_form(function))
+        elif not readable and compat.is_python_node(node):
+            found[type(node).__name__] = (True, False)
     return found
 
 
@@ -329,6 +320,18 @@ class TorchSecondKernel(Kernel):
 
     def _not_twice(self, names: list[str], cause: Exception) -> ModelError:
         one = len(names) == 1
+        if not compat.functions_readable():
+            err = ModelError(
+                f"Second derivatives of this model cannot be computed with torch "
+                f"{torch.__version__}: batchjac cannot read its custom torch.autograd.Function"
+                f"{'' if one else 's'} ({_quoted(names)}) in this torch version, so it cannot "
+                f"tell whether plain autograd differentiates {'it' if one else 'them'} twice (a "
+                f"backward marked @once_differentiable would give a zero Hessian), and "
+                f"torch.func failed: {_first_sentence(cause)}. Give the Function torch.func's "
+                f"form (setup_context and jvp staticmethods), or use a torch version batchjac "
+                f"is tested with. batchjac.jacobian (first derivatives) works with it as it is.")
+            err.__cause__ = cause
+            return err
         what = ("is a custom torch.autograd.Function whose backward is" if one else
                 "are custom torch.autograd.Functions whose backwards are")
         err = ModelError(
@@ -359,7 +362,10 @@ class TorchSecondKernel(Kernel):
                 f"(they would come out zero). Pass mode='forward-over-reverse' (or 'auto')"
                 + (" (a backward marked @once_differentiable must then be differentiable, or "
                    "its Function have setup_context and jvp staticmethods)"
-                   if self._once(u, ctx, func_form=False) else "") + ".")
+                   if self._once(u, ctx, func_form=False) else "") + "."
+                + ("" if compat.functions_readable() else
+                   f" (In torch {torch.__version__} batchjac cannot read a model's custom "
+                   f"Functions: each node of a Python class counts as one.)"))
 
     def _autograd_over_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
                                v: torch.Tensor | None
@@ -470,10 +476,11 @@ class TorchSecondKernel(Kernel):
         from . import laplacian
 
         bound = self._bound
-        weights = tuple((id(t), t._version) for t in _weights(bound))
+        weights = tuple((id(t), compat.version(t)) for t in _weights(bound))
         key = (tuple(u.shape), *(tuple(c.shape) for c in ctx))
         tape, seen = self._graphs.get(key, (None, None))
-        if tape is None or seen != weights:
+        # (a version that cannot be read is taken as changed: the model is traced again)
+        if tape is None or seen != weights or any(v is None for _, v in weights):
             tape = laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
             self._graphs[key] = (tape, weights)
         return tape

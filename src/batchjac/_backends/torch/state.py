@@ -1,6 +1,7 @@
-"""PyTorch state shared by its backend's modules (:mod:`batchjac._backends.torch`, :mod:`.laplacian`): the
-process-wide lock of forward mode, a thread-safe warning filter, and the one-off load of forward
-mode's decompositions. Its own module so that both import it and neither imports the other."""
+"""PyTorch state shared by its backend's modules (the adapter, :mod:`.builds`, :mod:`.second`,
+:mod:`.laplacian`): the process-wide lock of forward mode, a thread-safe warning filter, and the
+one-off load of forward mode's decompositions. Its own module so that each imports it and none
+imports another for it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, cast
 
-import torch
+from . import compat
 
 #: torch's forward-mode AD levels (``enter_dual_level``, which ``torch.func.jvp`` uses) are
 #: process-wide, not per thread: threads running forward mode at once on one module (a thread
@@ -49,9 +50,7 @@ def _silenced(message: str, category: type[Warning]) -> Iterator[None]:
                     if entry[0] == "ignore" and entry[2] is category and \
                             getattr(pattern, "pattern", None) == message and entry[3] is None:
                         del filters[i]
-                        mutated = getattr(warnings, "_filters_mutated", None)
-                        if mutated is not None:  # (invalidates the per-module caches)
-                            mutated()
+                        compat.warning_filters_changed()  # (the per-module caches)
                         break
 
 
@@ -67,10 +66,8 @@ def _load_forward_ad() -> None:
     with _FORWARD_AD:
         if _forward_ad_loaded:
             return
-        load = getattr(torch.autograd.forward_ad, "_maybe_load_decompositions", None)
-        if load is not None:  # (other torch versions: nothing to load)
-            with _silenced(".*torch.jit.script.* is deprecated", DeprecationWarning):
-                load()
+        with _silenced(".*torch.jit.script.* is deprecated", DeprecationWarning):
+            compat.load_forward_decompositions()  # (other torch versions: nothing to load)
         _forward_ad_loaded = True
 
 
