@@ -386,7 +386,7 @@ class _FakeBound:
 
 
 def test_evaluator_shrinks_the_chunk_once_padding_costs_more_than_compiling() -> None:
-    from batchjac._solve import _compile_seconds, _Evaluator
+    from batchjac._solve.evaluator import _compile_seconds, _Evaluator
 
     bound = _FakeBound()
     ev = _Evaluator(bound, "forward", 512)
@@ -435,7 +435,7 @@ class _EagerBound(_FakeBound):
 
 
 def test_evaluator_times_the_modes_again_for_each_smaller_size() -> None:
-    from batchjac._solve import _Evaluator
+    from batchjac._solve.evaluator import _Evaluator
 
     bound = _EagerBound()
     ev = _Evaluator(bound, "forward", 512, tune_modes=True)

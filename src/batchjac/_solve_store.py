@@ -245,7 +245,7 @@ def _problem(model: Any, inputs: SolveInputs, *, n_unknowns: int | None, n_start
              dtype: Any, backend: str | None, backend_options: dict[str, Any] | None,
              max_memory: int | str | None, block_size: int | None) -> _Problem:
     """The inputs checked, the model bound, the blocks chosen."""
-    from ._solve import _n_unknowns
+    from ._solve.problem import _n_unknowns
     from ._validate import resolve_dtype
 
     n, per_row = _instances(inputs)
