@@ -63,7 +63,6 @@ from .tensors import _to_numpy, _to_torch, _unknowns_require_grad
 _OPTIONS = ("train_mode", "device")
 
 
-
 class TorchOps:
     """torch tensors as the pipeline's arrays (:class:`batchjac._xp.ArrayOps`), on their
     device: what ``jacobian`` works with when torch tensors go into a torch model."""
