@@ -23,8 +23,7 @@ from .helpers import assert_jac_close, central_differences, rng
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from batchjac._backends.jax import laplacian as jax_laplacian  # noqa: E402
-from batchjac._backends.jax import JaxSecondKernel  # noqa: E402
+from batchjac._backends.jax import JaxSecondKernel, laplacian as jax_laplacian  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -64,6 +64,7 @@ from .._base import (
     Signature,
     user_stacklevel,
 )
+from . import compat
 from .builds import JaxKernel as JaxKernel
 from .ops import JaxOps as JaxOps
 from .second import JaxSecondKernel as JaxSecondKernel
@@ -334,11 +335,7 @@ class JaxBound(BoundModel):
     # -- probes ------------------------------------------------------------------------------
     def in_thread(self) -> contextlib.AbstractContextManager[Any]:
         x64 = x64_enabled()  # read here, in the calling thread (enable_x64() is per thread)
-        if hasattr(jax, "enable_x64"):  # jax >= 0.7: a config state usable as a context
-            return jax.enable_x64(x64)  # type: ignore[no-any-return]
-        from jax.experimental import enable_x64  # type: ignore[attr-defined]  # pragma: no cover
-
-        return enable_x64(x64)  # type: ignore[no-any-return]  # pragma: no cover
+        return compat.enable_x64(x64)
 
     def device_free_memory(self) -> int | None:
         """Free bytes of the device the kernels run on when it is an accelerator (None on the

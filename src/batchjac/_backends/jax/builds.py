@@ -29,6 +29,7 @@ from .._base import (
     race,
     user_stacklevel,
 )
+from . import compat
 
 if TYPE_CHECKING:
     from . import JaxBound
@@ -84,9 +85,8 @@ class JaxKernel(Kernel):
     reason: the cost model's choice beats a race the first call cannot repay.
     """
 
-    _OPTIONS: ClassVar[dict[str, Options]] = {
-        "default": {}, "no-ynnpack": {"xla_cpu_experimental_ynn_fusion_type": ""},
-        "quick": {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": False}}
+    #: each build's XLA options (:data:`~batchjac._backends.jax.compat.BUILDS`)
+    _OPTIONS: ClassVar[dict[str, Options]] = compat.BUILDS
     #: calls whose equations other than matrix products and convolutions write at most
     #: this many elements (in all their chunks) compile "quick" first: at 0.3-1 ns more an
     #: element, the quick build costs at most ~40 ms more a call, less than the 50-60 ms its
@@ -251,6 +251,8 @@ class JaxKernel(Kernel):
         if jax.default_backend() != "cpu" or not autotune_enabled() or self._jaxpr is None:
             return "default"
         self.work = jax_cost.work(self._jaxpr)
+        if self.work is None:  # a jaxpr the count cannot read: no estimate
+            return "default"
         # the quick build's cost is per element of every chunk of the call (W4's 2,000 images
         # in chunks of 100: 3.1e7 elements a chunk, 6e8 a call, 0.88 against 0.48 s); never in
         # a mode race, which times full builds (provisional): a quick one would be compiled
@@ -287,10 +289,9 @@ class JaxKernel(Kernel):
         BLOCK_MAX_BYTES (W1: 0.3 MB, W2: 2.8 MB; W4's convolutions: 29 MB, not tried)."""
         if jax.default_backend() != "cpu":
             return []
-        try:  # (the quick build's, before the default build exists)
-            temp = self._compiled.get("default", self._compiled[self._first]) \
-                .memory_analysis().temp_size_in_bytes
-        except Exception:  # no memory analysis in this JAX: no blocks
+        # (the quick build's, before the default build exists)
+        temp = compat.temp_bytes(self._compiled.get("default", self._compiled[self._first]))
+        if temp is None:  # no memory analysis in this JAX: no blocks
             return []
         sizes = []
         for rows in self.BLOCK_ROWS:
@@ -321,17 +322,25 @@ class JaxKernel(Kernel):
             return in_blocks(lambda b_u, b_c: self._body(args, b_u, b_c), rows, u, ctx)
 
         u_spec, ctx_spec = bound._specs(size)
-        staged = jax.jit(traced).trace(bound.args, u_spec, ctx_spec)
+        jaxpr, self._lowered[rows] = compat.stage(traced, bound.args, u_spec, ctx_spec)
         if rows >= size:
-            self._jaxpr = staged.jaxpr
-        self._lowered[rows] = staged.lower()
+            self._jaxpr = jaxpr
         return self._lowered[rows]
 
-    def _compile(self, variant: str) -> Any:
+    def _compile(self, variant: str, *, strict: bool = False) -> Any:
+        """The executable of ``variant``. Where XLA refuses its build's options (a release
+        that renamed one, :mod:`.compat`), XLA's defaults: a fixed or remembered variant
+        then runs as "default" does, unless ``strict`` (the race: it leaves the build out)."""
         if variant not in self._compiled:
             build, _, rows = variant.partition("/")
             lowered = self._lowering(int(rows) if rows else self.chunk_size)
-            self._compiled[variant] = self._load_or_compile(lowered, self._OPTIONS[build])
+            try:
+                compiled = self._load_or_compile(lowered, self._OPTIONS[build])
+            except Exception:
+                if strict or not self._OPTIONS[build]:  # (the defaults: the model's failure)
+                    raise
+                compiled = self._load_or_compile(lowered, {})
+            self._compiled[variant] = compiled
         return self._compiled[variant]
 
     def _load_or_compile(self, lowered: Any, options: Options) -> Any:
@@ -442,7 +451,7 @@ class JaxKernel(Kernel):
 
     def _race_builds(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         try:
-            self._compile("no-ynnpack")
+            self._compile("no-ynnpack", strict=True)
         except Exception:  # e.g. a JAX whose XLA has no such option: one build only
             self.variants = tuple(v for v in self.variants if v.split("/")[0] == "default")
         for v in self.variants:

@@ -18,6 +18,10 @@ keeps the two apart:
 Loops count at their trip count (a ``while`` at one trip: its count is not known before it
 runs). The walk takes well under a millisecond, where XLA's own ``cost_analysis`` of the
 lowered module takes 6-11 ms, a fifth of what it would decide about.
+
+The count is a heuristic whose only job is speed: where a jaxpr holds something it cannot
+read (a parameter a JAX release renamed, :mod:`.compat`), it is no estimate (None), never an
+error, so that a first call is never failed by it.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-#: primitives holding sub-jaxprs run once per call, by parameter name
-_ONCE = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+from . import compat
+
 _PRODUCTS = ("dot_general", "conv_general_dilated")
 
 
@@ -48,16 +52,25 @@ class Work:
         return self.products + self.elements
 
 
-def work(jaxpr: Any) -> Work:
-    """The estimated work of one evaluation of ``jaxpr`` (a Jaxpr or ClosedJaxpr)."""
+def work(jaxpr: Any) -> Work | None:
+    """The estimated work of one evaluation of ``jaxpr`` (a Jaxpr or ClosedJaxpr), or None
+    where the jaxpr holds what the count cannot read: no estimate."""
+    try:
+        return _work(jaxpr)
+    except Exception:  # (a renamed parameter: KeyError; a changed structure)
+        return None
+
+
+def flops(jaxpr: Any) -> float | None:
+    counted = work(jaxpr)
+    return None if counted is None else counted.flops
+
+
+def _work(jaxpr: Any) -> Work:
     total = Work()
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         total = total + _equation(eqn)
     return total
-
-
-def flops(jaxpr: Any) -> float:
-    return work(jaxpr).flops
 
 
 def _size(var: Any) -> float:
@@ -66,30 +79,27 @@ def _size(var: Any) -> float:
 
 
 def _equation(eqn: Any) -> Work:
-    name = eqn.primitive.name
-    params = eqn.params
+    name = compat.primitive(eqn)
     out = sum(_size(v) for v in eqn.outvars)
     if name == "dot_general":
-        (contract, _), _ = params["dimension_numbers"]
+        (contract, _), _ = compat.param(eqn, "dimension_numbers")
         lhs_shape = eqn.invars[0].aval.shape
         contracted = math.prod(lhs_shape[d] for d in contract) if contract else 1
         return Work(products=2.0 * out * contracted)
     if name == "conv_general_dilated":
         rhs_shape = eqn.invars[1].aval.shape
-        spec = params["dimension_numbers"].rhs_spec  # (out features, in features, *spatial)
+        spec = compat.param(eqn, "dimension_numbers").rhs_spec  # (out, in features, *spatial)
         window = math.prod(rhs_shape[d] for d in spec[1:])
         return Work(products=2.0 * out * window)
     if name == "scan":
-        return work(params["jaxpr"]) * params["length"]
+        return _work(compat.param(eqn, "jaxpr")) * compat.param(eqn, "length")
     if name == "cond":
-        branches = [work(b) for b in params["branches"]]
+        branches = [_work(b) for b in compat.param(eqn, "branches")]
         return max(branches, key=lambda w: w.flops, default=Work())
     if name == "while":
-        return work(params["cond_jaxpr"]) + work(params["body_jaxpr"])
-    for key in _ONCE:
-        sub = params.get(key)
-        if sub is not None and hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-            return work(sub)
+        return _work(compat.param(eqn, "cond_jaxpr")) + _work(compat.param(eqn, "body_jaxpr"))
+    for sub in compat.sub_jaxprs(eqn, compat.CALLED_ONCE):
+        return _work(sub)
     return Work(elements=out)
 
 
@@ -100,13 +110,12 @@ def peak_row_bytes(jaxpr: Any, rows: int) -> float | None:
     and other per-batch arrays do not grow with the chunk). An upper bound of what XLA's own
     buffer assignment keeps (it fuses elementwise chains): measured on the project's machine,
     1.4-2.9x ``memory_analysis().temp_size_in_bytes`` of the same kernels. None for a jaxpr
-    with no batch-sized array."""
-    peak = _peak(getattr(jaxpr, "jaxpr", jaxpr), rows, {})
+    with no batch-sized array, or one the walk cannot read (no estimate)."""
+    try:
+        peak = _peak(getattr(jaxpr, "jaxpr", jaxpr), rows, {})
+    except Exception:  # (a renamed parameter, a changed structure)
+        return None
     return peak / rows if peak > 0 else None
-
-
-#: parameters holding the sub-jaxprs an equation runs (``pjit``, ``custom_jvp_call``, loops)
-_SUB_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "body_jaxpr", "cond_jaxpr", "branches")
 
 
 def _row_bytes(var: Any, rows: int) -> float:
@@ -120,36 +129,31 @@ def _row_bytes(var: Any, rows: int) -> float:
 def _peak(jaxpr: Any, rows: int, seen: dict[int, float]) -> float:
     """One pass over the equations (linear in their count; a sub-jaxpr met again, as each
     ``jnp`` function's ``pjit`` is, is counted from ``seen``). Literals are told by their
-    value (``val``): importing ``jax.extend`` for its class takes ~17 ms, a tenth of W1's
-    first call."""
+    value (:func:`~batchjac._backends.jax.compat.is_literal`)."""
     key = id(jaxpr)
     if key in seen:
         return seen[key]
     last: dict[int, int] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if not hasattr(v, "val"):
+            if not compat.is_literal(v):
                 last[id(v)] = i
     for v in jaxpr.outvars:
-        if not hasattr(v, "val"):
+        if not compat.is_literal(v):
             last[id(v)] = len(jaxpr.eqns)
     given = {id(v) for v in (*jaxpr.invars, *jaxpr.constvars)}  # not held by this jaxpr
     live = peak = 0.0
     for i, eqn in enumerate(jaxpr.eqns):
         inner = 0.0
-        for name in _SUB_KEYS:
-            sub = eqn.params.get(name)
-            for one in sub if isinstance(sub, (tuple, list)) else (sub,):
-                body = getattr(one, "jaxpr", one)
-                if hasattr(body, "eqns"):
-                    inner = max(inner, _peak(body, rows, seen))
+        for body in compat.sub_jaxprs(eqn):
+            inner = max(inner, _peak(body, rows, seen))
         out = 0.0
         for v in eqn.outvars:
             out += _row_bytes(v, rows)
         peak = max(peak, live + max(inner, out))
         live += out
         freed = {id(v): v for v in eqn.invars
-                 if not hasattr(v, "val") and last.get(id(v)) == i and id(v) not in given}
+                 if not compat.is_literal(v) and last.get(id(v)) == i and id(v) not in given}
         for v in freed.values():
             live -= _row_bytes(v, rows)
         for v in eqn.outvars:

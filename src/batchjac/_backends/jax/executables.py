@@ -29,7 +29,8 @@ the user's program in batchjac's directory; this one touches batchjac's kernels 
 
 Nothing here is ever an error: a payload that fails to load, a module with host callbacks
 (their executables hold pointers into this process) or one that cannot be serialized is
-compiled as usual. ``BATCHJAC_CACHE=off`` reads and writes nothing. Writing happens in a
+compiled as usual, and so is every kernel of a JAX without the module's text or the
+serializer (:mod:`.compat`). ``BATCHJAC_CACHE=off`` reads and writes nothing. Writing happens in a
 background thread once the call that compiled has its result (:func:`release`) and no kernel
 has been called for :data:`WRITE_DELAY` (:func:`used`: a call in chunks keeps it waiting, at
 most :data:`MAX_WRITE_WAIT`): serializing
@@ -54,6 +55,7 @@ from typing import Any
 import jax
 
 from ..._tunecache import TuneKey, default_cache
+from . import compat
 
 #: XLA's compiler options: strings, or Python booleans for its boolean flags (it refuses "false")
 Options = dict[str, str | bool]
@@ -98,11 +100,10 @@ def _key(lowered: Any, options: Options) -> TuneKey | None:
     but holds the caller's file and line, which differ between two scripts calling the same
     model: measured here, a second process then compiled again), with the options and the
     argument and result structures."""
-    try:
-        text = lowered.as_text(debug_info=False)
-        trees = [str(lowered.in_tree), str(lowered.out_tree)]
-    except Exception:  # a lowering without a text form or trees: compile as usual
+    text, both = compat.module_text(lowered), compat.trees(lowered)
+    if text is None or both is None:  # a lowering without a text form or trees: compile as usual
         return None
+    trees = [str(tree) for tree in both]
     if "callback" in text:  # host callbacks: an executable bound to this process
         return None
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -184,13 +185,12 @@ def _load(payload: bytes, lowered: Any) -> Any:
     """The executable in ``payload`` for the call ``lowered`` traced, or None: a pickle that
     names other classes than an executable's, an executable this jaxlib cannot load, or one
     whose arguments are not the call's (the trees are the traced function's own)."""
-    from jax.experimental import serialize_executable
-
     if not _only_known_classes(payload):
         return None
+    loaded = compat.deserialize(payload, lowered)
+    if loaded is None:
+        return None
     try:
-        loaded = serialize_executable.deserialize_and_load(payload, lowered.in_tree,
-                                                           lowered.out_tree)
         if _arguments(loaded.args_info) != _arguments(lowered.args_info):
             return None
         return loaded
@@ -204,41 +204,14 @@ def _arguments(args_info: Any) -> list[tuple[Any, ...]]:
             for a in jax.tree_util.tree_leaves(args_info)]
 
 
-#: the (module, name) pairs a serialized executable's pickle names (an
-#: ``UnloadedMeshExecutable`` and what it holds); a pickle that names anything else is not
-#: loaded. A JAX that pickles other classes loads nothing from the cache: it compiles, as
-#: without one (the warm-process tests say so when that happens)
-_EXECUTABLE_CLASSES = frozenset({
-    ("jax", "P"), ("jax.sharding", "PartitionSpec"), ("jax._src.partition_spec", "PartitionSpec"),
-    ("jax._src.core", "ManualAxisType"), ("jax._src.core", "MemorySpace"),
-    ("jax._src.core", "ShapedArray"), ("jax._src.core", "AxisType"),
-    ("jax._src.mesh", "AxisType"), ("jax._src.mesh", "AbstractMesh"), ("jax._src.mesh", "Mesh"),
-    ("jax._src.interpreters.pxla", "AllArgsInfo"),
-    ("jax._src.interpreters.pxla", "UnloadedMeshExecutable"),
-    ("jax._src.interpreters.pxla", "MeshExecutableFastpathData"),
-    ("jax._src.layout", "Layout"), ("jax._src.layout", "DeviceLocalLayout"),
-    ("jax._src.layout", "Format"), ("jax._src.linear_util", "DebugInfo"),
-    ("jax._src.api_util", "DebugInfo"), ("jax._src.core", "DebugInfo"),
-    ("jax._src.named_sharding", "_unpickle_named_sharding"),
-    ("jax._src.named_sharding", "NamedSharding"),
-    ("jax._src.sharding_impls", "_unpickle_single_device_sharding"),
-    ("jax._src.sharding_impls", "_unpickle_named_sharding"),
-    ("jax._src.sharding_impls", "SingleDeviceSharding"),
-    ("jax._src.sharding_impls", "GSPMDSharding"), ("jax._src.sharding_impls", "UnspecifiedValue"),
-    ("jax._src.stages", "ArgInfo"), ("jaxlib._jax", "DeviceList"),
-    ("jaxlib.xla_extension", "DeviceList"), ("jax._src.lib", "DeviceList"),
-    ("numpy", "dtype"), ("numpy.dtypes", "Float32DType"), ("numpy.dtypes", "Float64DType"),
-    ("builtins", "frozenset"), ("builtins", "set"), ("builtins", "slice"),
-    ("collections", "OrderedDict"),
-})
-
-
 def _only_known_classes(payload: bytes) -> bool:
-    """Whether the pickle in ``payload`` names only :data:`_EXECUTABLE_CLASSES`, read with
+    """Whether the pickle in ``payload`` names only the classes an executable holds
+    (:data:`~batchjac._backends.jax.compat.EXECUTABLE_CLASSES`), read with
     :mod:`pickletools` (which runs nothing). A name pushed in a way this scan does not follow
     counts as unknown: the scan refuses what it cannot prove."""
     import pickletools
 
+    known = compat.EXECUTABLE_CLASSES
     pushed: list[str | None] = []  # what each op left on top of the stack, where a string
     memo: dict[int, str | None] = {}
     strings = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING",
@@ -256,12 +229,12 @@ def _only_known_classes(payload: bytes) -> bool:
                 pushed.append(memo.get(arg) if isinstance(arg, int) else None)
             elif name in ("GLOBAL", "INST"):
                 module, _, qualname = str(arg).partition(" ")
-                if (module, qualname) not in _EXECUTABLE_CLASSES:
+                if (module, qualname) not in known:
                     return False
                 pushed.append(None)
             elif name == "STACK_GLOBAL":
                 named = (pushed[-2], pushed[-1]) if len(pushed) > 1 else (None, None)
-                if named not in _EXECUTABLE_CLASSES:
+                if named not in known:
                     return False
                 pushed.append(None)
             elif name.startswith("EXT"):  # the copyreg registry: names not in the pickle
@@ -278,17 +251,17 @@ def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
     # before the imports too: importing serialize_executable holds Python's lock for ~20 ms,
     # which a first call returning meanwhile waited for (W2's: 40 ms of 420)
     _quiet(queued or time.monotonic())  # (the calls return before this takes Python's lock)
-    from jax.experimental import serialize_executable
-
+    if compat.serializer() is None:  # (imported here) a JAX without one: nothing remembered
+        return
     if key is None:  # (not searched for: made here, after the call)
         key = _key(lowered, options)
     if key is None or key.digest() in _SEEN:
         return
     _SEEN.add(key.digest())
     with contextlib.suppress(Exception):  # not serializable: nothing remembered
-        blob, _, _ = serialize_executable.serialize(compiled)  # (the trees: the trace's own)
-        if _only_known_classes(blob):  # (one a later process would refuse is not written)
-            cache.put_bytes(key, blob)
+        blob = compat.serialize(compiled)  # (the trees: the trace's own)
+        if blob is not None and _only_known_classes(blob):  # (one a later process would
+            cache.put_bytes(key, blob)  # refuse is not written)
 
 
 def flush(timeout: float | None = None) -> None:

@@ -35,7 +35,8 @@ layer, which XLA compiles sooner.
 
 An equation with no rule raises :class:`Unsupported` naming its primitive, during the trace:
 the caller then computes the result the other way (``jvp`` of ``jvp``, ``jax.hessian``) and
-says why.
+says why. So does an equation the walk cannot read (a parameter a JAX release renamed,
+:mod:`.compat`): slower, never an error.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import compat
+
 if TYPE_CHECKING:  # (at run time told apart by their attributes, as cost.py does:
     # importing jax.extend for the classes costs ~23 ms of a first call, W6's ~300)
     from jax.extend.core import ClosedJaxpr, Jaxpr
@@ -56,8 +59,9 @@ if TYPE_CHECKING:  # (at run time told apart by their attributes, as cost.py doe
 class Unsupported(Exception):
     """The function has a primitive the forward Laplacian has no rule for."""
 
-    def __init__(self, primitive: str) -> None:
-        super().__init__(f"no forward-Laplacian rule for the JAX primitive {primitive!r}")
+    def __init__(self, primitive: str, why: str = "") -> None:
+        super().__init__(f"no forward-Laplacian rule for the JAX primitive {primitive!r}"
+                         + (f" ({why})" if why else ""))
         self.primitive = primitive
 
 
@@ -72,8 +76,7 @@ class _Dual:
 
 
 #: sub-jaxprs called on the operands as they are
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+_CALLS = compat.FORWARD_CALLS
 #: affine in their floating operands (integer operands: indices, predicates, kept)
 _AFFINE = frozenset({
     "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "concatenate", "pad",
@@ -89,7 +92,7 @@ _FLAT = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "is_finite", "sign", "flo
                    "stop_gradient"})
 
 
-def _unary(name: str, x: Any, y: Any, params: dict[str, Any]) -> tuple[Any, Any] | None:
+def _unary(name: str, x: Any, y: Any, eqn: Any) -> tuple[Any, Any] | None:
     """``(g'(x), g''(x))`` of the elementwise ``y = g(x)`` (``g''`` None: zero), or None."""
     if name == "tanh":
         d1 = 1 - y * y
@@ -123,7 +126,7 @@ def _unary(name: str, x: Any, y: Any, params: dict[str, Any]) -> tuple[Any, Any]
     if name == "square":
         return 2 * x, jnp.full_like(x, 2)
     if name == "integer_pow":
-        n = int(params["y"])
+        n = int(compat.param(eqn, "y"))
         if n == 0:
             return jnp.zeros_like(x), None
         d1 = n * (lax.integer_pow(x, n - 1) if n != 1 else jnp.ones_like(x))
@@ -248,12 +251,7 @@ def _exp(d: _Dual, form: _Form) -> _Dual:
 
 
 def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: Sequence[Any] = ()
-    if isinstance(params, tuple):  # JAX < 0.7: (subfunctions, params)
-        subfuns, params = params
-    out = eqn.primitive.bind(*subfuns, *args, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+    return compat.bind(eqn, args)
 
 
 def _floating(x: Any) -> bool:
@@ -317,12 +315,12 @@ def _pick(a: Any, b: Any, y: Any, name: str) -> Any:
 
 
 def _equation(eqn: Any, ins: list[Any], form: _Form) -> list[Any]:
-    name = eqn.primitive.name
+    name = compat.primitive(eqn)
     vary = [i for i, a in enumerate(ins) if isinstance(a, _Dual)]
     if not vary or name in _FLAT:
         return _bind(eqn, [a.p if isinstance(a, _Dual) else a for a in ins])
     if name in _CALLS:
-        sub = eqn.params[_CALLS[name]]
+        sub = compat.param(eqn, _CALLS[name])
         if hasattr(sub, "consts"):  # a ClosedJaxpr
             return _eval(sub.jaxpr, sub.consts, ins, form)
         return _eval(sub, [], ins, form)
@@ -338,7 +336,7 @@ def _equation(eqn: Any, ins: list[Any], form: _Form) -> list[Any]:
                 j, lp = -j, None if lp is None else -lp
             jac, lap = _plus(jac, j), _plus(lap, lp)
         return [_Dual(y, jac, lap)]
-    if name == "convert_element_type" and not jnp.issubdtype(eqn.params["new_dtype"],
+    if name == "convert_element_type" and not jnp.issubdtype(compat.param(eqn, "new_dtype"),
                                                               jnp.inexact):
         return _bind(eqn, [ins[0].p])
     if name in _AFFINE:
@@ -373,7 +371,7 @@ def _equation(eqn: Any, ins: list[Any], form: _Form) -> list[Any]:
         return [_Dual(y, jac, lap)]
     if len(ins) == 1:
         (y,) = _bind(eqn, [ins[0].p])
-        derivs = _unary(name, ins[0].p, y, eqn.params)
+        derivs = _unary(name, ins[0].p, y, eqn)
         if derivs is not None:
             return [_through(ins[0], y, *derivs, form)]
     raise Unsupported(name)
@@ -383,17 +381,32 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], form: _Form)
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
-        return v.val if hasattr(v, "val") else env[v]  # a Literal's value
+        return v.val if compat.is_literal(v) else env[v]  # a Literal's value
 
     for v, c in zip(jaxpr.constvars, consts):
         env[v] = c
     for v, a in zip(jaxpr.invars, args):
         env[v] = a
-    for eqn in jaxpr.eqns:
-        outs = _equation(eqn, [read(v) for v in eqn.invars], form)
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+    eqn: Any = None
+    try:
+        for eqn in jaxpr.eqns:
+            outs = _equation(eqn, [read(v) for v in eqn.invars], form)
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+    except Unsupported:
+        raise
+    except Exception as e:  # a jaxpr this JAX writes otherwise (a renamed parameter)
+        raise Unsupported(_name(eqn), f"{type(e).__name__}: {e}"[:200]) from e
+
+
+def _name(eqn: Any) -> str:
+    if eqn is None:
+        return "?"
+    try:
+        return compat.primitive(eqn)
+    except Exception:
+        return "?"
 
 
 def trace(fn: Callable[..., Any], *specs: Any) -> ClosedJaxpr:

@@ -18,12 +18,15 @@ compilation of W1). A jaxpr can often prove both without running anything:
 Any primitive not known here, or a use of it that might mix rows (a reduction over axis 0,
 ``x - x.mean(0)``, a gather, a sort along the rows), answers "cannot tell", and the probes
 then run with values as before: this is a shortcut for the common case, never a verdict
-against a model.
+against a model. So is a jaxpr this module cannot read (a parameter a JAX release renamed,
+:mod:`.compat`): "cannot tell", never an error.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from . import compat
 
 #: primitives that act element by element (operands broadcast to the output's shape)
 ELEMENTWISE = frozenset({
@@ -40,9 +43,7 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                         "reduce_or", "argmax", "argmin"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 #: primitives holding a sub-jaxpr called on their operands as they are
-CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-         "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
-         "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
+CALLS = compat.CALLS
 
 ROWS = 0  # a value with the batch at axis 0
 NONE = None  # a value that does not depend on the inputs' rows
@@ -61,7 +62,7 @@ def rows_apart(closed: Any, batched: list[bool]) -> bool:
     deterministically. False means "cannot tell", not "they interact"."""
     try:
         outs = _walk(closed.jaxpr, [ROWS if b else NONE for b in batched])
-    except _Unknown:
+    except Exception:  # _Unknown, or a jaxpr this JAX writes otherwise (a renamed parameter)
         return False
     return bool(outs) and all(o == ROWS for o in outs)
 
@@ -73,13 +74,14 @@ def _walk(jaxpr: Any, inputs: list[int | None]) -> list[int | None]:
     env.update(zip(jaxpr.invars, inputs))
 
     def read(v: Any) -> int | None:
-        return env.get(v, NONE) if hasattr(v, "aval") and not hasattr(v, "val") else NONE
+        return env.get(v, NONE) if hasattr(v, "aval") and not compat.is_literal(v) else NONE
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         if any(s == ROWS for s in ins):
             outs = _rule(eqn, ins)
-        elif eqn.primitive.name == "broadcast_in_dim" and 0 not in eqn.params["broadcast_dimensions"]:
+        elif compat.primitive(eqn) == "broadcast_in_dim" and \
+                0 not in compat.param(eqn, "broadcast_dimensions"):
             outs = [UNIFORM]  # (axis 0 is new: every index along it holds the same values)
         else:
             outs = _constant(eqn)
@@ -91,7 +93,7 @@ def _walk(jaxpr: Any, inputs: list[int | None]) -> list[int | None]:
 def _constant(eqn: Any) -> list[int | None]:
     """An equation on no row-dependent operand: its outputs are constants, if the primitive
     is a pure one (a random draw is not, even of constants)."""
-    if not _known(eqn.primitive.name):
+    if not _known(compat.primitive(eqn)):
         raise _Unknown
     return [NONE] * len(eqn.outvars)
 
@@ -110,9 +112,9 @@ def _shape(v: Any) -> tuple[int, ...]:
 
 
 def _rule(eqn: Any, ins: list[int | None]) -> list[int | None]:
-    name, p = eqn.primitive.name, eqn.params
+    name = compat.primitive(eqn)
     if name in CALLS:
-        sub = p.get(CALLS[name])
+        sub = compat.maybe_param(eqn, CALLS[name])
         if sub is None:
             raise _Unknown
         return _walk(getattr(sub, "jaxpr", sub), ins)
@@ -130,11 +132,11 @@ def _rule(eqn: Any, ins: list[int | None]) -> list[int | None]:
     if name != "concatenate":  # (beside a row's values there, as in elementwise maths)
         ins = [NONE if s == UNIFORM else s for s in ins]  # elsewhere a constant like any other
     if name in REDUCTIONS:
-        if 0 in tuple(p.get("axes", ())):
+        if 0 in tuple(compat.param(eqn, "axes")):
             raise _Unknown
         return [ROWS]
     if name in CUMULATIVE:
-        if p.get("axis", 0) == 0:
+        if compat.param(eqn, "axis") == 0:
             raise _Unknown
         return [ROWS]
     rule = _SHAPES.get(name)
@@ -144,17 +146,17 @@ def _rule(eqn: Any, ins: list[int | None]) -> list[int | None]:
 
 
 def _broadcast(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
-    dims = tuple(eqn.params["broadcast_dimensions"])
+    dims = tuple(compat.param(eqn, "broadcast_dimensions"))
     return bool(dims) and dims[0] == 0 and _shape(eqn.invars[0])[0] == out[0]
 
 
 def _reshape(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
-    return eqn.params.get("dimensions") is None and bool(out) and \
+    return compat.maybe_param(eqn, "dimensions") is None and bool(out) and \
         out[0] == _shape(eqn.invars[0])[0]
 
 
 def _dot(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
-    (lc, _), (lb, rb) = (tuple(map(tuple, d)) for d in eqn.params["dimension_numbers"])
+    (lc, _), (lb, rb) = (tuple(map(tuple, d)) for d in compat.param(eqn, "dimension_numbers"))
     lhs, rhs = ins[0], ins[1]
     if lhs == ROWS and rhs is NONE:
         return 0 not in lc and not lb
@@ -164,32 +166,32 @@ def _dot(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
 
 
 def _conv(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
-    dn = eqn.params["dimension_numbers"]
+    dn = compat.param(eqn, "dimension_numbers")
     return ins[0] == ROWS and ins[1] is NONE and dn.lhs_spec[0] == 0 and \
-        dn.out_spec[0] == 0 and eqn.params.get("batch_group_count", 1) == 1
+        dn.out_spec[0] == 0 and compat.param(eqn, "batch_group_count") == 1
 
 
 def _transpose(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
-    return tuple(eqn.params["permutation"])[:1] == (0,)
+    return tuple(compat.param(eqn, "permutation"))[:1] == (0,)
 
 
 def _concatenate(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
-    return eqn.params["dimension"] != 0 and all(s in (ROWS, UNIFORM) for s in ins)
+    return compat.param(eqn, "dimension") != 0 and all(s in (ROWS, UNIFORM) for s in ins)
 
 
 def _slice(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
-    p = eqn.params
-    strides = p.get("strides")
-    return p["start_indices"][0] == 0 and p["limit_indices"][0] == _shape(eqn.invars[0])[0] \
-        and (strides is None or strides[0] == 1)
+    strides = compat.maybe_param(eqn, "strides")
+    return compat.param(eqn, "start_indices")[0] == 0 and \
+        compat.param(eqn, "limit_indices")[0] == _shape(eqn.invars[0])[0] and \
+        (strides is None or strides[0] == 1)
 
 
 def _squeeze(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
-    return 0 not in tuple(eqn.params["dimensions"])
+    return 0 not in tuple(compat.param(eqn, "dimensions"))
 
 
 def _pad(eqn: Any, ins: list[int | None], out: tuple[int, ...]) -> bool:
-    return ins[1] is NONE and tuple(eqn.params["padding_config"][0]) == (0, 0, 0)
+    return ins[1] is NONE and tuple(compat.param(eqn, "padding_config")[0]) == (0, 0, 0)
 
 
 _SHAPES = {"broadcast_in_dim": _broadcast, "reshape": _reshape, "dot_general": _dot,

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..._errors import BatchJacError, ModelError, OrderFailedError
 from .._base import SECOND_RESULT, Kernel, Order, SecondKind, first_line
+from . import compat
 from .ops import JaxOps
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class JaxSecondKernel(Kernel):
         except Exception as e:
             cause = e.__cause__ if isinstance(e, ModelError) else e  # (the model's call: _call)
             if order == "forward-over-forward" and isinstance(cause, Exception) and \
-                    not isinstance(cause, BatchJacError) and _no_forward_rule(cause):
+                    not isinstance(cause, BatchJacError) and compat.no_forward_rule(cause):
                 raise OrderFailedError(
                     f"Second derivatives cannot be computed with mode='forward-over-forward' "
                     f"for this model: it calls a jax.custom_vjp function, which has no "
@@ -98,10 +99,10 @@ class JaxSecondKernel(Kernel):
     #: steady call, with the emitters against without: W6 210-240 / 16.0 ms against 175 /
     #: 15.2 ms; W7 400-410 / 174 against 357-390 / 173-178 ms (both without YNNPACK's
     #: fusions); W7H 530-550 / 282 against 500-530 / 278-302 ms
-    CPU_OPTIONS: ClassVar[dict[str, str | bool]] = {"xla_cpu_use_fusion_emitters": False}
+    CPU_OPTIONS: ClassVar[dict[str, str | bool]] = compat.SECOND_CPU_OPTIONS
     #: the forward Laplacian's matrix products, each alone in a YNNPACK call, on the CPU; then,
     #: where an XLA does not know that fusion type, no YNNPACK fusions at all
-    LAPLACIAN_YNN: ClassVar[tuple[str, ...]] = ("LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT", "")
+    LAPLACIAN_YNN: ClassVar[tuple[str, ...]] = compat.LAPLACIAN_YNN
 
     def _options(self) -> list[dict[str, str | bool]]:
         """XLA's options for this kernel, the first an XLA accepts: see :meth:`_compile`."""
@@ -109,7 +110,7 @@ class JaxSecondKernel(Kernel):
             return [{}]
         if not (self.uses_forward_rules and self.kind == "laplacian"):
             return [dict(self.CPU_OPTIONS), {}]
-        return [{**self.CPU_OPTIONS, "xla_cpu_experimental_ynn_fusion_type": ynn}
+        return [{**self.CPU_OPTIONS, compat.YNN_FUSION_TYPE: ynn}
                 for ynn in self.LAPLACIAN_YNN] + [{}]
 
     def _compile(self, lowered: Any) -> tuple[Any, bool]:
@@ -258,7 +259,7 @@ class JaxSecondKernel(Kernel):
             # the rules' jax.numpy calls inlined into this trace, not each traced as a jit of
             # its own first (the model's jaxpr is walked, not called: its own jits stay): W7's
             # trace 22-27 ms against 28-43 ms, fresh processes side by side
-            with jax.disable_jit():
+            with compat.inline_jits():
                 return jax.vmap(per_instance)(u, ctx)  # type: ignore[no-any-return]
         except jax_laplacian.Unsupported as e:
             self.forward_rules_failed = str(e)
@@ -290,10 +291,3 @@ class JaxSecondKernel(Kernel):
                                     for o in outs])[:size] for name in outs[0]}
         release()  # the executable this call compiled is written now, after its result
         return res
-
-
-def _no_forward_rule(e: Exception) -> bool:
-    """Whether ``e`` is JAX refusing forward mode through a ``custom_vjp`` function (directly,
-    or its linearised form inside a second forward pass)."""
-    text = f"{type(e).__name__}: {e}"
-    return ("custom_vjp" in text and "forward-mode" in text) or "'custom_lin'" in text

@@ -65,6 +65,12 @@ class _Sites:
         return value
 
     def unchanged(self) -> bool:
+        try:
+            return self._unchanged()
+        except Exception:  # a place that cannot be read again: walk again
+            return False
+
+    def _unchanged(self) -> bool:
         missing = self._MISSING
         for target, key, value in self.reads:
             if isinstance(key, str) and not isinstance(target, dict):
@@ -165,7 +171,10 @@ def _captured_values(fn: Any, sites: _Sites | None = None) -> list[Any]:
             if value is not _Sites._MISSING:
                 visit(value, hops + 1, True, nested + 1)
 
-    visit(fn, 0, False)
+    try:
+        visit(fn, 0, False)
+    except Exception as e:  # an object that cannot be read as plain ones are: unwatched
+        log.cut_at(f"an object the walk could not read ({type(e).__name__}: {e})"[:200])
     return found
 
 
