@@ -355,6 +355,8 @@ def _equation(eqn: Any, ins: list[Any], form: _Form) -> list[Any]:
         a, b = ins
         if not isinstance(b, _Dual):  # x ** c
             (y,) = _bind(eqn, [a.p, b])
+            # (c as a JAX value: numpy 1's arithmetic on a literal's float32 value gives float64)
+            b = jnp.asarray(b)
             d1 = b * a.p ** (b - 1)
             return [_through(a, y, d1, b * (b - 1) * a.p ** (b - 2), form)]
         return [_exp(_mul(_log(a, form) if isinstance(a, _Dual) else jnp.log(a), b, form), form)]
