@@ -27,7 +27,9 @@ right, never wrong and never a :class:`~batchjac.ModelError`:
   estimate" (:mod:`.cost`: the default build), "no rule" (:mod:`.laplacian`: the
   second-order kernel differentiates twice with ``jvp``);
 - JAX's refusal of forward mode through a ``custom_vjp`` function (:func:`no_forward_rule`):
-  recognised by its words, or by what this JAX raises for a tiny ``custom_vjp`` function.
+  recognised by its words, or by what this JAX raises for a tiny ``custom_vjp`` function,
+  also behind the traceback-filtering exception older JAX chains in between
+  (:func:`unwrapped`).
 
 ``tests/test_compat_jax.py`` removes or renames each one and checks the numbers.
 """
@@ -148,13 +150,15 @@ def deserialize(payload: bytes, lowered: Any) -> Any:
 
 
 #: the (module, name) pairs a serialized executable's pickle names (an
-#: ``UnloadedMeshExecutable`` and what it holds); a pickle that names anything else is not
-#: loaded. A JAX that pickles other classes loads nothing from the cache: it compiles, as
-#: without one (the warm-process tests say so when that happens)
+#: ``UnloadedMeshExecutable`` and what it holds, in the JAX releases batchjac supports:
+#: ``JaxprDebugInfo`` and jaxlib's ``SingleDeviceSharding`` are JAX 0.4's); a pickle that
+#: names anything else is not loaded. A JAX that pickles other classes loads nothing from the
+#: cache: it compiles, as without one (the warm-process tests say so when that happens)
 EXECUTABLE_CLASSES = frozenset({
     ("jax", "P"), ("jax.sharding", "PartitionSpec"), ("jax._src.partition_spec", "PartitionSpec"),
     ("jax._src.core", "ManualAxisType"), ("jax._src.core", "MemorySpace"),
     ("jax._src.core", "ShapedArray"), ("jax._src.core", "AxisType"),
+    ("jax._src.core", "JaxprDebugInfo"), ("jaxlib.xla_extension", "SingleDeviceSharding"),
     ("jax._src.mesh", "AxisType"), ("jax._src.mesh", "AbstractMesh"), ("jax._src.mesh", "Mesh"),
     ("jax._src.interpreters.pxla", "AllArgsInfo"),
     ("jax._src.interpreters.pxla", "UnloadedMeshExecutable"),
@@ -270,6 +274,18 @@ def bind(eqn: Any, args: Any) -> list[Any]:
 
 
 # -- JAX's errors -------------------------------------------------------------------------------
+#: the exceptions of JAX's traceback filtering, which JAX before 0.5 chains between an error
+#: raised inside a trace and the error that caused it
+_TRACEBACK_WRAPPERS = ("SimplifiedTraceback", "UnfilteredStackTrace")
+
+
+def unwrapped(e: BaseException | None) -> BaseException | None:
+    """``e``, or where it is one of JAX's traceback-filtering exceptions, the error behind it."""
+    while e is not None and type(e).__name__ in _TRACEBACK_WRAPPERS:
+        e = e.__cause__
+    return e
+
+
 #: what JAX's refusal of forward mode through a ``custom_vjp`` function says (directly, or its
 #: linearised form inside a second forward pass)
 NO_FORWARD_RULE = (("custom_vjp", "forward-mode"), ("'custom_lin'",))

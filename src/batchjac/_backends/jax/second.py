@@ -76,7 +76,8 @@ class JaxSecondKernel(Kernel):
             self._fn, loaded = self._compile(lowered)
             bound.compile_count += not loaded
         except Exception as e:
-            cause = e.__cause__ if isinstance(e, ModelError) else e  # (the model's call: _call)
+            # (the model's call: _call; older JAX chains its traceback filtering in between)
+            cause = compat.unwrapped(e.__cause__) if isinstance(e, ModelError) else e
             if order == "forward-over-forward" and isinstance(cause, Exception) and \
                     not isinstance(cause, BatchJacError) and compat.no_forward_rule(cause):
                 raise OrderFailedError(
