@@ -28,7 +28,14 @@ from batchjac._backends.jax import JaxSecondKernel, laplacian as jax_laplacian  
 
 @contextlib.contextmanager
 def x64() -> Iterator[None]:
-    with jax.enable_x64(True):
+    """JAX's x64 mode for the block: ``jax.enable_x64`` (>= 0.7), else its experimental home."""
+    if hasattr(jax, "enable_x64"):
+        with jax.enable_x64(True):
+            yield
+        return
+    from jax.experimental import enable_x64  # pragma: no cover - older jax
+
+    with enable_x64():  # pragma: no cover
         yield
 
 
