@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
-import threading
 import types
 import warnings
 import weakref
@@ -26,6 +25,7 @@ from ._errors import BatchJacError, RebindWarning
 from ._plan import ModeArg, Plan, make_plan
 from ._probes import check_model, diagnose, run_probes
 from ._spec import BatchSpec
+from ._tune.state import Ledger
 from ._tuning import persist_probes, recall_probes
 
 BackendName = Literal["tensorflow", "torch", "jax"]
@@ -65,23 +65,23 @@ def _prepare(be: _backends.Backend, model: Any, spec: BatchSpec, backend: str,
     sig = _backends.Signature(layout=spec.layout, dtype=spec.dtype,
                               unknown_shape=spec.unknown_shape, ctx=spec.ctx_specs())
     bound = _backends.bind(be, model, sig, **options)
-    if getattr(bound, "_source", None) is None:  # what the tuning cache fingerprints, if asked
+    if bound.tuning.source is None:  # what the tuning cache fingerprints, if asked
         try:
-            bound._source = weakref.ref(model)  # type: ignore[attr-defined]
+            bound.tuning.source = weakref.ref(model)
         except TypeError:  # not weakly referenceable: no cached decisions for it
-            bound._source = lambda: None  # type: ignore[attr-defined]
+            bound.tuning.source = lambda: None
     bound.refresh()
     if bound.probed:
         _remember_code(bound, backend)
         return bound
     # threads sharing a bound model probe it once: the others wait here, then find it probed
-    with bound.__dict__.setdefault("_prepare_lock", threading.RLock()):
+    with bound.prepare_lock:
         return _probe_once(be, model, spec, backend, bound, overlap=overlap)
 
 
 def _probe_once(be: _backends.Backend, model: Any, spec: BatchSpec, backend: str,
                 bound: _backends.BoundModel, *, overlap: bool) -> _backends.BoundModel:
-    pending = getattr(bound, "_probing", None)
+    pending = bound.probing
     if pending is not None:  # started beside another thread's first kernel: their verdict
         pending.result()  # raises what they found (that thread's probed() resets the bound)
         return bound
@@ -131,7 +131,7 @@ def _start_probes(bound: _backends.BoundModel, spec: BatchSpec, name: str, backe
         persist_probes(bound, backend, later=_PROBES.submit)
 
     bound.output_shape = shape
-    bound._probing = _PROBES.submit(probe)  # type: ignore[attr-defined]
+    bound.probing = _PROBES.submit(probe)
     return True
 
 
@@ -162,7 +162,7 @@ def beside_probes(bound: _backends.BoundModel, compute: Callable[[], T],
 def probed(bound: _backends.BoundModel) -> None:
     """Wait for probes started beside the first kernel; raise what they found (a model whose
     output is not connected, rows that interact): the result computed meanwhile is dropped."""
-    future = getattr(bound, "_probing", None)
+    future = bound.probing
     if future is None:
         return
     bound.compiling.set()  # (a call that failed before compiling: the probes need not wait)
@@ -173,7 +173,7 @@ def probed(bound: _backends.BoundModel) -> None:
         bound.output_shape = None
         raise
     finally:
-        bound._probing = None  # type: ignore[attr-defined]
+        bound.probing = None
 
 
 @dataclass
@@ -182,7 +182,7 @@ class _Sibling:
 
     output_shape: tuple[int, ...]
     row_bytes: float | None
-    ledger: Any  # the first bound model's tuning ledger (batchjac._tuning.Ledger)
+    ledger: Ledger  # the first bound model's tuning ledger
     tuned: dict[Any, Any]
     tuned_rows: dict[Any, Any]
     binds: int = 1
@@ -215,7 +215,7 @@ def _same_code(model: Any, bound: _backends.BoundModel, backend: str) -> bool:
     the same probes, so it is not probed again, and it starts from the decisions the first
     one's calls took (as the native ``jit(vmap(jacrev(f)))`` rebuilt per call would)."""
     key = _code_key(model, bound, backend)
-    bound._code_key = key  # type: ignore[attr-defined]
+    bound.tuning.code_key = key
     sibling = _SIBLINGS.get(key) if key is not None else None
     if sibling is None:
         return False
@@ -223,7 +223,7 @@ def _same_code(model: Any, bound: _backends.BoundModel, backend: str) -> bool:
     bound.output_shape = sibling.output_shape
     bound.row_bytes = sibling.row_bytes
     bound.probed = True
-    bound._ledger = sibling.ledger  # type: ignore[attr-defined]
+    bound.tuning.ledger = sibling.ledger
     bound.tuned.update(sibling.tuned)
     bound.tuned_rows.update(sibling.tuned_rows)
     sibling.binds += 1
@@ -242,12 +242,10 @@ def _same_code(model: Any, bound: _backends.BoundModel, backend: str) -> bool:
 
 
 def _remember_code(bound: _backends.BoundModel, backend: str) -> None:
-    key = getattr(bound, "_code_key", None)
+    key = bound.tuning.code_key
     if key is None or bound.output_shape is None or key in _SIBLINGS:
         return
-    from ._tuning import ledger
-
-    _SIBLINGS[key] = _Sibling(bound.output_shape, bound.row_bytes, ledger(bound), bound.tuned,
+    _SIBLINGS[key] = _Sibling(bound.output_shape, bound.row_bytes, bound.tuning.ledger, bound.tuned,
                               bound.tuned_rows)
     while len(_SIBLINGS) > _MAX_SIBLINGS:
         _SIBLINGS.popitem(last=False)

@@ -50,10 +50,6 @@ from ._validate import DTypeLike, NanPolicy, as_native, normalize
 log = logging.getLogger("batchjac")
 
 
-#: where a bound model remembers the orders that failed for it (OrderFailedError)
-_FAILED_ORDERS = "_second_orders_failed"
-
-
 @dataclass
 class TangentSpec(BatchSpec):
     """A batch whose chunks carry the tangents ``v`` of a Hessian-vector product after the
@@ -65,11 +61,6 @@ class TangentSpec(BatchSpec):
     def chunk(self, lo: int, hi: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         u, ctx = super().chunk(lo, hi)
         return u, (*ctx, self.xp.cast(self.tangents[lo:hi], self.dtype))
-
-
-class _SecondOrderBook:
-    """The tuning ledger of one bound model's second-order calls, apart from its Jacobian
-    calls' (a Hessian's seconds per row would price a Jacobian race wrongly)."""
 
 
 def hessian(
@@ -275,7 +266,7 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
                 # (raised before any chunk is written: building or running the first)
                 if mode != "auto" or plan.order != "forward-over-forward":
                     raise
-                bound.__dict__.setdefault(_FAILED_ORDERS, set()).add(plan.order)
+                bound.tuning.failed_orders.add(plan.order)
             plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
                                max_memory=max_memory)
             return _compute(bound, spec, kind, plan, return_outputs=return_outputs,
@@ -373,7 +364,7 @@ def plan_second(spec: BatchSpec, bound: _backends.BoundModel, kind: SecondKindAr
                                 forward_hessian=bound.forward_hessian)
 
     chosen = plan(mode)
-    if mode == "auto" and chosen.order in bound.__dict__.get(_FAILED_ORDERS, ()):
+    if mode == "auto" and chosen.order in bound.tuning.failed_orders:
         # an order that failed for this model (OrderFailedError): the other one
         other = plan("forward-over-reverse")
         return replace(other, reason=other.reason.replace(
@@ -392,14 +383,6 @@ def result_shapes(spec: BatchSpec, output_shape: tuple[int, ...], kind: SecondKi
     return {SECOND_RESULT[kind]: main, "outputs": y, "jacobians": (*y, *unk)}
 
 
-def book(bound: _backends.BoundModel) -> _SecondOrderBook:
-    """The object whose ledger records this bound model's second-order work."""
-    found = bound.__dict__.get("_second_book")
-    if found is None:
-        found = bound.__dict__["_second_book"] = _SecondOrderBook()
-    return found  # type: ignore[no-any-return]
-
-
 def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
              plan: SecondPlan, *, return_outputs: bool, return_jacobian: bool, out: Any,
              explain: bool, progress: bool | Callable[[int], None]) -> Any:
@@ -408,7 +391,7 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
     shapes = result_shapes(spec, bound.output_shape, kind)
     if out is not None:
         _check_out(out, shapes[name], spec.dtype, name)
-    ledger_of = book(bound)
+    ledger_of = bound.tuning.second
     tuning.begin(ledger_of)  # the races this call skips set the next check anew
     if kind == "hessian" and out is None and plan.budget_rows is not None:
         m = math.prod(bound.output_shape)
@@ -470,7 +453,7 @@ def _tune_rows(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg
     order = plan.order
     name = f"{kind}:{order}:{int(return_jacobian)}"  # (apart from the Jacobian's entries)
     if not (tuned_rows(bound, plan, return_outputs, mode=name)
-            or tuning.worth(book(bound), spec.n, compilations=ROWS_COMPILATIONS)):
+            or tuning.worth(bound.tuning.second, spec.n, compilations=ROWS_COMPILATIONS)):
         return plan
     return tune_rows(bound, spec, plan, return_outputs, mode=name,
                      kernel_for=lambda size: bound.second_kernel(

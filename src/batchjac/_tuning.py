@@ -31,12 +31,12 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ._backends._base import allowed as allowed, race_allowed as race_allowed
 from ._config import autotune_enabled
 from ._plan import Plan
+from ._tune.state import Ledger as Ledger
 
 T = TypeVar("T")
 
@@ -49,38 +49,10 @@ TIMING_SECONDS = 0.25
 
 
 
-@dataclass
-class Ledger:
-    """What one bound model has computed: rows, seconds of kernel work (calls to kernels that
-    existed already), and the slowest first call of a new kernel (a compilation's price)."""
-
-    rows: int = 0
-    seconds: float = 0.0
-    compile_seconds: float = 0.0
-    #: rows of the first calls (compilation included): an upper bound of the cost per row
-    #: before any steady call was seen
-    first_rows: int = 0
-    #: seconds of padded rows computed to reuse a kernel, per batch size: once they add up to
-    #: a compilation, that size gets a kernel of its own
-    waste: dict[int, float] = field(default_factory=dict)
-    #: the work (seconds) at which a race skipped so far becomes worth its cost: the fast path
-    #: of repeated calls compares against it and hands the next call to the full path
-    next_check: float = math.inf
-
-    @property
-    def seconds_per_row(self) -> float | None:
-        if self.rows and self.seconds > 0:
-            return self.seconds / self.rows
-        if self.first_rows and self.compile_seconds > 0:
-            return self.compile_seconds / self.first_rows
-        return None
-
-
 def ledger(bound: Any) -> Ledger:
-    found = getattr(bound, "_ledger", None)
-    if found is None:
-        found = bound._ledger = Ledger()
-    return found
+    """The ledger of ``bound``'s Jacobian calls, or ``bound`` itself where it is a ledger (the
+    second-order calls pass theirs, :attr:`TuningState.second`)."""
+    return bound if isinstance(bound, Ledger) else bound.tuning.ledger  # type: ignore[no-any-return]
 
 
 def record(bound: Any, rows: int, seconds: float, *, new_kernel: bool) -> None:
@@ -106,13 +78,13 @@ def _key(bound: Any, backend: str, what: str, shape: str) -> Any:
     cache = default_cache()
     if not cache.enabled:
         return None, None
-    fingerprint = getattr(bound, "_computation", None)
+    state = bound.tuning
+    fingerprint = state.computation
     if fingerprint is None:
         from ._fingerprint import computation_fingerprint
 
-        source = getattr(bound, "_source", None)
-        model = source() if source is not None else None
-        fingerprint = bound._computation = computation_fingerprint(model) if model is not None else ""
+        model = state.source() if state.source is not None else None
+        fingerprint = state.computation = computation_fingerprint(model) if model is not None else ""
     if not fingerprint:
         return None, None
     return cache, TuneKey.make(fingerprint, repr(bound.signature), what, shape, framework=backend)
@@ -239,18 +211,14 @@ def persist_probes(bound: Any, backend: str, *,
 
 def pending(bound: Any) -> bool:
     """Whether a race is still to come for ``bound`` as its work grows, one its last call
-    skipped (the benchmark's steady state is measured once none is), in its own ledger or in
-    the one of its second-order calls (``batchjac._hessian.book``, kept on the bound model)."""
-    books = (bound, getattr(bound, "_second_book", None))
-    return any(ledger(b).next_check < math.inf for b in books if b is not None)
+    skipped (the benchmark's steady state is measured once none is), in the ledger of its
+    Jacobian calls or of its second-order calls."""
+    return any(book.next_check < math.inf for book in (bound.tuning.ledger, bound.tuning.second))
 
 
 def _persisted(bound: Any) -> set[Any]:
     """The decisions of ``bound`` that are on disk already (read from it, or written)."""
-    done = getattr(bound, "_persisted", None)
-    if done is None:
-        done = bound._persisted = set()
-    return done
+    return bound.tuning.persisted  # type: ignore[no-any-return]
 
 
 def repeated(bound: Any, rows: int, seconds: float) -> bool:

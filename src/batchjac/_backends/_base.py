@@ -26,6 +26,7 @@ import numpy as np
 
 from .._config import autotune_enabled
 from .._spec import Layout
+from .._tune.state import TuningState
 
 Mode = Literal["forward", "reverse"]
 #: what a second-order kernel computes per instance (see :meth:`BoundModel.second_kernel`)
@@ -421,6 +422,12 @@ class BoundModel(ABC):
         self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}
         #: ("rows", mode, planned chunk size, with outputs) -> (fastest rows, timings)
         self.tuned_rows: dict[tuple[str, str, int, bool], tuple[int, str]] = {}
+        #: what this bound model's calls have measured and decided (:mod:`batchjac._tune`)
+        self.tuning = TuningState()
+        #: the probes running beside the first kernel's compilation (:mod:`batchjac._bind`)
+        self.probing: Any = None
+        #: held while the model is probed: threads sharing it probe it once
+        self.prepare_lock = threading.RLock()
 
     @abstractmethod
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:

@@ -288,7 +288,7 @@ class TFSecondKernel(Kernel):
         0.28 s; W7's graph 1.6 s and 0.20 s, XLA 1.0 s and 0.13 s."""
         from .._base import race_allowed, untimed_note
 
-        chosen = self._bound.__dict__.get("_second_builds", {}).get((self.kind, self.order))
+        chosen = self._bound.tuning.builds.get((self.kind, self.order))
         if self._forced is None and chosen in self.variants:
             # as a race chose for another chunk size of this model: the ladder of chunk sizes
             # compares sizes on one build, and each size's race would compile every build
@@ -332,7 +332,7 @@ class TFSecondKernel(Kernel):
         best = min(times, key=lambda v: times[v])
         timed = ", ".join(f"{v} {times[v] * 1e3:.1f} ms" for v in names)
         self._select(best, f"{best} (timed one chunk: {timed})")
-        self._bound.__dict__.setdefault("_second_builds", {})[(self.kind, self.order)] = best
+        self._bound.tuning.builds[(self.kind, self.order)] = best
 
     def _fallback(self, xla_error: Exception) -> None:
         bound = self._bound

@@ -171,7 +171,7 @@ class TorchSecondKernel(Kernel):
     def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
         from .._base import race_allowed, untimed_note
 
-        chosen = self._bound.__dict__.get("_laplacian_build")
+        chosen = self._bound.tuning.builds.get((self.kind, self.order))
         if self._forced is not None:
             self._select(self._forced, self._forced_why)
         elif chosen is not None and chosen in self.variants:
@@ -223,7 +223,7 @@ class TorchSecondKernel(Kernel):
         timed = ", ".join(f"{v} {t * 1e3:.1f} ms" for v, t in times.items())
         self._select(best, f"timed {rows} rows: {timed}")
         if self.kind == "laplacian":
-            self._bound.__dict__["_laplacian_build"] = best
+            self._bound.tuning.builds[(self.kind, self.order)] = best
 
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
