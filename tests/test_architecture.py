@@ -144,7 +144,7 @@ LAYERS = [
     ["batchjac._backends", "batchjac._loaders", "batchjac._examples"],  # the framework modules
     ["batchjac._plan", "batchjac._probes", "batchjac._sinks", "batchjac._runner",
      "batchjac._validate", "batchjac._io", "batchjac._fastpath", "batchjac._arrays"],
-    ["batchjac._autotune", "batchjac._tuning", "batchjac._bind", "batchjac._tune"],
+    ["batchjac._autotune", "batchjac._tuning", "batchjac._bind", "batchjac._tune", "batchjac._compute"],
     ["batchjac._stores", "batchjac._dask"],
     ["batchjac._jacobian", "batchjac._hessian", "batchjac._evaluate", "batchjac._check",
      "batchjac._check_hessian", "batchjac._propagate_second",

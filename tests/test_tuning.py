@@ -256,3 +256,91 @@ def test_a_sequence_of_batch_sizes_compiles_once(framework: str) -> None:
         assert not any(k.raced for k in bound._kernels.values()), f"N={n} raced a kernel's builds"
         assert bound.tuned == {}, f"N={n} raced modes"
         assert bound.tuned_rows == {}, f"N={n} raced chunk sizes"
+
+
+# -- second order: the same sequence, persisted, on the device's budget -------------------------
+
+SECOND_CHILD = textwrap.dedent('''
+    import json, sys
+    import numpy as np
+    import torch
+    import batchjac
+    from batchjac import _backends, _tuning
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if sys.argv[1] == "race":
+        _tuning.worth = lambda *a, **k: True  # a job large enough to repay every race
+    x = np.random.default_rng(int(sys.argv[2])).normal(size=(4096, 3)).astype(np.float32)
+    lap = batchjac.laplacian(model, x)
+    W1, b1 = model[0].weight.detach().double().numpy(), model[0].bias.detach().double().numpy()
+    v = model[2].weight.detach().double().numpy()[0]
+    t = np.tanh(x.astype(np.float64) @ W1.T + b1)
+    ref = ((-2 * t * (1 - t ** 2)) * v) @ (W1 ** 2).sum(1)
+    bound = next(iter(_backends._bound[model].values()))
+    kernels = bound.__dict__["_second_kernels"]
+    print(json.dumps({
+        "error": float(np.max(np.abs(lap[:, 0] - ref)) / np.max(np.abs(ref))),
+        "rows": {str(k): v for k, v in bound.tuned_rows.items()},
+        "kernels": [[k.chunk_size, k.variant, k.note, k.remembered] for k in kernels.values()],
+    }))
+''')
+
+
+def _second_child(mode: str, cache: Path, seed: int) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", SECOND_CHILD, mode, str(seed)],
+                         capture_output=True, text=True, check=True, timeout=300,
+                         env={**os.environ, "BATCHJAC_CACHE_DIR": str(cache)})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_order_decisions_persist_across_processes(tmp_path: Path) -> None:
+    """A Laplacian's races (the ladder of chunk sizes, the kernel's builds) are written to disk
+    like a Jacobian's, and a fresh process's first second-order call reads them instead of
+    racing again: the same chunk size, and the build the race chose."""
+    pytest.importorskip("torch")
+    cache = tmp_path / "cache"
+    first = _second_child("race", cache, 1)
+    assert first["error"] < 1e-4
+    (rows_key, (size, timings)), = first["rows"].items()
+    assert "laplacian:" in rows_key and not timings.startswith("remembered")
+    raced = [k for k in first["kernels"] if k[0] == size]
+    assert raced and "timed" in raced[0][2]  # the kernel of the size kept raced its builds
+    chosen = raced[0][1]
+    assert list(cache.rglob("*.json"))
+
+    second = _second_child("plain", cache, 2)  # no race allowed: it remembers
+    assert second["error"] < 1e-4
+    assert second["rows"][rows_key][0] == size
+    assert second["rows"][rows_key][1].startswith("remembered")
+    (kernel,) = [k for k in second["kernels"] if k[0] == size]  # no other size was built
+    variant, note, remembered = kernel[1], kernel[2], kernel[3]
+    # the chosen build runs, or waits as the remembered one while its making is not repaid
+    assert (variant == chosen and "remembered" in note) or (remembered and remembered[0] == chosen)
+
+
+def test_a_device_budget_reaches_second_order_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an accelerator a Hessian's chunks are planned within the device's free memory, as a
+    Jacobian's are, not the host's (emulated: a bound model that reports 256 MB free)."""
+    torch = pytest.importorskip("torch")
+    from batchjac import _config, _hessian
+    from batchjac._backends.torch import TorchBound
+
+    monkeypatch.delenv("BATCHJAC_MAX_MEMORY", raising=False)
+    budgets: list[int] = []
+    planner = _hessian.make_second_plan
+    monkeypatch.setattr(_hessian, "make_second_plan",
+                        lambda **kw: budgets.append(kw["max_memory"]) or planner(**kw))
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+    x = np.random.default_rng(3).normal(size=(50, 4))
+    w1, b1 = model[0].weight.detach().numpy(), model[0].bias.detach().numpy()
+    w2 = model[2].weight.detach().numpy()
+    t = np.tanh(x @ w1.T + b1)
+    ref = np.einsum("oh,nh,hi,hj->noij", w2, -2 * t * (1 - t ** 2), w1, w1)  # closed form
+
+    np.testing.assert_allclose(batchjac.hessian(model, x), ref, rtol=1e-10, atol=1e-12)
+    assert budgets[-1] == _config.default_max_memory()  # on the host: the host's budget
+    monkeypatch.setattr(TorchBound, "device_free_memory", lambda self: 256 << 20)
+    np.testing.assert_allclose(batchjac.hessian(model, x, diagonal=True),
+                               np.diagonal(ref, axis1=-2, axis2=-1), rtol=1e-10, atol=1e-12)
+    assert budgets[-1] == _config.device_budget(256 << 20) == 128 << 20

@@ -256,9 +256,15 @@ def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
     assert bound.output_shape is not None
     m = math.prod(bound.output_shape)
     in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
-    # computing on a GPU, the budget is the device's memory, not the host's
-    budget = default_max_memory(bound.device_free_memory()) if max_memory is None \
-        else parse_bytes(max_memory)
     plan = make_plan(n=spec.n, k=spec.k, m=m, in_elems=in_elems, dtype=spec.dtype, mode=mode,
-                     chunk_size=chunk_size, max_memory=budget, forward_bias=bound.forward_bias)
+                     chunk_size=chunk_size, max_memory=memory_budget(bound, max_memory),
+                     forward_bias=bound.forward_bias)
     return plan
+
+
+def memory_budget(bound: _backends.BoundModel, max_memory: int | str | None) -> int:
+    """The bytes a chunk may take, for every derivative kind: ``max_memory`` where given;
+    computing on a GPU, from the device's free memory, not the host's."""
+    if max_memory is not None:
+        return parse_bytes(max_memory)
+    return default_max_memory(bound.device_free_memory())

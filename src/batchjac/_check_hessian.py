@@ -111,7 +111,7 @@ def check_hessian(
     name, bound = bind(model, sub, backend, backend_options)
     try:
         plan = plan_second(sub, bound, "hessian", mode=mode, chunk_size=None, max_memory=max_memory)
-        hess = np.asarray(_compute(bound, sub, "hessian", plan, return_outputs=False,
+        hess = np.asarray(_compute(bound, sub, "hessian", plan, backend=name, return_outputs=False,
                                    return_jacobian=False, out=None, explain=False,
                                    progress=False), np.float64)
         ref, precision, notes = _reference(model, sub, name, backend_options or {}, rel_step)

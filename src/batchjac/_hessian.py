@@ -22,12 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends, _tuning as tuning
+from . import _backends
 from ._arrays import OutputArg, deliver, named_results, native_options, resolve
-from ._autotune import ROWS_COMPILATIONS, tune_rows, tuned_rows
 from ._backends._base import SECOND_RESULT
-from ._bind import BackendName, beside_probes, prepare
-from ._config import default_max_memory, parse_bytes
+from ._bind import BackendName, beside_probes, memory_budget, prepare
+from ._compute import Derivative, check_out, compute, context
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, OrderFailedError, add_context
 from ._loaders import as_model
@@ -37,11 +36,9 @@ from ._plan import (
     SecondPlan,
     check_options,
     choose_order,
-    fit_cache,
-    hessian_passes,
     make_second_plan,
 )
-from ._runner import Results, pad_chunk, run_chunks, run_single
+from ._runner import Results, run_chunks, run_single
 from ._spec import BatchSpec, check_finite_rows
 from ._stores import StoreError, as_store, is_store_target, progress_bar
 from ._stores.hessians import SecondStoreResult, second_to_store
@@ -259,7 +256,7 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
             plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
                                max_memory=max_memory)
             try:
-                return _compute(bound, spec, kind, plan, return_outputs=return_outputs,
+                return _compute(bound, spec, kind, plan, backend=name, return_outputs=return_outputs,
                                 return_jacobian=return_jacobian, out=out, explain=explain,
                                 progress=progress)
             except OrderFailedError:
@@ -269,7 +266,7 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
                 bound.tuning.failed_orders.add(plan.order)
             plan = plan_second(spec, bound, kind, mode=mode, chunk_size=chunk_size,
                                max_memory=max_memory)
-            return _compute(bound, spec, kind, plan, return_outputs=return_outputs,
+            return _compute(bound, spec, kind, plan, backend=name, return_outputs=return_outputs,
                             return_jacobian=return_jacobian, out=out, explain=explain,
                             progress=progress)
 
@@ -277,7 +274,7 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
     except StoreError:  # about the output, not the model or inputs: no context to add
         raise
     except BatchJacError as e:
-        raise add_context(e, _context(spec, name)) from e
+        raise add_context(e, context(spec, name)) from e
 
 
 def _to_store(model: Any, spec: BatchSpec, backend: str, kind: SecondKindArg, store: Any, *,
@@ -308,11 +305,6 @@ def _to_store(model: Any, spec: BatchSpec, backend: str, kind: SecondKindArg, st
         bind=lambda: prepare(model, _plain(spec), backend, options), plan=plan, kernel=kernel,
         with_outputs=return_outputs, with_jacobian=return_jacobian, explain=explain,
         progress=progress, compute_chunks=compute_chunks)
-
-
-def _context(spec: BatchSpec, backend: str) -> str:
-    shapes = ", ".join(f"{n} {a.shape} {a.dtype}" for n, a in zip(spec.names, spec.arrays))
-    return f"backend={backend}; inputs: {shapes}; compute dtype {spec.dtype}"
 
 
 def _plain(spec: BatchSpec) -> BatchSpec:
@@ -354,7 +346,7 @@ def plan_second(spec: BatchSpec, bound: _backends.BoundModel, kind: SecondKindAr
     assert bound.output_shape is not None
     m = math.prod(bound.output_shape)
     in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
-    budget = default_max_memory() if max_memory is None else parse_bytes(max_memory)
+    budget = memory_budget(bound, max_memory)
 
     def plan(order: OrderArg) -> SecondPlan:
         return make_second_plan(kind=kind, n=spec.n, k=spec.k, m=m, in_elems=in_elems,
@@ -384,40 +376,24 @@ def result_shapes(spec: BatchSpec, output_shape: tuple[int, ...], kind: SecondKi
 
 
 def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
-             plan: SecondPlan, *, return_outputs: bool, return_jacobian: bool, out: Any,
-             explain: bool, progress: bool | Callable[[int], None]) -> Any:
+             plan: SecondPlan, *, backend: str, return_outputs: bool, return_jacobian: bool,
+             out: Any, explain: bool, progress: bool | Callable[[int], None]) -> Any:
     assert bound.output_shape is not None
-    name = SECOND_RESULT[kind]
+    what = Derivative(kind, return_outputs, return_jacobian)
+    name = what.result
     shapes = result_shapes(spec, bound.output_shape, kind)
     if out is not None:
-        _check_out(out, shapes[name], spec.dtype, name)
-    ledger_of = bound.tuning.second
-    tuning.begin(ledger_of)  # the races this call skips set the next check anew
-    if kind == "hessian" and out is None and plan.budget_rows is not None:
-        m = math.prod(bound.output_shape)
-        plan = fit_cache(plan, spec.n, row_bytes=bound.row_bytes,
-                         passes=hessian_passes(plan.order, spec.k,
-                                               m if bound.hessian_outputs_at_once else 1),
-                         result_row_bytes=spec.dtype.itemsize * m * (
-                             spec.k * spec.k + spec.k * return_jacobian + return_outputs))
-    # (the ladder's kernels are not one kernel's compilation: their time prices no race)
-    plan = _tune_rows(bound, spec, kind, plan, return_outputs, return_jacobian, out)
-    if explain:
-        sys.stderr.write(f"batchjac: {plan.reason}\n")
-    log.debug("batchjac plan: %s", plan.reason)
+        check_out(out, shapes[name], spec.dtype, name)
     asked = [n for n, flag in (("outputs", return_outputs), ("jacobians", return_jacobian)) if flag]
     if spec.n == 0:
+        if explain:
+            sys.stderr.write(f"batchjac: {plan.reason}\n")
         empty = {n: np.empty(s, spec.dtype) for n, s in shapes.items()}
         if out is not None:
             empty[name] = out
         return _unpack(empty, name, asked)
-    new = not bound.has_second_kernel(kind, plan.order, plan.chunk_size, return_outputs,
-                                      return_jacobian)
-    with tuning.Stopwatch() as build:
-        kernel = bound.second_kernel(kind, plan.order, plan.chunk_size, return_outputs,
-                                     return_jacobian)
 
-    def run() -> Results:
+    def run(kernel: _backends.Kernel, plan: SecondPlan) -> Results:
         if out is None and plan.n_chunks == 1:
             return run_single(kernel, spec)
         sink, finish = named_results(spec, {n: shapes[n] for n in (name, *asked)}, {name: out})
@@ -429,54 +405,16 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
                 bar.close()
         return finish()
 
-    # the tuning policy: a kernel with several builds (TensorFlow: graph, XLA) races them
-    # only when the work seen repays it, in a ledger of second-order work
-    with _backends.call_rows(spec.n):  # what a kernel's first build weighs its cost against
-        result = tuning.timed(ledger_of, kernel, spec.n, run, new=new, built_seconds=build.seconds)
-    tuning.settle(ledger_of, kernel,
-                  lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n), kernel.chunk_size))
-    if explain and kernel.note:
-        sys.stderr.write(f"batchjac: kernel: {kernel.note}\n")
+    # the rows ladder (measured under load, JAX's trace of its native Hessian on W7, 20,000
+    # rows, took 0.48x the time in chunks of 2,000) and the kernel's builds (TensorFlow: graph,
+    # XLA) race only when the work seen repays it, in the ledger of second-order work
+    result = compute(bound, spec, what, plan, backend=backend,
+                     rows_free=out is None and plan.budget_rows is not None, run=run,
+                     explain=explain)
     return _unpack(result, name, asked)
-
-
-def _tune_rows(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
-               plan: SecondPlan, return_outputs: bool, return_jacobian: bool, out: Any
-               ) -> SecondPlan:
-    """The plan on the fastest chunk size, by the ladder of :func:`batchjac._autotune.tune_rows`
-    (the Jacobian's, with this call's second-order kernels), where the size is free (no
-    ``chunk_size``, no ``out`` array) and the tuning policy says the work repays the kernels it
-    builds. The memory budget's chunk is often not the fastest: measured under load, JAX's
-    trace of its native Hessian on W7 (20,000 rows) took 0.48x the time in chunks of 2,000."""
-    if out is not None or plan.budget_rows is None or spec.n == 0:
-        return plan
-    order = plan.order
-    name = f"{kind}:{order}:{int(return_jacobian)}"  # (apart from the Jacobian's entries)
-    if not (tuned_rows(bound, plan, return_outputs, mode=name)
-            or tuning.worth(bound.tuning.second, spec.n, compilations=ROWS_COMPILATIONS)):
-        return plan
-    return tune_rows(bound, spec, plan, return_outputs, mode=name,
-                     kernel_for=lambda size: bound.second_kernel(
-                         kind, order, size, return_outputs, return_jacobian))
 
 
 def _unpack(result: Results, name: str, asked: list[str]) -> Any:
     if not asked:
         return result[name]
     return (*(result[n] for n in asked), result[name])
-
-
-def _check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype, name: str) -> None:
-    got = getattr(out, "shape", None)
-    want = np.dtype(dtype)
-    if got is None or not hasattr(out, "__setitem__"):
-        raise InputError(f"`out` must be a writable array of shape {shape} (e.g. np.empty or "
-                         f"np.memmap) for the {name}; got {type(out).__name__}.")
-    if tuple(got) != shape:
-        raise InputError(f"`out` has shape {tuple(got)} but the {name} have shape {shape}; "
-                         f"allocate it as np.empty({shape}, dtype=np.{want.name}).")
-    if np.dtype(getattr(out, "dtype", None) or "O") != want:
-        raise InputError(f"`out` has dtype {out.dtype}, but the {name} are computed in "
-                         f"{want.name}; allocate it with dtype=np.{want.name}.")
-    if isinstance(out, np.ndarray) and not out.flags.writeable:
-        raise InputError("`out` is read-only; open the memmap with mode='r+' or 'w+'.")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,13 +11,13 @@ import numpy as np
 
 from . import _backends, _fastpath, _tuning as tuning
 from ._arrays import OutputArg, deliver, in_memory, native_options, on_host, resolve
-from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
 from ._bind import BackendName, beside_probes, plan_for, prepare
+from ._compute import Derivative, check_out, compute, context
 from ._dask import uses_dask
-from ._errors import BatchJacError, InputError, add_context
+from ._errors import BatchJacError, add_context
 from ._loaders import as_model
-from ._plan import ModeArg, Plan, check_options, fit_cache
-from ._runner import Results, call, pad_chunk, run_chunks, run_single
+from ._plan import ModeArg, Plan, check_options
+from ._runner import Results, call, run_chunks, run_single
 from ._spec import BatchSpec
 from ._stores import StoreError, as_store, compute_to_store, is_store_target, progress_bar
 from ._validate import DTypeLike, NanPolicy, normalize
@@ -124,7 +122,7 @@ def jacobian(
                 with _backends.mode_asked(mode != "auto"):
                     done = _fast(entry, inputs, return_outputs)
             except BatchJacError as e:
-                raise add_context(e, _context(entry.template, entry.backend)) from e
+                raise add_context(e, context(entry.template, entry.backend)) from e
             if done is not None:
                 if tuning.repeated(entry.bound, entry.template.n, time.perf_counter() - start):
                     _fastpath.forget(fast)  # a race is due: the next call takes the full path
@@ -151,13 +149,7 @@ def jacobian(
     except StoreError:  # about the output, not the model or inputs: no context to add
         raise
     except BatchJacError as e:
-        raise add_context(e, _context(spec, name)) from e
-
-
-def _context(spec: BatchSpec, backend: str) -> str:
-    """What the error boundary of the public call adds to an error: backend and inputs."""
-    shapes = ", ".join(f"{n} {a.shape} {a.dtype}" for n, a in zip(spec.names, spec.arrays))
-    return f"backend={backend}; inputs: {shapes}; compute dtype {spec.dtype}"
+        raise add_context(e, context(spec, name)) from e
 
 
 def _fast(entry: _fastpath.Entry, inputs: tuple[Any, ...], return_outputs: bool) -> Any:
@@ -248,64 +240,23 @@ def _compute_bound(model: Any, bound: _backends.BoundModel, spec: BatchSpec, bac
     y_shape = (spec.n, *bound.output_shape)
     j_shape = (*y_shape, *spec.unknown_shape)
     if out is not None:
-        _check_out(out, j_shape, spec.dtype)
+        check_out(out, j_shape, spec.dtype)
     if spec.n == 0:
         jac = out if out is not None else np.empty(j_shape, spec.dtype)
         return (np.empty(y_shape, spec.dtype), jac) if return_outputs else jac
 
-    with _backends.call_rows(spec.n):  # what a kernel's first build weighs its cost against
-        plan = _choose(bound, spec, plan, return_outputs, rows_free=chunk_size is None and out is None,
-                       backend=backend)
-        if explain:
-            sys.stderr.write(f"batchjac: {plan.reason}\n")
-        log.debug("batchjac plan: %s", plan.reason)
-        new = not bound.has_kernel(plan.mode, plan.chunk_size, return_outputs)
-        # an earlier process's choice of build, which a new kernel may find compiled on disk
-        found = tuning.recalled(bound, backend, plan.mode, plan.chunk_size, return_outputs) \
-            if new else ...
-        with tuning.Stopwatch() as build:
-            kernel = bound.kernel(plan.mode, plan.chunk_size, return_outputs,
-                                  recalled=found["variant"] if isinstance(found, dict) else None)
-        tuning.recall_variant(bound, backend, kernel, found)
-        if out is None and fast_key is not None:  # the next call with these shapes skips to here
-            _fastpath.remember(fast_key, model, bound, plan, spec, backend)
+    def run(kernel: _backends.Kernel, plan: Plan) -> Any:
         if out is None and plan.n_chunks == 1:
-            result = _unpack(tuning.timed(bound, kernel, spec.n, lambda: run_single(kernel, spec),
-                                          new=new, built_seconds=build.seconds), return_outputs)
-        else:
-            result = tuning.timed(bound, kernel, spec.n, lambda: _run_in_memory(
-                kernel, spec, bound, return_outputs, out, progress), new=new, built_seconds=build.seconds)
-        tuning.settle(bound, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
-                                                        kernel.chunk_size))
-        tuning.persist(bound, backend, kernel)
-        _explain_kernel(kernel, explain)
-        return result
+            return _unpack(run_single(kernel, spec), return_outputs)
+        return _run_in_memory(kernel, spec, bound, return_outputs, out, progress)
 
+    def remember(plan: Plan) -> None:  # the next call with these shapes skips to the kernel
+        if out is None and fast_key is not None:
+            _fastpath.remember(fast_key, model, bound, plan, spec, backend)
 
-def _choose(bound: _backends.BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, *,
-            rows_free: bool, backend: str) -> Plan:
-    """The cost model's plan, on a kernel compiled already where padding is cheaper than a new
-    one, and the races that pay for themselves (:mod:`batchjac._tuning`): the mode (one more
-    kernel to build) and, where the chunk size is free, the ladder of chunk sizes."""
-    tuning.begin(bound)
-    if rows_free:  # with out= or chunk_size=, the size asked for is the constraint
-        assert bound.output_shape is not None
-        m = math.prod(bound.output_shape)
-        plan = fit_cache(plan, spec.n, row_bytes=bound.row_bytes,
-                         passes=spec.k if plan.mode == "forward" else m,
-                         result_row_bytes=spec.dtype.itemsize * m * (spec.k + with_outputs))
-        plan = tuning.reuse(bound, plan, spec.n, with_outputs)
-    tuning.recall(bound, backend, plan, with_outputs)
-    if plan.uncertain and ((plan.chunk_size, with_outputs) in bound.tuned or tuning.worth(
-            bound, spec.n, compilations=bound.mode_race_builds(plan.mode, plan.chunk_size,
-                                                               with_outputs))):
-        plan = tune(bound, spec, plan, with_outputs)
-    if rows_free:
-        tuning.recall_rows(bound, backend, plan, with_outputs)
-        if tuned_rows(bound, plan, with_outputs) or tuning.worth(bound, spec.n,
-                                                                 compilations=ROWS_COMPILATIONS):
-            plan = tune_rows(bound, spec, plan, with_outputs)
-    return plan
+    return compute(bound, spec, Derivative("jacobian", return_outputs), plan, backend=backend,
+                   rows_free=chunk_size is None and out is None, run=run, explain=explain,
+                   on_kernel=remember)
 
 
 def _run_in_memory(kernel: Any, spec: BatchSpec, bound: _backends.BoundModel,
@@ -324,14 +275,6 @@ def _run_in_memory(kernel: Any, spec: BatchSpec, bound: _backends.BoundModel,
     return (out_y, out_j) if return_outputs else out_j
 
 
-def _explain_kernel(kernel: Any, explain: bool) -> None:
-    """Which implementation of the kernel ran, and why (chosen on its first call)."""
-    if kernel.note:
-        if explain:
-            sys.stderr.write(f"batchjac: kernel: {kernel.note}\n")
-        log.debug("batchjac kernel: %s", kernel.note)
-
-
 def _wrt_key(wrt: Any) -> Any:
     """``wrt`` as a hashable value for the fast-path key (arrays and lists become tuples)."""
     if isinstance(wrt, slice):
@@ -339,32 +282,3 @@ def _wrt_key(wrt: Any) -> Any:
     if isinstance(wrt, (list, np.ndarray)):
         return ("cols", *np.asarray(wrt).ravel().tolist())
     return wrt
-
-
-def _check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
-    got = getattr(out, "shape", None)
-    if got is None or not hasattr(out, "__setitem__"):
-        raise InputError(
-            f"`out` must be a writable array of shape {shape} (e.g. np.empty or np.memmap); "
-            f"got {type(out).__name__}."
-        )
-    want = np.dtype(dtype)
-    if tuple(got) != shape:
-        raise InputError(f"`out` has shape {tuple(got)} but the Jacobians have shape {shape}; "
-                         f"allocate it as np.empty({shape}, dtype=np.{want.name}) or a memmap "
-                         f"of that shape.")
-    # slice assignment casts silently: int32 truncates, bool is all True, float16 rounds
-    out_dtype = getattr(out, "dtype", None)
-    try:
-        same = out_dtype is not None and np.dtype(out_dtype) == want
-    except TypeError:  # not a numpy dtype (a framework's tensor)
-        same = False
-    if not same:
-        shown = np.dtype(out_dtype).name if isinstance(out_dtype, np.dtype) else out_dtype
-        raise InputError(
-            f"`out` has dtype {shown}, but the Jacobians are computed in {want.name}; they would "
-            f"be cast into it silently (losing values or precision). Allocate `out` with "
-            f"dtype=np.{want.name} (np.empty({shape}, dtype=np.{want.name}) or a memmap of that "
-            f"dtype), or pass dtype= to compute in another floating dtype.")
-    if isinstance(out, np.ndarray) and not out.flags.writeable:
-        raise InputError("`out` is read-only; open the memmap with mode='r+' or 'w+'.")

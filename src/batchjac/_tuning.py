@@ -104,11 +104,15 @@ def recall(bound: Any, backend: str, plan: Plan, with_outputs: bool) -> None:
             _persisted(bound).add(("mode", mode_key))
 
 
-def recall_rows(bound: Any, backend: str, plan: Plan, with_outputs: bool) -> None:
-    rows_key = ("rows", plan.mode, plan.chunk_size, with_outputs)
+def recall_rows(bound: Any, backend: str, plan: Any, with_outputs: bool, *,
+                mode: str | None = None) -> None:
+    """Fill the bound model's table of chunk sizes from the disk cache for this plan;
+    ``mode`` names the kernels where they are not the plan's Jacobian kernels (a Hessian's)."""
+    name = plan.mode if mode is None else mode
+    rows_key = ("rows", name, plan.chunk_size, with_outputs)
     if not autotune_enabled() or rows_key in bound.tuned_rows:
         return
-    cache, key = _key(bound, backend, "rows", f"{plan.mode}/{plan.chunk_size}/{int(with_outputs)}")
+    cache, key = _key(bound, backend, "rows", f"{name}/{plan.chunk_size}/{int(with_outputs)}")
     found = cache.get(key, validate={"chunk_size": int}) if key is not None else None
     if found is not None and 0 < found["chunk_size"] <= plan.chunk_size:
         bound.tuned_rows[rows_key] = (found["chunk_size"], f"remembered: {found.get('timings', '')}")
@@ -134,7 +138,7 @@ def recall_variant(bound: Any, backend: str, kernel: Any, found: Any = ...) -> N
         return
     if found is ... or (found is not None and found["variant"] not in kernel.variants):
         # (read here, or again: a variant this kernel lacks is ignored with the cache's warning)
-        found = recalled(bound, backend, kernel.mode, kernel.chunk_size, kernel.with_outputs,
+        found = recalled(bound, backend, kernel.tune_name, kernel.chunk_size, kernel.with_outputs,
                          variants=set(kernel.variants))
     if found is None:
         return
@@ -168,7 +172,7 @@ def persist(bound: Any, backend: str, kernel: Any | None = None) -> None:
     if kernel is not None and getattr(kernel, "raced", False) and ("variant", id(kernel)) not in done:
         done.add(("variant", id(kernel)))
         cache, key = _key(bound, backend, "variant",
-                          f"{kernel.mode}/{kernel.chunk_size}/{int(kernel.with_outputs)}")
+                          f"{kernel.tune_name}/{kernel.chunk_size}/{int(kernel.with_outputs)}")
         if key is not None and kernel.variant is not None:
             cache.put(key, {"variant": kernel.variant, "timings": kernel.note})
 

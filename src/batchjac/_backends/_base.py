@@ -246,6 +246,16 @@ class Kernel(ABC):
     asynchronous: bool = False
 
     @property
+    def tune_name(self) -> str:
+        """The name its decisions are kept under (the tuning tables, the disk cache): a
+        Jacobian kernel's mode; a second-order kernel's kind, order and whether it carries the
+        Jacobians (see ``batchjac._compute.Derivative.name``)."""
+        kind = getattr(self, "kind", None)
+        if kind is None:
+            return self.mode
+        return f"{kind}:{getattr(self, 'order', '')}:{int(getattr(self, 'with_jacobian', False))}"
+
+    @property
     def computes(self) -> Mode:
         """The mode the kernel computes: its own, or the other one where its own fails for the
         model and the call let it fall back (known once built, or after its first call)."""

@@ -1,0 +1,196 @@
+"""The one compute sequence of every derivative kind.
+
+``jacobian`` and the second-order verbs (``hessian``, its diagonal, ``laplacian``, ``hvp``)
+bind and probe the model and plan the call their own way (a mode, or an order of the two
+differentiations); from there every call takes :func:`compute`: the plan fitted to the cache,
+the races that pay for themselves (the mode, the ladder of chunk sizes), the kernel with the
+build an earlier process chose, the run, the race its first call skipped once the work repays
+it, and the decisions written to disk for the next process. What differs between the kinds
+is data, a :class:`Derivative`: which kernel, which ledger, the name its decisions are kept
+under, the passes and the bytes of a row.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import numpy as np
+
+from . import _backends, _tuning as tuning
+from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
+from ._backends._base import SECOND_RESULT
+from ._errors import InputError
+from ._plan import Plan, SecondPlan, fit_cache, hessian_passes
+from ._runner import pad_chunk
+from ._spec import BatchSpec
+from ._tune.state import Ledger
+
+log = logging.getLogger("batchjac")
+
+P = TypeVar("P", Plan, SecondPlan)
+
+
+@dataclass(frozen=True)
+class Derivative:
+    """What a call computes: ``"jacobian"``, or a second-order kind (its order is the plan's),
+    with the outputs and (second order) the Jacobians of the same pass where asked."""
+
+    kind: str
+    with_outputs: bool
+    with_jacobian: bool = False
+
+    @property
+    def first_order(self) -> bool:
+        return self.kind == "jacobian"
+
+    @property
+    def result(self) -> str:
+        """The name of the main result in a kernel's results."""
+        return "jacobians" if self.first_order else SECOND_RESULT[self.kind]
+
+    def ledger(self, bound: _backends.BoundModel) -> Ledger:
+        """The work its races are priced by: a Hessian's seconds per row would price a
+        Jacobian race wrongly, so the two kinds keep apart."""
+        return bound.tuning.ledger if self.first_order else bound.tuning.second
+
+    def name(self, plan: Plan | SecondPlan) -> str:
+        """The name its kernels' decisions are kept under (the tuning tables, the disk)."""
+        if isinstance(plan, Plan):
+            return plan.mode
+        return f"{self.kind}:{plan.order}:{int(self.with_jacobian)}"
+
+    def kernel(self, bound: _backends.BoundModel, plan: Plan | SecondPlan, size: int | None = None,
+               recalled: str | None = None) -> _backends.Kernel:
+        size = plan.chunk_size if size is None else size
+        if isinstance(plan, Plan):
+            return bound.kernel(plan.mode, size, self.with_outputs, recalled=recalled)
+        return bound.second_kernel(self.kind, plan.order, size,  # type: ignore[arg-type]
+                                   self.with_outputs, self.with_jacobian)
+
+    def has_kernel(self, bound: _backends.BoundModel, plan: Plan | SecondPlan) -> bool:
+        if isinstance(plan, Plan):
+            return bound.has_kernel(plan.mode, plan.chunk_size, self.with_outputs)
+        return bound.has_second_kernel(self.kind, plan.order,  # type: ignore[arg-type]
+                                       plan.chunk_size, self.with_outputs, self.with_jacobian)
+
+    def fit(self, bound: _backends.BoundModel, spec: BatchSpec, plan: P) -> P:
+        """The plan's chunks cut to the cache (:func:`batchjac._plan.fit_cache`), for the kinds
+        whose temporaries grow with the passes: a Jacobian's, a full Hessian's."""
+        assert bound.output_shape is not None
+        m = math.prod(bound.output_shape)
+        item, k = spec.dtype.itemsize, spec.k
+        if isinstance(plan, Plan):
+            return fit_cache(plan, spec.n, row_bytes=bound.row_bytes,
+                             passes=k if plan.mode == "forward" else m,
+                             result_row_bytes=item * m * (k + self.with_outputs))
+        if self.kind != "hessian":
+            return plan
+        return fit_cache(plan, spec.n, row_bytes=bound.row_bytes,
+                         passes=hessian_passes(plan.order, k, m if bound.hessian_outputs_at_once else 1),
+                         result_row_bytes=item * m * (k * k + k * self.with_jacobian + self.with_outputs))
+
+
+def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan: P, *,
+            backend: str, rows_free: bool, run: Callable[[_backends.Kernel, P], Any],
+            explain: bool, on_kernel: Callable[[P], object] | None = None) -> Any:
+    """``run(kernel, plan)`` on the kernel the tuning policy chooses for ``plan``, timed into
+    the ledger of ``what``; ``rows_free`` where the chunk size is the planner's to choose (no
+    ``chunk_size=``, no ``out=`` array). ``on_kernel(plan)`` is told the plan taken, before the
+    run (the fast path of repeated calls starts there)."""
+    book = what.ledger(bound)
+    # what a kernel's first build weighs its cost against: this call's rows
+    with _backends.call_rows(spec.n):
+        plan = _choose(bound, spec, what, plan, book, backend=backend, rows_free=rows_free)
+        if explain:
+            sys.stderr.write(f"batchjac: {plan.reason}\n")
+        log.debug("batchjac plan: %s", plan.reason)
+        new = not what.has_kernel(bound, plan)
+        # an earlier process's choice of build, which a new kernel may find compiled on disk
+        found = tuning.recalled(bound, backend, what.name(plan), plan.chunk_size,
+                                what.with_outputs) if new else ...
+        with tuning.Stopwatch() as build:
+            kernel = what.kernel(bound, plan,
+                                 recalled=found["variant"] if isinstance(found, dict) else None)
+        tuning.recall_variant(bound, backend, kernel, found)
+        if on_kernel is not None:
+            on_kernel(plan)
+        result = tuning.timed(book, kernel, spec.n, lambda: run(kernel, plan), new=new,
+                              built_seconds=build.seconds)
+        tuning.settle(book, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
+                                                       kernel.chunk_size))
+        tuning.persist(bound, backend, kernel)
+    if kernel.note:
+        if explain:
+            sys.stderr.write(f"batchjac: kernel: {kernel.note}\n")
+        log.debug("batchjac kernel: %s", kernel.note)
+    return result
+
+
+def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan: P, book: Ledger,
+            *, backend: str, rows_free: bool) -> P:
+    """The cost model's plan, on a kernel compiled already where padding is cheaper than a new
+    one, and the races that pay for themselves (:mod:`batchjac._tuning`): the mode (one more
+    kernel to build) and, where the chunk size is free, the ladder of chunk sizes. Each reads
+    first what an earlier process decided."""
+    tuning.begin(book)  # the races this call skips set the next check anew
+    wo = what.with_outputs
+    if rows_free:  # with out= or chunk_size=, the size asked for is the constraint
+        plan = what.fit(bound, spec, plan)
+        if isinstance(plan, Plan):
+            plan = cast(P, tuning.reuse(bound, plan, spec.n, wo))
+    if isinstance(plan, Plan):
+        tuning.recall(bound, backend, plan, wo)
+        if plan.uncertain and ((plan.chunk_size, wo) in bound.tuned or tuning.worth(
+                bound, spec.n, compilations=bound.mode_race_builds(plan.mode, plan.chunk_size, wo))):
+            plan = cast(P, tune(bound, spec, plan, wo))
+    if rows_free:
+        name = what.name(plan)
+        tuning.recall_rows(bound, backend, plan, wo, mode=name)
+        # (the ladder's kernels are not one kernel's compilation: their time prices no race)
+        if tuned_rows(bound, plan, wo, mode=name) or tuning.worth(book, spec.n,
+                                                                  compilations=ROWS_COMPILATIONS):
+            chosen = plan
+            plan = tune_rows(bound, spec, plan, wo, mode=name,
+                             kernel_for=lambda size: what.kernel(bound, chosen, size))
+    return plan
+
+
+def context(spec: BatchSpec, backend: str) -> str:
+    """What the error boundary of a public call adds to an error: backend and inputs."""
+    shapes = ", ".join(f"{n} {a.shape} {a.dtype}" for n, a in zip(spec.names, spec.arrays))
+    return f"backend={backend}; inputs: {shapes}; compute dtype {spec.dtype}"
+
+
+def check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype, name: str = "Jacobians") -> None:
+    """``out=`` as a writable array of the result's ``shape`` and ``dtype`` (``name`` says
+    which result), or a clear error: slice assignment would cast silently (int32 truncates,
+    bool is all True, float16 rounds)."""
+    got = getattr(out, "shape", None)
+    want = np.dtype(dtype)
+    if got is None or not hasattr(out, "__setitem__"):
+        raise InputError(
+            f"`out` must be a writable array of shape {shape} (e.g. np.empty or np.memmap) for "
+            f"the {name}; got {type(out).__name__}.")
+    if tuple(got) != shape:
+        raise InputError(f"`out` has shape {tuple(got)} but the {name} have shape {shape}; "
+                         f"allocate it as np.empty({shape}, dtype=np.{want.name}) or a memmap "
+                         f"of that shape.")
+    out_dtype = getattr(out, "dtype", None)
+    try:
+        same = out_dtype is not None and np.dtype(out_dtype) == want
+    except TypeError:  # not a numpy dtype (a framework's tensor)
+        same = False
+    if not same:
+        shown = np.dtype(out_dtype).name if isinstance(out_dtype, np.dtype) else out_dtype
+        raise InputError(
+            f"`out` has dtype {shown}, but the {name} are computed in {want.name}; they would "
+            f"be cast into it silently (losing values or precision). Allocate `out` with "
+            f"dtype=np.{want.name} (np.empty({shape}, dtype=np.{want.name}) or a memmap of that "
+            f"dtype), or pass dtype= to compute in another floating dtype.")
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise InputError("`out` is read-only; open the memmap with mode='r+' or 'w+'.")
