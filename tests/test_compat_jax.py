@@ -101,6 +101,14 @@ def renamed(hook: str, error: type[Exception]) -> Any:
 # ---- #22-23: XLA's option names ------------------------------------------------------------
 
 
+def test_xla_accepts_tells_the_options_this_xla_knows() -> None:
+    """What the tests of the builds ask before testing one (tests/test_backend_jax.py)."""
+    assert compat.xla_accepts({})
+    assert compat.xla_accepts({compat.OPTIMIZATION_LEVEL: "0"})  # (every XLA batchjac supports)
+    assert not compat.xla_accepts({"xla_no_such_option_here": True})
+    assert not compat.xla_accepts({compat.OPTIMIZATION_LEVEL: "0", "xla_no_such_option_here": True})
+
+
 @cpu_only
 def test_first_order_builds_whose_options_xla_refuses_compile_its_defaults(
         monkeypatch: pytest.MonkeyPatch) -> None:

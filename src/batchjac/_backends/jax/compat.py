@@ -9,6 +9,7 @@ right, never wrong and never a :class:`~batchjac.ModelError`:
 - XLA's option names (:data:`BUILDS`, :data:`SECOND_CPU_OPTIONS`, :data:`LAPLACIAN_YNN`,
   census #22-23): a build whose options XLA refuses is compiled with XLA's defaults (the
   first-order race leaves it out; the second-order kernels try the next option set);
+  :func:`xla_accepts` tells which this XLA knows (the tests of those builds);
 - ``Lowered.as_text(debug_info=False)`` (:func:`module_text`, #24): ``as_text()``, JAX
   0.4.30's form; where neither works, no disk cache of executables;
 - ``jax.experimental.serialize_executable`` (:func:`serialize`, :func:`deserialize`) and the
@@ -63,6 +64,23 @@ BUILDS: dict[str, dict[str, str | bool]] = {
 SECOND_CPU_OPTIONS: dict[str, str | bool] = {FUSION_EMITTERS: False}
 #: the YNNPACK fusion types the forward Laplacian tries in turn ("": none)
 LAPLACIAN_YNN: tuple[str, ...] = (INDIVIDUAL_DOT, "")
+
+
+def xla_accepts(options: Mapping[str, str | bool]) -> bool:
+    """Whether this JAX's XLA compiles with ``options`` (a tiny function, once per option set):
+    an XLA that does not know one refuses it ("No such compile option"; jaxlib 0.4.36 knows
+    neither YNNPACK's fusion type nor the fusion emitters), and the kernels then compile the
+    next option set or XLA's defaults. Kernels never ask: they try, and fall back."""
+    return not options or _accepts(tuple(sorted(options.items())))
+
+
+@functools.cache
+def _accepts(options: tuple[tuple[str, str | bool], ...]) -> bool:
+    try:
+        jax.jit(lambda x: x * 2).lower(1.0).compile(compiler_options=dict(options))
+    except Exception:
+        return False
+    return True
 
 
 # -- stages: trace, lower, compile (census #24-26) ---------------------------------------------
