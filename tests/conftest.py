@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -60,9 +62,32 @@ def _no_siblings() -> None:
 #: framework that failed to install, a module skipped whole) fails the run, so that a green
 #: ``make test`` means every promise was tested
 EXPECTED_SKIPS: dict[str, str] = {
-    # none: the permission tests that root used to skip run in a child process without the
-    # DAC capabilities (tests/helpers.py without_dac_capabilities)
+    # none in the main environment: the permission tests that root used to skip run in a child
+    # process without the DAC capabilities (tests/helpers.py without_dac_capabilities)
 }
+
+
+def _oldest_pin(name: str) -> str | None:
+    """The version constraints-oldest.txt pins ``name`` to."""
+    path = Path(__file__).resolve().parents[1] / "constraints-oldest.txt"
+    for line in path.read_text().splitlines():
+        if line.strip().lower().startswith(f"{name}=="):
+            return line.strip().split("==", 1)[1]
+    return None
+
+
+#: ... and those of the oldest-versions environment (constraints-oldest.txt, `make test-oldest`),
+#: by what its versions lack; each reason names that environment's own version, never the main's
+if sys.version_info < (3, 11):
+    EXPECTED_SKIPS.update({
+        "could not import 'torch'": "no CPU build of torch for Python 3.10 on the project's "
+                                    "machines (constraints-oldest.txt)",
+        "could not import 'zarr'": "zarr 3, the floor of batchjac[io] and [dask], needs Python 3.11",
+        "could not import 'pyarrow'": "batchjac[io] (zarr 3) does not install on Python 3.10",
+    })
+EXPECTED_SKIPS[f"this XLA (jaxlib {_oldest_pin('jaxlib')}) refuses"] = (
+    "the oldest jaxlib's XLA knows neither YNNPACK's fusion type nor the fusion emitters: no "
+    '"no-ynnpack" or "quick" build to test (tests/test_backend_jax.py needs_build)')
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

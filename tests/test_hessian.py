@@ -34,8 +34,10 @@ TOL = 1e-9
 def framework(name: str) -> Iterator[Any]:
     """The framework module, with JAX's x64 mode on for the block (float64 throughout)."""
     mod = pytest.importorskip(name)
-    if name == "jax":
-        with mod.enable_x64(True):
+    if name == "jax":  # (jax.enable_x64 is JAX >= 0.7's; compat finds older JAX's)
+        from batchjac._backends.jax import compat
+
+        with compat.enable_x64(True):
             yield mod
     else:
         yield mod

@@ -191,7 +191,7 @@ def test_torch_func_form_gives_the_true_hessian(kind: str) -> None:
 def test_torch_twice_differentiable_function_and_linear_model(kind: str) -> None:
     """What worked still works: a Function whose backward autograd records, and a linear
     model, whose gradient is constant, gets exact zeros."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     model = _torch_model(_torch_cubes()["twice"])
     np.testing.assert_allclose(second(model, kind, "forward-over-reverse"), true_second(kind),
@@ -207,7 +207,7 @@ def test_torch_auto_takes_forward_over_reverse_where_forward_over_forward_cannot
     """mode="auto" picks forward over forward for more outputs than unknowns; through a custom
     Function that order is refused (torch's nested forward mode loses its second-order terms),
     and auto then computes forward over reverse, for this call and the next."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     twice = _torch_cubes()["twice"]
 
