@@ -49,3 +49,7 @@ def test_the_floors_are_what_the_oldest_environment_runs() -> None:
     assert "torch" not in oldest
     makefile = (ROOT / "Makefile").read_text()
     assert f"versions/{floors['python']}*" in makefile  # the oldest environment's Python
+    # ... and CI runs it: `make test` (.ci/run) ends with the oldest environment's suites
+    test = re.search(r"^test:.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert test is not None
+    assert "$(MAKE) test-oldest" in test.group(1), test.group(1)
