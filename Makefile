@@ -14,7 +14,8 @@ OLDEST_STAMP  := $(OLDEST_VENV)/.installed
 OLDEST_TESTS  := tests/test_backends.py tests/test_backend_jax.py tests/test_backend_tensorflow.py \
 	tests/test_jax_laplacian.py tests/test_tf_laplacian.py tests/test_jax_forward_hessian.py \
 	tests/test_hessian.py tests/test_tunecache.py tests/test_cache_trust.py \
-	tests/test_once_differentiable.py tests/test_api.py tests/test_validate.py
+	tests/test_once_differentiable.py tests/test_api.py tests/test_validate.py \
+	tests/test_compat_jax.py tests/test_compat_tensorflow.py
 
 .PHONY: install install-oldest demo test test-oldest lint bench bench-quick mutate clean
 
