@@ -118,7 +118,7 @@ class _FakeBound:
         self.tuned_rows: dict = {}
         self.tuned: dict = {}
 
-    def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
+    def kernel(self, mode: str, size: int, with_outputs: bool, **_: object) -> _FakeKernel:
         self.built.append(size)
         return _FakeKernel(self.clock, size, self.cost_of[size])
 
@@ -189,7 +189,7 @@ def test_tune_rows_asks_more_of_one_large_chunk(clock: _Clock) -> None:
         provisional = __call__
 
     class WideBound(_FakeBound):
-        def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
+        def kernel(self, mode: str, size: int, with_outputs: bool, **_: object) -> _FakeKernel:
             self.built.append(size)
             return Wide(self.clock, size, self.cost_of[size])
 
@@ -252,7 +252,7 @@ def test_time_modes_switches_only_past_the_margin(clock: _Clock, forward_cost: f
             self.tuned = {}
             self.kernels: dict[str, _FakeKernel] = {}
 
-        def kernel(self, mode: str, size: int, with_outputs: bool) -> _FakeKernel:
+        def kernel(self, mode: str, size: int, with_outputs: bool, **_: object) -> _FakeKernel:
             cost = forward_cost * US if mode == "forward" else US
             self.kernels[mode] = _FakeKernel(clock, size, cost, computes=mode)
             return self.kernels[mode]

@@ -378,7 +378,7 @@ class _FakeBound:
         self.log: list[int] = []
 
     def kernel(self, mode: str, size: int, with_outputs: bool,
-               variant: str | None = None) -> _FakeKernel:  # (one implementation: no variants)
+               variant: str | None = None, **_: object) -> _FakeKernel:  # (one implementation)
         return self._kernels.setdefault((mode, size, with_outputs), _FakeKernel(size, self.log))
 
     def has_kernel(self, mode: str, size: int, with_outputs: bool) -> bool:
@@ -429,7 +429,7 @@ class _EagerBound(_FakeBound):
     compiles_kernels = False  # as PyTorch: a kernel of a new size costs nothing to make
 
     def kernel(self, mode: str, size: int, with_outputs: bool,
-               variant: str | None = None) -> _FakeKernel:  # (one implementation: no variants)
+               variant: str | None = None, **_: object) -> _FakeKernel:  # (one implementation)
         return self._kernels.setdefault((mode, size, with_outputs),
                                         _ModeKernel(mode, size, self.log))
 

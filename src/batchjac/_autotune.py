@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._backends import BoundModel, Kernel, Mode, mode_race
+from ._backends import BoundModel, CallBudget, Kernel, Mode, under
 from ._plan import Plan, SecondPlan
 from ._runner import pad_chunk
 from ._sinks import new_result
@@ -79,9 +79,11 @@ STOP_RATIO = 1.5
 clock: Callable[[], float] = time.perf_counter
 
 
-def tune(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool) -> Plan:
+def tune(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, *, rows: int = 0
+         ) -> Plan:
+    """The plan on the faster mode (:func:`time_modes`); ``rows``: the call's, where known."""
     u, ctx = pad_chunk(spec, 0, min(plan.chunk_size, spec.n), plan.chunk_size)
-    mode, measured = time_modes(bound, u, ctx, with_outputs, plan.mode)
+    mode, measured = time_modes(bound, u, ctx, with_outputs, plan.mode, rows=rows)
     return dataclasses.replace(
         plan, mode=mode,
         reason=f"{mode} mode (unknowns and outputs of similar count; timed one chunk: {measured})"
@@ -90,7 +92,7 @@ def tune(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool) -> 
 
 
 def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], with_outputs: bool,
-               prior: Mode) -> tuple[Mode, str]:
+               prior: Mode, *, rows: int = 0) -> tuple[Mode, str]:
     """The faster mode for chunks of ``len(u)`` rows, timed on ``(u, ctx)`` once per bound
     model and chunk size (cached in ``bound.tuned``), and the timings. ``prior`` (the cost
     model's choice) stays unless the other mode is faster by more than ``MARGIN``. Fast
@@ -98,11 +100,13 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
     jitters by tens of percent on a shared machine."""
     key = (u.shape[0], with_outputs)
     if key not in bound.tuned:
-        with mode_race():  # a mode that fails for this model loses, without a warning
-            kernels = {mode: bound.kernel(mode, u.shape[0], with_outputs)  # type: ignore[arg-type]
-                       for mode in ("forward", "reverse")}
-            for kernel in kernels.values():
-                kernel.provisional(u, ctx)  # compile and warm up
+        # a mode that fails for this model loses, without a warning
+        racing = CallBudget(rows=rows, mode_race=True)
+        kernels = {mode: under(bound.kernel(mode, u.shape[0], with_outputs,  # type: ignore[arg-type]
+                                            budget=racing), racing)
+                   for mode in ("forward", "reverse")}
+        for kernel in kernels.values():
+            kernel.provisional(u, ctx)  # compile and warm up
         failing = [mode for mode, kernel in kernels.items()
                    if getattr(kernel, "computes", mode) != mode]  # (duck-typed kernels)
         if failing:

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _backends, _tuning as tuning
 from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
-from ._backends._base import SECOND_RESULT
+from ._backends._base import SECOND_RESULT, UNTUNED, CallBudget
 from ._errors import InputError
 from ._plan import Plan, SecondPlan, fit_cache, hessian_passes
 from ._runner import pad_chunk
@@ -65,10 +65,10 @@ class Derivative:
         return f"{self.kind}:{plan.order}:{int(self.with_jacobian)}"
 
     def kernel(self, bound: _backends.BoundModel, plan: Plan | SecondPlan, size: int | None = None,
-               recalled: str | None = None) -> _backends.Kernel:
+               recalled: str | None = None, budget: CallBudget = UNTUNED) -> _backends.Kernel:
         size = plan.chunk_size if size is None else size
         if isinstance(plan, Plan):
-            return bound.kernel(plan.mode, size, self.with_outputs, recalled=recalled)
+            return bound.kernel(plan.mode, size, self.with_outputs, recalled=recalled, budget=budget)
         return bound.second_kernel(self.kind, plan.order, size,  # type: ignore[arg-type]
                                    self.with_outputs, self.with_jacobian)
 
@@ -96,34 +96,35 @@ class Derivative:
 
 
 def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan: P, *,
-            backend: str, rows_free: bool, run: Callable[[_backends.Kernel, P], Any],
+            backend: str, rows_free: bool, run: Callable[[Any, P], Any],
             explain: bool, on_kernel: Callable[[P], object] | None = None) -> Any:
-    """``run(kernel, plan)`` on the kernel the tuning policy chooses for ``plan``, timed into
+    """``run(kernel, plan)`` on the kernel the tuning policy chooses for ``plan`` (as this
+    call sees it: :meth:`~batchjac._backends.Kernel.under` its budget), timed into
     the ledger of ``what``; ``rows_free`` where the chunk size is the planner's to choose (no
     ``chunk_size=``, no ``out=`` array). ``on_kernel(plan)`` is told the plan taken, before the
     run (the fast path of repeated calls starts there)."""
     book = what.ledger(bound)
     # what a kernel's first build weighs its cost against: this call's rows
-    with _backends.call_rows(spec.n):
-        plan = _choose(bound, spec, what, plan, book, backend=backend, rows_free=rows_free)
-        if explain:
-            sys.stderr.write(f"batchjac: {plan.reason}\n")
-        log.debug("batchjac plan: %s", plan.reason)
-        new = not what.has_kernel(bound, plan)
-        # an earlier process's choice of build, which a new kernel may find compiled on disk
-        found = tuning.recalled(bound, backend, what.name(plan), plan.chunk_size,
-                                what.with_outputs) if new else ...
-        with tuning.Stopwatch() as build:
-            kernel = what.kernel(bound, plan,
-                                 recalled=found["variant"] if isinstance(found, dict) else None)
-        tuning.recall_variant(bound, backend, kernel, found)
-        if on_kernel is not None:
-            on_kernel(plan)
-        result = tuning.timed(book, kernel, spec.n, lambda: run(kernel, plan), new=new,
-                              built_seconds=build.seconds)
-        tuning.settle(book, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
-                                                       kernel.chunk_size))
-        tuning.persist(bound, backend, kernel)
+    budget = CallBudget(rows=spec.n)
+    plan = _choose(bound, spec, what, plan, book, budget, backend=backend, rows_free=rows_free)
+    if explain:
+        sys.stderr.write(f"batchjac: {plan.reason}\n")
+    log.debug("batchjac plan: %s", plan.reason)
+    new = not what.has_kernel(bound, plan)
+    # an earlier process's choice of build, which a new kernel may find compiled on disk
+    found = tuning.recalled(bound, backend, what.name(plan), plan.chunk_size,
+                            what.with_outputs) if new else ...
+    with tuning.Stopwatch() as build:
+        kernel = what.kernel(bound, plan, budget=budget,
+                             recalled=found["variant"] if isinstance(found, dict) else None)
+    tuning.recall_variant(bound, backend, kernel, found)
+    if on_kernel is not None:
+        on_kernel(plan)
+    result = tuning.timed(book, kernel, spec.n, lambda called: run(kernel.under(called), plan),
+                          new=new, built_seconds=build.seconds)
+    tuning.settle(book, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
+                                                   kernel.chunk_size))
+    tuning.persist(bound, backend, kernel)
     if kernel.note:
         if explain:
             sys.stderr.write(f"batchjac: kernel: {kernel.note}\n")
@@ -132,7 +133,7 @@ def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
 
 
 def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan: P, book: Ledger,
-            *, backend: str, rows_free: bool) -> P:
+            budget: CallBudget, *, backend: str, rows_free: bool) -> P:
     """The cost model's plan, on a kernel compiled already where padding is cheaper than a new
     one, and the races that pay for themselves (:mod:`batchjac._tuning`): the mode (one more
     kernel to build) and, where the chunk size is free, the ladder of chunk sizes. Each reads
@@ -147,7 +148,7 @@ def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
         tuning.recall(bound, backend, plan, wo)
         if plan.uncertain and ((plan.chunk_size, wo) in bound.tuned or tuning.worth(
                 bound, spec.n, compilations=bound.mode_race_builds(plan.mode, plan.chunk_size, wo))):
-            plan = cast(P, tune(bound, spec, plan, wo))
+            plan = cast(P, tune(bound, spec, plan, wo, rows=spec.n))
     if rows_free:
         name = what.name(plan)
         tuning.recall_rows(bound, backend, plan, wo, mode=name)
@@ -156,7 +157,7 @@ def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
                                                                   compilations=ROWS_COMPILATIONS):
             chosen = plan
             plan = tune_rows(bound, spec, plan, wo, mode=name,
-                             kernel_for=lambda size: what.kernel(bound, chosen, size))
+                             kernel_for=lambda size: what.kernel(bound, chosen, size, budget=budget))
     return plan
 
 

@@ -14,8 +14,9 @@ Costs are estimated from what was measured: the first call of a new kernel (comp
 one chunk) prices one more compilation; the ledger's seconds per row price the work. A model
 with no measurement yet is never raced. ``BATCHJAC_AUTOTUNE=off`` turns every race off.
 
-Backends ask :func:`race_allowed` before racing the builds of a kernel on its first call; the
-caller says, with :func:`allowed`, whether the call at hand may pay for it.
+A kernel's first call races its builds only where the call's budget says it may
+(:class:`~batchjac._backends._base.CallBudget`, made by :func:`timed` and passed to the kernel's
+calls): whether the call at hand may pay for it.
 
 Every decision a race takes (the mode for a chunk size, the chunk size for a plan, a kernel's
 build) is written to the on-disk cache (:mod:`batchjac._tunecache`), keyed by the model's
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._backends._base import allowed as allowed, race_allowed as race_allowed
+from ._backends._base import CallBudget
 from ._config import autotune_enabled
 from ._plan import Plan
 from ._tune.state import Ledger as Ledger
@@ -294,20 +295,21 @@ def reuse(bound: Any, plan: Plan, n: int, with_outputs: bool) -> Plan:
                f"reused: padding {chunks * size - n} rows costs less than compiling {plan.chunk_size})")
 
 
-def timed(bound: Any, kernel: Any, rows: int, run: Callable[[], T], *, new: bool,
+def timed(bound: Any, kernel: Any, rows: int, run: Callable[[CallBudget], T], *, new: bool,
           built_seconds: float = 0.0) -> T:
-    """Run the computation of ``rows`` rows on ``kernel`` and record its time (with the
-    ``built_seconds`` its construction took, for a ``new`` kernel: JAX compiles there); its
-    first call may race the kernel's builds only when the work seen repays it."""
+    """Run the computation of ``rows`` rows on ``kernel`` (``run(budget)``, the kernel called
+    with that budget) and record its time (with the ``built_seconds`` its construction took,
+    for a ``new`` kernel: JAX compiles there); its first call may race the kernel's builds
+    only when the work seen repays it."""
     remembered = getattr(kernel, "remembered", None)
     if remembered is not None and kernel.variant is None and worth(bound, rows, 1):
         kernel.remembered = None  # this call repays the build an earlier race chose
         kernel.use(*remembered)
     builds = max(0, len(kernel.variants) - 1)
-    race = kernel.variant is None and builds > 0 and kernel._forced is None and \
+    race = kernel.variant is None and builds > 0 and kernel.fixed is None and \
         worth(bound, rows, builds)
-    with allowed(race), Stopwatch() as watch:
-        out = run()
+    with Stopwatch() as watch:
+        out = run(CallBudget(rows=rows, race=race))
     record(bound, rows, watch.seconds + (built_seconds if new else 0.0), new_kernel=new)
     if race and not kernel.untimed:
         kernel.raced = True

@@ -15,19 +15,20 @@ from typing import Any
 from .._errors import BackendNotAvailableError, InputError
 from ._base import (
     FIRST_VARIANT,
+    UNTUNED,
     Backend,
     BoundModel,
+    CallBudget,
     Kernel,
     Mode,
     Signature,
-    call_rows,
     mode_asked,
-    mode_race,
+    under,
 )
 
-__all__ = ["FIRST_VARIANT", "Backend", "BoundModel", "Kernel", "Mode", "Signature",
-           "array_framework", "array_ops", "bind", "call_rows", "detect", "get_backend",
-           "mode_asked", "mode_race"]
+__all__ = ["FIRST_VARIANT", "UNTUNED", "Backend", "BoundModel", "CallBudget", "Kernel", "Mode",
+           "Signature", "array_framework", "array_ops", "bind", "detect", "get_backend",
+           "mode_asked", "under"]
 
 # name -> (module implementing it, framework module it needs, install hint)
 REGISTRY: dict[str, tuple[str, str, str]] = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 import re
 import sys
@@ -52,29 +53,40 @@ def _scoped(var: contextvars.ContextVar[V], value: V) -> Iterator[None]:
         var.reset(token)
 
 
-#: whether the call at hand may pay for racing a kernel's builds on its first call: the tuning
-#: policy (:mod:`batchjac._tuning`) decides and sets it around the call; kernels read it
-_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_race_allowed", default=False)
+@dataclass(frozen=True)
+class CallBudget:
+    """What the call at hand lets a kernel spend on choosing its build, and what it knows:
+    passed to a kernel's construction (:meth:`BoundModel.kernel`) and to its calls
+    (:meth:`Kernel.call`, or :meth:`Kernel.under` for the runner), never set around them.
+    The tuning policy (:mod:`batchjac._tuning`) makes it; kernels read it."""
+
+    #: the rows of the call at hand (0: not known): a kernel's first build weighs what its
+    #: compilation saves against the work of these rows, all its chunks
+    rows: int = 0
+    #: whether a kernel meeting its first call may race its builds now
+    race: bool = False
+    #: whether the kernels are being timed mode against mode (:func:`batchjac._autotune.time_modes`):
+    #: a mode that fails there loses the race without a warning, which is for calls that
+    #: compute with the kernel, and a kernel builds what such a race compares (no quick build)
+    mode_race: bool = False
+    #: the variant the kernel being built is fixed to (a store's recorded build, or
+    #: :data:`FIRST_VARIANT`, a new store's): a kernel that compiles in its constructor
+    #: compiles that build first, not the one it would choose for a first call and then
+    #: replace (JAX's quick build, then a store's default: two)
+    variant: str | None = None
+    #: the variant an earlier process's race chose (read from the tuning cache): a hint, not
+    #: a constraint. A kernel that keeps its builds on disk (JAX's executables) loads that
+    #: build first where it finds it there, instead of compiling its cheap first build
+    recalled: str | None = None
+
+    @property
+    def may_race(self) -> bool:
+        """Asked by a kernel on its first call: may it time its builds now?"""
+        return self.race and autotune_enabled()
 
 
-def allowed(flag: bool) -> contextlib.AbstractContextManager[None]:
-    """Within this block, kernels meeting their first call may race their builds (``flag``)."""
-    return _scoped(_ALLOWED, flag)
-
-
-#: the rows of the call at hand (0: not known), set around it by the caller: a kernel's first
-#: build weighs what its compilation saves against the work of these rows, all its chunks
-_CALL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("batchjac_call_rows", default=0)
-
-
-def call_rows(n: int) -> contextlib.AbstractContextManager[None]:
-    """Within this block, the call at hand computes ``n`` rows (see :func:`rows_at_hand`)."""
-    return _scoped(_CALL_ROWS, n)
-
-
-def rows_at_hand() -> int:
-    """The rows of the call at hand, where its caller said (:func:`call_rows`), else 0."""
-    return _CALL_ROWS.get()
+#: a call that says nothing: no rows known, no race (stores, repeated calls, direct calls)
+UNTUNED = CallBudget()
 
 
 def untimed_note() -> str:
@@ -82,11 +94,6 @@ def untimed_note() -> str:
     if not autotune_enabled():
         return "BATCHJAC_AUTOTUNE=off: not timed"
     return "not timed: the work seen so far does not repay a race"
-
-
-def race_allowed() -> bool:
-    """Asked by a kernel on its first call: may it time its builds now?"""
-    return _ALLOWED.get() and autotune_enabled()
 
 
 #: whether the call at hand asked for its mode (``mode="forward"`` or ``"reverse"``): a kernel
@@ -105,50 +112,9 @@ def fallback_allowed() -> bool:
     return not _ASKED.get()
 
 
-#: whether the kernels called are being timed against each other, mode against mode
-#: (:func:`batchjac._autotune.time_modes`): a mode that fails there loses the race without a
-#: warning, which is for calls that compute with the kernel
-_RACING: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_mode_race", default=False)
-
-
-def mode_race() -> contextlib.AbstractContextManager[None]:
-    """Within this block, the kernels called are timed mode against mode."""
-    return _scoped(_RACING, True)
-
-
-def in_mode_race() -> bool:
-    return _RACING.get()
-
-
-#: the variant the kernel being built will be fixed to (:meth:`BoundModel.kernel` with a
-#: ``variant``: a store's recorded build, or :data:`FIRST_VARIANT`, a new store's): a kernel
-#: that compiles in its constructor compiles that build first, not the one it would choose
-#: for a first call and then replace (JAX's quick build, then a store's default: two)
-_WANTED: contextvars.ContextVar[str | None] = contextvars.ContextVar("batchjac_wanted_variant",
-                                                                    default=None)
-
-
 #: ``BoundModel.kernel(..., variant=FIRST_VARIANT)``: fixed to the kernel's first variant
 #: (``variants[0]``), the one a new store records, never a timed choice
 FIRST_VARIANT = "(first)"
-
-
-def wanted_variant() -> str | None:
-    """The variant the kernel under construction is for, where its caller fixed one."""
-    return _WANTED.get()
-
-
-#: the variant an earlier process's race chose for the kernel being built (read from the
-#: tuning cache, :meth:`BoundModel.kernel` with ``recalled``): a hint, not a constraint. A
-#: kernel that keeps its builds on disk (JAX's executables) loads that build first where it
-#: finds it there, instead of compiling its cheap first build and replacing it later
-_RECALLED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "batchjac_recalled_variant", default=None)
-
-
-def recalled_variant() -> str | None:
-    """The variant an earlier race chose for the kernel under construction, if known."""
-    return _RECALLED.get()
 
 
 def other_mode(mode: Mode) -> Mode:
@@ -261,14 +227,24 @@ class Kernel(ABC):
         model and the call let it fall back (known once built, or after its first call)."""
         return self.mode
 
-    def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+    def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget = UNTUNED
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
         """Start the computation; the returned function waits for it and gives ``(y, J)``."""
-        result = self(u, ctx)
+        result = self.call(u, ctx, budget)
         return lambda: result
+
+    def under(self, budget: CallBudget) -> Budgeted:
+        """This kernel as the call with ``budget`` sees it: its calls carry the budget (the
+        runner calls ``kernel(u, ctx)`` and knows nothing of tuning)."""
+        return Budgeted(self, budget)
 
     #: the variant fixed with :meth:`use`, which the first call then takes without timing
     _forced: str | None = None
+
+    @property
+    def fixed(self) -> str | None:
+        """The variant fixed with :meth:`use` (a store's record, a remembered decision), if any."""
+        return self._forced
 
     @property
     def provisional_builds(self) -> int:
@@ -276,12 +252,12 @@ class Kernel(ABC):
         a quick first one), which a mode race on this kernel costs on top of the other mode's."""
         return 0
 
-    def provisional(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+    def provisional(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget = UNTUNED
                     ) -> tuple[np.ndarray | None, np.ndarray]:
         """Like a call, for timing the kernel against other modes and chunk sizes: a kernel
         that has not chosen its variant yet may run a default one without choosing (JAX:
         choosing compiles and times several builds, worth it only for the size kept)."""
-        return self(u, ctx)
+        return self.call(u, ctx, budget)
 
     @property
     def building(self) -> threading.RLock:
@@ -332,15 +308,45 @@ class Kernel(ABC):
         skipped, once the work seen repays it (see :mod:`batchjac._tuning`). Backends with
         several builds override this; the default has nothing to time."""
 
+    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> Any:
+        """A call that says nothing of tuning (:data:`UNTUNED`): see :meth:`call`."""
+        return self.call(u, ctx, UNTUNED)
+
     @abstractmethod
-    def __call__(
-        self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
-    ) -> tuple[np.ndarray | None, np.ndarray]:
-        """``u`` is ``(chunk_size, *unknown_shape)``; returns ``(y or None, J)`` with ``J`` of
-        shape ``(chunk_size, *output_shape, *unknown_shape)``, as numpy arrays; or, when
-        ``u`` and ``ctx`` are the framework's own arrays (``jacobian`` with tensors in and
+    def call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget = UNTUNED) -> Any:
+        """One chunk; ``budget`` is what the call at hand lets a first call spend on
+        choosing the build. ``u`` is ``(chunk_size, *unknown_shape)``; returns ``(y or None,
+        J)`` with ``J`` of shape ``(chunk_size, *output_shape, *unknown_shape)``, as numpy
+        arrays; or, when ``u`` and ``ctx`` are the framework's own arrays (``jacobian`` with tensors in and
         out, see :mod:`batchjac._arrays`), as the framework's arrays, on the device, with no
         copy to the host."""
+
+
+class Budgeted:
+    """A kernel seen by one call (:meth:`Kernel.under`): its calls carry that call's budget;
+    everything else is the kernel's."""
+
+    __slots__ = ("budget", "kernel")
+
+    def __init__(self, kernel: Kernel, budget: CallBudget) -> None:
+        self.kernel, self.budget = kernel, budget
+
+    def __call__(self, u: Any, ctx: tuple[Any, ...]) -> Any:
+        return self.kernel.call(u, ctx, self.budget)
+
+    def launch(self, u: Any, ctx: tuple[Any, ...]) -> Callable[[], Any]:
+        return self.kernel.launch(u, ctx, self.budget)
+
+    def provisional(self, u: Any, ctx: tuple[Any, ...]) -> Any:
+        return self.kernel.provisional(u, ctx, self.budget)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
+
+
+def under(kernel: Any, budget: CallBudget) -> Any:
+    """``kernel.under(budget)``, or a duck-typed kernel (a test's) as it is."""
+    return kernel.under(budget) if isinstance(kernel, Kernel) else kernel
 
 
 def race(run: Callable[[str], object], names: Iterable[str], *, prune: float | None = None,
@@ -448,22 +454,25 @@ class BoundModel(ABC):
         """False when the framework's autodiff finds no path from ``u`` to the output."""
 
     @abstractmethod
-    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
-        """Compile the chunk kernel (called once per mode, chunk size and outputs flag)."""
+    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
+                     budget: CallBudget = UNTUNED) -> Kernel:
+        """Compile the chunk kernel (called once per mode, chunk size and outputs flag), for
+        the call with ``budget`` (its rows, a fixed or remembered build)."""
 
     def kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
-               variant: str | None = None, recalled: str | None = None) -> Kernel:
+               variant: str | None = None, recalled: str | None = None,
+               budget: CallBudget = UNTUNED) -> Kernel:
         """The cached kernel; ``variant`` fixes its implementation (see :class:`Kernel`);
         ``recalled`` is the variant an earlier process chose, a hint to a new kernel's first
-        build (:func:`recalled_variant`)."""
+        build (:attr:`CallBudget.recalled`); ``budget`` the call's, for a new kernel."""
         key = (mode, chunk_size, with_outputs)
         with self._kernels_lock:
             kernel = self._kernels.get(key)
             if kernel is not None:
                 self._kernels.move_to_end(key)
         if kernel is None:
-            with _scoped(_WANTED, variant), _scoped(_RECALLED, recalled):  # (outside the lock)
-                kernel = self.build_kernel(mode, chunk_size, with_outputs)
+            built = dataclasses.replace(budget, variant=variant, recalled=recalled)
+            kernel = self.build_kernel(mode, chunk_size, with_outputs, built)  # (outside the lock)
             with self._kernels_lock:
                 kernel = self._kernels.setdefault(key, kernel)  # another thread's, if first
                 self._kernels.move_to_end(key)

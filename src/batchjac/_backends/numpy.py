@@ -19,7 +19,7 @@ import numpy as np
 
 from .._errors import InputError
 from .._spec import assemble
-from ._base import Backend, BoundModel, Kernel, Mode, Signature
+from ._base import UNTUNED, Backend, BoundModel, CallBudget, Kernel, Mode, Signature
 
 
 class ClosedForm:
@@ -56,8 +56,8 @@ class _NumpyKernel(Kernel):
     def __init__(self, bound: NumpyBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
         self.bound, self.mode, self.chunk_size, self.with_outputs = bound, mode, chunk_size, with_outputs
 
-    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
-                 ) -> tuple[np.ndarray | None, np.ndarray]:
+    def call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget = UNTUNED
+             ) -> tuple[np.ndarray | None, np.ndarray]:
         if u.shape[0] != self.chunk_size:
             raise InputError(f"This kernel takes chunks of {self.chunk_size} rows; got {u.shape[0]}.")
         return self.bound.evaluate(u, ctx, self.with_outputs)
@@ -103,7 +103,8 @@ class NumpyBound(BoundModel):
         y = np.asarray(self.model.f(*inputs), self.signature.dtype) if with_outputs else None
         return y, self._jacobian(inputs, u.shape[0])
 
-    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
+    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
+                     budget: CallBudget = UNTUNED) -> Kernel:
         self.trace_count += 1
         return _NumpyKernel(self, mode, chunk_size, with_outputs)
 

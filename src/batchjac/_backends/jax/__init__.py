@@ -55,8 +55,10 @@ import numpy as np
 from ..._errors import InputError, ModelError, UnwatchedValuesWarning
 from ..._spec import assemble
 from .._base import (
+    UNTUNED,
     Backend,
     BoundModel,
+    CallBudget,
     Kernel,
     Mode,
     Order,
@@ -448,8 +450,9 @@ class JaxBound(BoundModel):
         return any(id(v) in dependent for v in tangents)
 
     # -- kernels -----------------------------------------------------------------------------
-    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
-        return JaxKernel(self, mode, chunk_size, with_outputs)
+    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
+                     budget: CallBudget = UNTUNED) -> Kernel:
+        return JaxKernel(self, mode, chunk_size, with_outputs, budget)
 
     def build_second_kernel(self, kind: SecondKind, order: Order, chunk_size: int,
                             with_outputs: bool, with_jacobian: bool) -> Kernel:

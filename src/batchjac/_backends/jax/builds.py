@@ -18,13 +18,15 @@ from ..._errors import (
     ReverseModeFallbackWarning,
 )
 from .._base import (
+    FIRST_VARIANT,
+    UNTUNED,
+    CallBudget,
     Kernel,
     Mode,
     asked_mode_failed,
     fallback_allowed,
     fallback_message,
     first_line,
-    in_mode_race,
     other_mode,
     race,
     user_stacklevel,
@@ -109,7 +111,8 @@ class JaxKernel(Kernel):
 
     asynchronous = True
 
-    def __init__(self, bound: JaxBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
+    def __init__(self, bound: JaxBound, mode: Mode, chunk_size: int, with_outputs: bool,
+                 budget: CallBudget = UNTUNED) -> None:
         self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
         self._bound = bound
         self._lowered: dict[int, Any] = {}  # block rows (the chunk size: no blocks) -> lowering
@@ -122,7 +125,7 @@ class JaxKernel(Kernel):
         #: the variant compiled first: "quick" for a small chunk on the CPU, else "default",
         #: or the one an earlier race chose, loaded from the disk (:meth:`_load_recalled`)
         self._first = "default"
-        self._compile_default()
+        self._compile_default(budget)
         self._builds: tuple[str, ...] = ("default",)
         if jax.default_backend() == "cpu":
             self._builds = ("default", "no-ynnpack")
@@ -155,7 +158,7 @@ class JaxKernel(Kernel):
             return build
         return next((v for v in self.variants if v.startswith(build + "/")), build)
 
-    def _compile_default(self) -> None:
+    def _compile_default(self, budget: CallBudget) -> None:
         """Trace and compile the default build of ``mode``. Where that fails (JAX has no
         reverse mode for ``lax.while_loop`` with traced bounds, no forward mode for
         ``custom_vjp``) and the other mode works, the kernel computes the other mode, with one
@@ -172,12 +175,12 @@ class JaxKernel(Kernel):
             self._computes = mode
             self._lowered.clear()
             try:  # each build of one blocking compiles the same lowering
-                recalled = self._load_recalled()
+                recalled = self._load_recalled(budget)
                 if recalled is not None:
                     self._first, compiled = recalled
                 else:
                     lowered = self._lowering(self.chunk_size)
-                    self._first = self._first_build()
+                    self._first = self._first_build(budget)
                     try:
                         compiled = self._load_or_compile(lowered, self._OPTIONS[self._first])
                     except Exception:  # an XLA without that option: its defaults (a model's
@@ -201,13 +204,13 @@ class JaxKernel(Kernel):
                     self.failure = bound.failed[self.mode] = first_line(failed)
                 if not fallback_allowed():
                     raise asked_mode_failed(self.mode, self.failure, _CAUSES[self.mode]) from failed
-                self._warn_fallback()
+                self._warn_fallback(budget)
             return
         assert failed is not None
         raise failed
 
-    def _load_recalled(self) -> tuple[str, Any] | None:
-        """The variant an earlier process's race chose (:func:`~batchjac._backends._base.recalled_variant`)
+    def _load_recalled(self, budget: CallBudget) -> tuple[str, Any] | None:
+        """The variant an earlier process's race chose (:attr:`~batchjac._backends._base.CallBudget.recalled`)
         and its executable, where that process left it on disk: loading it (2-14 ms) is
         cheaper than compiling even the quick build (W1: 80 ms), and it is the faster build.
         A variant in blocks ("default/125") is traced in its blocks only, not first as a whole
@@ -215,11 +218,10 @@ class JaxKernel(Kernel):
         where no race is remembered, the caller fixed the build (a store), or the executable
         is not on disk (the first build is then chosen as usual)."""
         from ..._config import autotune_enabled
-        from .._base import recalled_variant, wanted_variant
         from . import executables as jax_executables
 
-        recalled = recalled_variant()
-        if recalled is None or wanted_variant() is not None or not autotune_enabled():
+        recalled = budget.recalled
+        if recalled is None or budget.variant is not None or not autotune_enabled():
             return None
         build, blocked, rows = recalled.partition("/")
         if build not in self._OPTIONS or build == "quick":
@@ -232,18 +234,17 @@ class JaxKernel(Kernel):
                                       starting=self._bound.compiling.set)
         return None if loaded is None else (recalled, loaded)
 
-    def _first_build(self) -> str:
+    def _first_build(self, budget: CallBudget) -> str:
         """The build compiled first, on the CPU with tuning on (``BATCHJAC_AUTOTUNE=off`` and
         other devices: "default"): "quick" where the call's elementwise work (the chunk's,
-        times the chunks of the rows at hand, :func:`~batchjac._backends._base.call_rows`) is
+        times the chunks of the call's rows, :attr:`~batchjac._backends._base.CallBudget.rows`) is
         too small to repay XLA's full optimisation (:data:`QUICK_ELEMENTS`; it waits for the race that
         replaces it), "no-ynnpack" where its matrix products are wide
         (:data:`WIDE_PRODUCTS`), else "default"."""
         from ..._config import autotune_enabled
-        from .._base import FIRST_VARIANT, rows_at_hand, wanted_variant
         from . import cost as jax_cost
 
-        wanted = wanted_variant()
+        wanted = budget.variant
         if wanted == FIRST_VARIANT:
             return "default"  # (variants[0])
         if wanted is not None and wanted.split("/")[0] in self._OPTIONS:
@@ -257,8 +258,8 @@ class JaxKernel(Kernel):
         # in chunks of 100: 3.1e7 elements a chunk, 6e8 a call, 0.88 against 0.48 s); never in
         # a mode race, which times full builds (provisional): a quick one would be compiled
         # for nothing
-        chunks = max(1, -(-rows_at_hand() // self.chunk_size))
-        if self.work.elements * chunks <= self.QUICK_ELEMENTS and not in_mode_race():
+        chunks = max(1, -(-budget.rows // self.chunk_size))
+        if self.work.elements * chunks <= self.QUICK_ELEMENTS and not budget.mode_race:
             return "quick"
         return "no-ynnpack" if self.work.products >= self.WIDE_PRODUCTS else "default"
 
@@ -269,11 +270,11 @@ class JaxKernel(Kernel):
     def cheap_first(self) -> str | None:
         return "quick" if self._first == "quick" else None
 
-    def _warn_fallback(self) -> None:
+    def _warn_fallback(self, budget: CallBudget) -> None:
         bound = self._bound
         kind: type[Warning] = ForwardModeFallbackWarning if self.mode == "forward" \
             else ReverseModeFallbackWarning
-        if kind not in bound.warned and not in_mode_race():
+        if kind not in bound.warned and not budget.mode_race:
             bound.warned.add(kind)
             warnings.warn(fallback_message(self.mode, self.failure, _CAUSES[self.mode]), kind,
                           stacklevel=user_stacklevel())
@@ -360,16 +361,16 @@ class JaxKernel(Kernel):
             note = f"{note}; computed in {self._computes} mode ({self.failure})"
         self.variant, self.note = variant, note
 
-    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
-                 ) -> tuple[np.ndarray | None, np.ndarray]:
-        return self.launch(u, ctx)()
+    def call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget = UNTUNED
+             ) -> tuple[np.ndarray | None, np.ndarray]:
+        return self.launch(u, ctx, budget)()
 
     @property
     def provisional_builds(self) -> int:
         """A quick first build that :meth:`provisional` replaces by a full one: 1."""
         return int(set(self._compiled) == {"quick"})
 
-    def provisional(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+    def provisional(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget = UNTUNED
                     ) -> tuple[np.ndarray | None, np.ndarray]:
         """Before the first call has chosen: what the last kernel of this model chose (its
         build, in blocks if this chunk has them), else the default; nothing is timed. Never
@@ -383,7 +384,7 @@ class JaxKernel(Kernel):
             fn = self._compile(self._hinted(*(self._bound.hint or (first, False))))
         return self._result(fn(self._bound.args, u, tuple(ctx)), isinstance(u, jax.Array))()
 
-    def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+    def launch(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget = UNTUNED
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
         from .executables import used
 
@@ -391,7 +392,7 @@ class JaxKernel(Kernel):
         if self.variant is None:
             with self.building:  # (threads sharing the kernel: one chooses its build)
                 if self.variant is None:
-                    self._first_call(u, ctx)
+                    self._first_call(u, ctx, budget)
         used()
         return self._result(self._fn(self._bound.args, u, tuple(ctx)),  # runs in the background
                             isinstance(u, jax.Array))
@@ -417,9 +418,9 @@ class JaxKernel(Kernel):
     def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
         jax.block_until_ready(self._compiled[variant](self._bound.args, u, tuple(ctx)))
 
-    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget) -> None:
         from ..._config import autotune_enabled
-        from .._base import race_allowed, untimed_note
+        from .._base import untimed_note
 
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} ({self._forced_why})")
@@ -427,13 +428,13 @@ class JaxKernel(Kernel):
         if len(self._builds) == 1 and len(self.variants) == 1:
             self._select("default", "")
             return
-        if not race_allowed() and self._first == "quick":
+        if not budget.may_race and self._first == "quick":
             self._select("quick", f"quick (XLA at optimization level 0, no fusion emitters: "
                                   f"{self.work.elements:.2g} elements of elementwise work a "
                                   f"chunk, too few to repay a full build; {untimed_note()})")
             self.untimed = True
             return
-        if not race_allowed():
+        if not budget.may_race:
             # what an earlier kernel of this model chose by timing (none with autotune off)
             hint = self._hinted(*(self._bound.hint or (self._first, False)) if autotune_enabled()
                                 else ("default", False))

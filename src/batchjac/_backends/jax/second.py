@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._errors import BatchJacError, ModelError, OrderFailedError
-from .._base import SECOND_RESULT, Kernel, Order, SecondKind, first_line
+from .._base import SECOND_RESULT, UNTUNED, CallBudget, Kernel, Order, SecondKind, first_line
 from . import compat
 from .ops import JaxOps
 
@@ -267,8 +267,8 @@ class JaxSecondKernel(Kernel):
             return None
 
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
-    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
-                 ) -> dict[str, np.ndarray]:
+    def call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...],  # type: ignore[override]
+             budget: CallBudget = UNTUNED) -> dict[str, np.ndarray]:
         from .executables import release, used
 
         used()

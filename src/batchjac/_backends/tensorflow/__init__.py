@@ -26,7 +26,17 @@ import tensorflow as tf
 
 from ..._errors import InputError, ModelError, XLAFallbackWarning as XLAFallbackWarning
 from ..._spec import assemble
-from .._base import Backend, BoundModel, Kernel, Mode, Order, SecondKind, Signature
+from .._base import (
+    UNTUNED,
+    Backend,
+    BoundModel,
+    CallBudget,
+    Kernel,
+    Mode,
+    Order,
+    SecondKind,
+    Signature,
+)
 from . import compat
 from .builds import PATHS as PATHS, TFKernel as TFKernel
 from .keras import float64_copy, is_keras, output_shape as keras_output_shape
@@ -193,8 +203,9 @@ class TFBound(BoundModel):
         return found["connected"]
 
     # -- kernels -----------------------------------------------------------------------------
-    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
-        return TFKernel(self, mode, chunk_size, with_outputs)
+    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
+                     budget: CallBudget = UNTUNED) -> Kernel:
+        return TFKernel(self, mode, chunk_size, with_outputs, budget)
 
     def build_second_kernel(self, kind: SecondKind, order: Order, chunk_size: int,
                             with_outputs: bool, with_jacobian: bool) -> Kernel:

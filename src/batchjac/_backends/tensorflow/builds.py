@@ -20,13 +20,14 @@ from ..._errors import (
     XLAFallbackWarning,
 )
 from .._base import (
+    UNTUNED,
+    CallBudget,
     Kernel,
     Mode,
     asked_mode_failed,
     fallback_allowed,
     fallback_message,
     first_line,
-    in_mode_race,
     other_mode,
     race,
     user_stacklevel,
@@ -180,7 +181,8 @@ class TFKernel(Kernel):
     #: below this ratio of times to the faster of the others, "xla/blocks" is chosen
     BLOCK_MARGIN = 0.95
 
-    def __init__(self, bound: TFBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
+    def __init__(self, bound: TFBound, mode: Mode, chunk_size: int, with_outputs: bool,
+                 budget: CallBudget = UNTUNED) -> None:
         self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
         self._bound = bound
         self._specs = bound._specs(chunk_size)
@@ -251,12 +253,13 @@ class TFKernel(Kernel):
             note = f"{note}; computed in {_PATH_NAMES[self.path]} ({self._why()})"
         self.variant, self.note = variant, note
 
-    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[np.ndarray | None, np.ndarray]:
+    def call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget = UNTUNED
+             ) -> tuple[np.ndarray | None, np.ndarray]:
         established = None
         if self.variant is None:
             with self.building:  # (threads sharing the kernel: one establishes it)
                 if self.variant is None:
-                    established = (self._establish(u, ctx),)
+                    established = (self._establish(u, ctx, budget),)
         if established is not None:
             out = established[0]
         else:
@@ -289,7 +292,7 @@ class TFKernel(Kernel):
         other = other_mode(self.mode)
         return [self.mode, f"{self.mode}-loop", other, f"{other}-loop"]
 
-    def _establish(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> Any:
+    def _establish(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget) -> Any:
         """The first call: build and run the first path of :meth:`_paths` that works for this
         model (one warning if it is not the first), and keep it. Where only the other mode
         works and the call asked for this one, it raises a ModelError naming the other mode;
@@ -311,7 +314,7 @@ class TFKernel(Kernel):
             self._enter(path)
             try:
                 with compat.quiet_pfor():
-                    self._first_call(u, ctx)
+                    self._first_call(u, ctx, budget)
                     out = self._kept_result()
                     if out is None:
                         out = self._call_selected(u, ctx)
@@ -329,7 +332,7 @@ class TFKernel(Kernel):
             if _path_mode(path) != self.mode and not fallback_allowed():
                 self._reset()  # (the other mode only showed that the failure is the mode's)
                 raise self._asked_failed() from (errors[0][1] if errors else None)
-            self._warn_fallback()
+            self._warn_fallback(budget)
             return out
         self._reset()
         if errors:
@@ -357,9 +360,9 @@ class TFKernel(Kernel):
         why = self._why([(p, w) for p, w in self.failures if _path_mode(p) == self.mode])
         return asked_mode_failed(self.mode, why, cause)
 
-    def _warn_fallback(self) -> None:
+    def _warn_fallback(self, budget: CallBudget) -> None:
         """One warning per bound model and kind when the path in use is not the first."""
-        if not self.failures or self.path is None or in_mode_race():
+        if not self.failures or self.path is None or budget.mode_race:
             return
         bound = self._bound
         used = _path_mode(self.path)
@@ -403,15 +406,15 @@ class TFKernel(Kernel):
         kept, self._kept = self._kept, None
         return kept[1] if kept is not None and kept[0] == self.variant else None
 
-    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget) -> None:
         from ..._config import autotune_enabled
-        from .._base import race_allowed, untimed_note
+        from .._base import untimed_note
 
         if self._forced == "graph":  # no need to compile XLA at all
             self._select("graph", "graph (fixed)")
             return
         # (with BATCHJAC_AUTOTUNE=off, the first implementation, XLA, as stores use)
-        if self._forced is None and not race_allowed() and autotune_enabled():
+        if self._forced is None and not budget.may_race and autotune_enabled():
             # untimed: the plain graph, which is built sooner than XLA compiles (measured here,
             # first calls W1 0.10 s vs 0.14, W2 0.52 vs 0.57, W4 0.40 vs 0.79); XLA is tried
             # against it once the work repays a race (retune)
@@ -439,7 +442,7 @@ class TFKernel(Kernel):
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} ({self._forced_why})")
             return
-        if not race_allowed():  # autotune off, or the plain graph failed above: XLA, untimed
+        if not budget.may_race:  # autotune off, or the plain graph failed above: XLA, untimed
             self._select("xla", f"xla ({untimed_note()})")
             return
         self._race_builds(u, ctx, first)

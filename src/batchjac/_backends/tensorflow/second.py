@@ -12,7 +12,16 @@ import numpy as np
 import tensorflow as tf
 
 from ..._errors import BatchJacError, ModelError, XLAFallbackWarning
-from .._base import SECOND_RESULT, Kernel, Order, SecondKind, race, user_stacklevel
+from .._base import (
+    SECOND_RESULT,
+    UNTUNED,
+    CallBudget,
+    Kernel,
+    Order,
+    SecondKind,
+    race,
+    user_stacklevel,
+)
 from . import compat
 from .builds import _XLA_ERRORS, _evened, _is_tensor, _map_blocks, _out_of_memory
 
@@ -158,12 +167,12 @@ class TFSecondKernel(Kernel):
         return True
 
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
-    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
-                 ) -> dict[str, np.ndarray]:
+    def call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...],  # type: ignore[override]
+             budget: CallBudget = UNTUNED) -> dict[str, np.ndarray]:
         if self.variant is None:
             with self.building:  # (threads sharing the kernel: one chooses its build)
                 if self.variant is None:
-                    self._first_call(u, ctx)
+                    self._first_call(u, ctx, budget)
         assert self.variant is not None
         tried, self._tried = self._tried, None
         try:
@@ -280,13 +289,13 @@ class TFSecondKernel(Kernel):
             note = f"{note}; {self.tapes_failed}"
         self.variant, self.note = variant, f"{self.kind}: {self.order}, {note}"
 
-    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget) -> None:
         """The plain graph, untimed, unless the work at hand repays compiling XLA too and
         timing both (the tuning policy, :mod:`batchjac._tuning`); a fixed variant (stores)
         as it is. Measured here (10,000 rows, under load): W6's graph is built in 1.5 s and
         runs in 0.33 s, XLA takes 17 s (constant folding of the tangents' zero products) and
         0.28 s; W7's graph 1.6 s and 0.20 s, XLA 1.0 s and 0.13 s."""
-        from .._base import race_allowed, untimed_note
+        from .._base import untimed_note
 
         chosen = self._bound.tuning.builds.get((self.kind, self.order))
         if self._forced is None and chosen in self.variants:
@@ -298,7 +307,7 @@ class TFSecondKernel(Kernel):
             if forced in ("tapes", *_FORWARD_RULES) and not self._tapes_work(u, ctx, forced):
                 forced = "graph"  # the same values without pfor, on a machine where it failed
             self._select(forced, f"{forced} ({self._forced_why})")
-        elif race_allowed():
+        elif budget.may_race:
             self._race(u, ctx)
         else:
             # the first build that works (the tapes and the forward Laplacian may not)

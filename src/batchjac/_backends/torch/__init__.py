@@ -45,8 +45,10 @@ from ..._errors import (
 )
 from ..._spec import assemble
 from .._base import (
+    UNTUNED,
     Backend,
     BoundModel,
+    CallBudget,
     Kernel,
     Mode,
     Order,
@@ -395,8 +397,9 @@ class TorchBound(BoundModel):
             (grad,) = torch.autograd.grad(y.sum(), x, allow_unused=True)
         return grad is not None
 
-    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> Kernel:
-        return TorchKernel(self, mode, chunk_size, with_outputs)
+    def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
+                     budget: CallBudget = UNTUNED) -> Kernel:
+        return TorchKernel(self, mode, chunk_size, with_outputs, budget)
 
     def build_second_kernel(self, kind: SecondKind, order: Order, chunk_size: int,
                             with_outputs: bool, with_jacobian: bool) -> Kernel:

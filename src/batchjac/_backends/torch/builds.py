@@ -22,14 +22,13 @@ import torch
 
 from ..._errors import ForwardModeFallbackWarning, ModelError
 from .._base import (
+    UNTUNED,
+    CallBudget,
     Kernel,
     Mode,
-    allowed,
     asked_mode_failed,
     fallback_allowed,
-    in_mode_race,
     race,
-    rows_at_hand,
     user_stacklevel,
 )
 from . import compat
@@ -167,6 +166,10 @@ def _jac_looped(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...
     return y.detach(), jac.reshape(rows, *out_shape, *bound.signature.unknown_shape)
 
 
+#: the budget of a race the work has repaid (:meth:`TorchKernel.retune`)
+_RACE = CallBudget(race=True)
+
+
 class TorchKernel(Kernel):
     """Forward or reverse mode over chunks of ``chunk_size`` rows. The first call finds the
     fastest path that works for this model: forward mode falls back to reverse mode (with one
@@ -190,8 +193,11 @@ class TorchKernel(Kernel):
     #: around torch.func matters), never on large chunks (it holds m copies of the chunk)
     REPLICATED_BELOW = 0.005
 
-    def __init__(self, bound: TorchBound, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
+    def __init__(self, bound: TorchBound, mode: Mode, chunk_size: int, with_outputs: bool,
+                 budget: CallBudget = UNTUNED) -> None:
         self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
+        #: the rows of the call the kernel is made for, and then first called by
+        self._rows = budget.rows
         self._bound = bound
         bound.trace_count += 1
         sig = bound.signature
@@ -221,8 +227,8 @@ class TorchKernel(Kernel):
                 return jac_forward(self._bound, u, ctx, self._in_basis)
         return jac_reverse(self._bound, u, ctx, self._out_basis, path[1])
 
-    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
-                 ) -> tuple[np.ndarray | None, np.ndarray]:
+    def call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget = UNTUNED
+             ) -> tuple[np.ndarray | None, np.ndarray]:
         bound = self._bound
         ut, ct = bound.tensors(u, ctx)
         with bound.calling():
@@ -230,7 +236,7 @@ class TorchKernel(Kernel):
             if self._path is None:
                 with self.building:  # (threads sharing the kernel: one chooses its path)
                     if self._path is None:
-                        first = self._first_call(ut, ct)
+                        first = self._first_call(ut, ct, budget)
             path = self._path
             if first is not None:
                 y, jac = first
@@ -247,8 +253,8 @@ class TorchKernel(Kernel):
         if self.untimed and self._path == ("forward", "transposed") and self._forced is None:
             self.untimed = False
             ut, ct = self._bound.tensors(u, ctx)
-            with self._bound.calling(), allowed(True):
-                self._choose_forward(ut, ct)
+            with self._bound.calling():
+                self._choose_forward(ut, ct, _RACE)
             return
         if not self.untimed or self._path is None or self._path[0] != "reverse" \
                 or self._path[1] not in _PLAIN_ENGINES or "replicated" not in self.variants:
@@ -256,8 +262,8 @@ class TorchKernel(Kernel):
         self.untimed = False
         bound = self._bound
         ut, ct = bound.tensors(u, ctx)
-        with bound.calling(), allowed(True):
-            self._choose_reverse(ut, ct)
+        with bound.calling():
+            self._choose_reverse(ut, ct, _RACE)
 
     #: the replicated pass is a reverse-mode first call's build while it holds at most this
     #: many rows (the call's, or the chunk's where larger, times the outputs) and torch.func
@@ -267,9 +273,10 @@ class TorchKernel(Kernel):
     #: first call 1.10x native against the cold one's 0.50x.)
     REPLICATED_FIRST_ROWS = 2048
 
-    def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+    def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self._first_plain(u, ctx)
+        self._rows = budget.rows or self._rows
+        out = self._first_plain(u, ctx, budget)
         if out is not None:
             return out
         bound = self._bound
@@ -298,13 +305,13 @@ class TorchKernel(Kernel):
                     raise asked_mode_failed("forward", str(bound.forward_failure),
                                             _FORWARD_CAUSE) from first
                 if self.mode == "forward":
-                    self._warn_fallback()
+                    self._warn_fallback(budget)
             self._path = path
             self.variant = "vmap"
             if path == ("reverse", "func") and "replicated" in self.variants:
-                self._choose_reverse(u, ctx)
+                self._choose_reverse(u, ctx, budget)
             elif path == ("forward", "func") and "transposed" in self.variants:
-                self._choose_forward(u, ctx)
+                self._choose_forward(u, ctx, budget)
             elif path[0] == "reverse" and self.planned == "forward":
                 self.variants = ("vmap",)  # (forward mode failed: its builds are gone)
             return out
@@ -328,7 +335,7 @@ class TorchKernel(Kernel):
         # (the call's rows: a large call cut into cache-sized chunks, W4's 2,000 images in
         # chunks of 143, ran its conv net's forward pass 10 times a chunk replicated, first
         # call 0.61 s against 0.37 looped)
-        rows = max(self.chunk_size, rows_at_hand())
+        rows = max(self.chunk_size, self._rows)
         small = math.prod(bound.output_shape) * rows <= self.REPLICATED_FIRST_ROWS
         return "replicated" if small else "looped"
 
@@ -341,7 +348,7 @@ class TorchKernel(Kernel):
         the work repays it."""
         return self._plain_first()
 
-    def _first_plain(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+    def _first_plain(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """An untimed reverse-mode first call on plain autograd, where that is the cheaper
         first answer: torch.func's reverse mode imports torch._dynamo when its first pullback
@@ -353,13 +360,13 @@ class TorchKernel(Kernel):
         first call (a variant fixed, a race allowed, torch.func loaded already, another kernel
         of this model found that torch.func fails)."""
         from ..._config import autotune_enabled
-        from .._base import race_allowed, untimed_note
+        from .._base import untimed_note
 
         forced = self._bound.reverse_engine in (None, "func") and (
             (self._forced in ("replicated", "looped") and self.mode == "reverse")
             or (self._forced == "transposed" and self.mode == "forward"))
         build = self._forced if forced else self._plain_first()
-        if not forced and (self._forced is not None or race_allowed() or not autotune_enabled()):
+        if not forced and (self._forced is not None or budget.may_race or not autotune_enabled()):
             return None
         if build is None:
             return None
@@ -380,24 +387,25 @@ class TorchKernel(Kernel):
                      f"torch._dynamo first; {untimed_note()})")
         return out
 
-    def _race_skipped(self, running: str) -> bool:
+    def _race_skipped(self, running: str, budget: CallBudget) -> bool:
         """Before a race of builds: a fixed variant is selected, or, where the work does not
         repay a race, ``running`` is kept untimed (True: no race)."""
-        from .._base import race_allowed, untimed_note
+        from .._base import untimed_note
 
         if self._forced is not None:
             self._select(self._forced, f"{self._forced} ({self._forced_why})")
             return True
-        if not race_allowed():
+        if not budget.may_race:
             self.note = f"{running} ({untimed_note()})"
             self.untimed = True
             return True
         return False
 
-    def _choose_forward(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+    def _choose_forward(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
+                        ) -> None:
         """"vmap" (torch.func's jvp) or "transposed" for a forward-mode kernel, timed where
         the work repays it (both compute the same columns)."""
-        if self._race_skipped(str(self.variant)):
+        if self._race_skipped(str(self.variant), budget):
             return
         runs = {v: (lambda v=v: self._run(("forward", _VARIANT_ENGINE[v]), u, ctx))
                 for v in ("vmap", "transposed")}
@@ -418,9 +426,10 @@ class TorchKernel(Kernel):
         timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in best.items())
         self.note = f"{winner} (timed one chunk: {timed})"
 
-    def _choose_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+    def _choose_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
+                        ) -> None:
         """"vmap", "replicated" or "looped" for a reverse-mode kernel that runs with torch.func."""
-        if self._race_skipped("vmap"):
+        if self._race_skipped("vmap", budget):
             return
         start = time.perf_counter()
         self._run(("reverse", "func"), u, ctx)
@@ -446,10 +455,10 @@ class TorchKernel(Kernel):
         timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in best.items())
         self.note = f"{winner} (timed one chunk: {timed})"
 
-    def _warn_fallback(self) -> None:
+    def _warn_fallback(self, budget: CallBudget) -> None:
         self.mode = "reverse"
         bound = self._bound
-        if bound.fallback_warned or in_mode_race():
+        if bound.fallback_warned or budget.mode_race:
             return
         bound.fallback_warned = True
         warnings.warn(

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..._errors import BatchJacError, ModelError, OrderFailedError
-from .._base import SECOND_RESULT, Kernel, Order, SecondKind, race
+from .._base import SECOND_RESULT, UNTUNED, CallBudget, Kernel, Order, SecondKind, race
 from . import compat
 from .errors import _explain_model_failure, _first_line, _first_sentence, _quoted
 from .state import _FORWARD_AD, _load_forward_ad
@@ -168,8 +168,9 @@ class TorchSecondKernel(Kernel):
             note = f"{note}; {self.laplacian_failed}"
         self.variant, self.note = variant, f"{self.kind}: {self.order}, {what} ({note})"
 
-    def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
-        from .._base import race_allowed, untimed_note
+    def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
+                    ) -> None:
+        from .._base import untimed_note
 
         chosen = self._bound.tuning.builds.get((self.kind, self.order))
         if self._forced is not None:
@@ -178,7 +179,7 @@ class TorchSecondKernel(Kernel):
             # as a race chose for another chunk size of this model (the ladder of chunk sizes
             # compares the sizes on one build)
             self._select(chosen, "as timed for another chunk size")
-        elif race_allowed():
+        elif budget.may_race:
             self._race(u, ctx)
         else:
             if "forward-laplacian" in self.variants:
@@ -226,8 +227,8 @@ class TorchSecondKernel(Kernel):
             self._bound.tuning.builds[(self.kind, self.order)] = best
 
     # a mapping of named arrays, which the runner takes as it takes a Jacobian kernel's pair
-    def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]  # type: ignore[override]
-                 ) -> dict[str, np.ndarray]:
+    def call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...],  # type: ignore[override]
+             budget: CallBudget = UNTUNED) -> dict[str, np.ndarray]:
         bound = self._bound
         v: torch.Tensor | None = None
         if self.kind == "hvp":
@@ -236,7 +237,7 @@ class TorchSecondKernel(Kernel):
         with bound.calling(), _FORWARD_AD:
             try:
                 if self.variant is None:
-                    self._first_call(ut, ct)
+                    self._first_call(ut, ct, budget)
                 y, jac, second = self._compute(ut, ct, v)
             except (BatchJacError, Warning):
                 raise
