@@ -140,7 +140,7 @@ LAYERS = [
     ["batchjac._version", "batchjac._errors", "batchjac._config", "batchjac._finite_diff",
      "batchjac._fit"],
     ["batchjac._spec", "batchjac._xp", "batchjac._fingerprint", "batchjac._tunecache",
-     "batchjac._cachefiles", "batchjac._tune.state"],
+     "batchjac._cachefiles", "batchjac._tune.state", "batchjac._tune.chooser"],
     ["batchjac._backends", "batchjac._loaders", "batchjac._examples"],  # the framework modules
     ["batchjac._plan", "batchjac._probes", "batchjac._sinks", "batchjac._runner",
      "batchjac._validate", "batchjac._io", "batchjac._fastpath", "batchjac._arrays"],

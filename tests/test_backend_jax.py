@@ -708,11 +708,12 @@ def test_a_warm_process_loads_the_build_an_earlier_race_chose(
     quick build of the other mode than the one on disk. A build in blocks ("default/120",
     ``blocked``) is traced in those blocks only: one trace (it traced the whole chunk first as
     well, for a build it then replaced)."""
-    from batchjac._backends.jax import JaxKernel, executables as jax_executables
+    from batchjac._backends.jax import executables as jax_executables
+    from batchjac._tune import chooser
 
     monkeypatch.setattr(jax_executables, "MIN_COMPILE_SECONDS", 0.0)  # tiny test kernels
-    if blocked:  # the race takes blocks, whatever the times
-        monkeypatch.setattr(JaxKernel, "BLOCK_MARGIN", 1e9)
+    if blocked:  # every challenger wins: the race takes blocks, whatever the times
+        monkeypatch.setattr(chooser, "MARGIN", -1e9)
     race_now(monkeypatch)
     sizes = (6, 16, 3)
     seed = 9 if blocked else 8

@@ -43,17 +43,20 @@ from ._plan import Plan, SecondPlan
 from ._runner import pad_chunk
 from ._sinks import new_result
 from ._spec import BatchSpec
+from ._tune import chooser
 
 REPEATS = 5
 #: fast kernels: more repeats of the mode timing, up to this many or this long in all
 MAX_MODE_REPEATS = 25
 MODE_SECONDS = 0.1
+#: the other mode must be this much faster than the cost model's: more than the chooser's
+#: margin between builds, since a mode switch moves the whole plan (a kernel of the other
+#: mode, its own ladder of chunk sizes), and the timings are minimums of few calls
 MARGIN = 0.1
-#: a smaller chunk size must be this much faster per row (5-run medians: TensorFlow's W1 at
-#: 100,000 rows timed 0.60 vs 0.47-0.54 us a row in chunks of 25,008, and ran 0.8x the time)
-ROWS_MARGIN = 0.05
-#: ... and when the plan is one chunk of at least COPY_BYTES of Jacobians (chunking then
-#: adds copies into a large new result)
+#: a smaller chunk size must be faster per row by the chooser's margin, as a build must
+ROWS_MARGIN = chooser.MARGIN
+#: ... and by this much when the plan is one chunk of at least COPY_BYTES of Jacobians:
+#: chunking then adds copies into a large new result, which the timing leaves out
 COPY_MARGIN = 0.25
 COPY_BYTES = 64 << 20
 #: timed runs of each chunk size (the median counts: PyTorch's W2 in chunks of 2,500 rows
@@ -127,8 +130,8 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
                 kernel.provisional(u, ctx)
                 timings[mode] = min(timings[mode], clock() - start)
         other = "reverse" if prior == "forward" else "forward"
-        winner = other if timings[other] < (1 - MARGIN) * timings[prior] else prior
-        bound.tuned[key] = (winner, ", ".join(f"{m} {t * 1e3:.2f} ms" for m, t in timings.items()))
+        bound.tuned[key] = (chooser.winner(timings, prior, [other], margin=MARGIN),
+                            chooser.timings(timings))
     mode, measured = bound.tuned[key]
     return ("forward" if mode == "forward" else "reverse"), measured
 
@@ -215,9 +218,8 @@ def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan | SecondPlan,
     fastest = _pick(per_row)
     large = plan.n_chunks == 1 and row_bytes * spec.n >= COPY_BYTES
     margin = COPY_MARGIN if large else ROWS_MARGIN
-    winner = fastest if per_row[fastest] < (1 - margin) * per_row[sizes[0]] else sizes[0]
     measured = ", ".join(f"{s} rows {t * 1e6:.2f} us" for s, t in per_row.items())
-    return winner, measured
+    return chooser.winner(per_row, sizes[0], [fastest], margin=margin), measured
 
 
 def _pick(per_row: dict[int, float]) -> int:

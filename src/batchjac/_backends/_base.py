@@ -16,10 +16,9 @@ import os
 import re
 import sys
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -347,45 +346,6 @@ class Budgeted:
 def under(kernel: Any, budget: CallBudget) -> Any:
     """``kernel.under(budget)``, or a duck-typed kernel (a test's) as it is."""
     return kernel.under(budget) if isinstance(kernel, Kernel) else kernel
-
-
-def race(run: Callable[[str], object], names: Iterable[str], *, prune: float | None = None,
-         round_seconds: float = 0.005, timing_seconds: float = 0.25, max_rounds: int = 7
-         ) -> dict[str, float]:
-    """Seconds per call of each implementation ``run(name)`` (a call that returns when the
-    work is done), for choosing between kernel builds. First the best of a few calls each
-    (three when all take under 50 ms: a fresh build's first calls are slow, and JAX's W3
-    once timed 30 ms for 7); with ``prune``, those slower than ``prune`` times the fastest
-    keep that figure and are not raced (a JAX W2 chunk takes 0.3-0.5 s: a race of four
-    costs seconds). Then interleaved rounds (drifting load hits all alike) of back-to-back
-    calls (several when a call is fast: about ``round_seconds`` a round), at least 2 and at
-    most ``max_rounds`` rounds, about ``timing_seconds`` in all; the median of the rounds'
-    means, which is what a loop of calls gets, thread wake-ups and all."""
-    names = list(names)
-
-    def timed(name: str) -> float:
-        start = time.perf_counter()
-        run(name)
-        return time.perf_counter() - start
-
-    times = {name: timed(name) for name in names}
-    for _ in range(2 if max(times.values()) < 0.05 else 1):
-        times = {name: min(t, timed(name)) for name, t in times.items()}
-    if prune is not None:
-        names = [name for name in names if times[name] <= prune * min(times.values())]
-    if len(names) < 2:
-        return times
-    slowest = max(times[name] for name in names)
-    inner = max(1, int(round_seconds / max(slowest, 1e-9)))
-    rounds = int(min(max_rounds, max(2, timing_seconds / (len(names) * inner * slowest))))
-    means: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(rounds):
-        for name in names:
-            start = time.perf_counter()
-            for _ in range(inner):
-                run(name)
-            means[name].append((time.perf_counter() - start) / inner)
-    return {**times, **{name: float(np.median(t)) for name, t in means.items()}}
 
 
 class BoundModel(ABC):

@@ -17,6 +17,7 @@ from ..._errors import (
     ModelError,
     ReverseModeFallbackWarning,
 )
+from ..._tune.chooser import first_step, race, timings, winner
 from .._base import (
     FIRST_VARIANT,
     UNTUNED,
@@ -28,7 +29,6 @@ from .._base import (
     fallback_message,
     first_line,
     other_mode,
-    race,
     user_stacklevel,
 )
 from . import compat
@@ -64,9 +64,9 @@ class JaxKernel(Kernel):
     lose. So only :data:`BLOCK_ROWS` are tried, on chunks at least twice as large.
 
     The first call compiles every variant and times them in one
-    :func:`~batchjac._backends._base.race` of interleaved rounds (those clearly slower in a
-    first timing left out): "no-ynnpack" must beat "default" by ``MARGIN``, blocks the faster
-    of those by ``BLOCK_MARGIN``. Unless a variant was fixed with :meth:`use` (stores,
+    :func:`~batchjac._tune.chooser.race` of interleaved rounds (those clearly slower in a
+    first timing left out): "no-ynnpack" must beat "default" by the chooser's margin, blocks
+    the faster of those by it too. Unless a variant was fixed with :meth:`use` (stores,
     reproducible solves) or ``BATCHJAC_AUTOTUNE=off``: then "default". On a GPU, or a JAX
     without that option, there is only "default".
 
@@ -99,11 +99,8 @@ class JaxKernel(Kernel):
     #: rows 2e10, 179 against 196 ms; W2's 2,000 rows and W4's 1,000 the same either way)
     WIDE_PRODUCTS = 1e10
     #: below this ratio of times, "no-ynnpack" is chosen
-    MARGIN = 0.97
     #: block sizes tried (each made even over the chunk: 1,000 rows in blocks of 125)
     BLOCK_ROWS = (128,)
-    #: below this ratio of times, computing in blocks is chosen
-    BLOCK_MARGIN = 0.95
     #: variants slower than the fastest by this factor in a first timing are not raced
     PRUNE = 1.3
     #: blocks are tried where their temporary arrays take at most this many bytes
@@ -422,19 +419,20 @@ class JaxKernel(Kernel):
         from ..._config import autotune_enabled
         from .._base import untimed_note
 
-        if self._forced is not None:
-            self._select(self._forced, f"{self._forced} ({self._forced_why})")
+        step = first_step(self, budget)
+        if step == "fixed":
+            self._select(self._forced, f"{self._forced} ({self._forced_why})")  # type: ignore[arg-type]
             return
-        if len(self._builds) == 1 and len(self.variants) == 1:
+        if step == "only":
             self._select("default", "")
             return
-        if not budget.may_race and self._first == "quick":
+        if step == "untimed" and self._first == "quick":
             self._select("quick", f"quick (XLA at optimization level 0, no fusion emitters: "
                                   f"{self.work.elements:.2g} elements of elementwise work a "
                                   f"chunk, too few to repay a full build; {untimed_note()})")
             self.untimed = True
             return
-        if not budget.may_race:
+        if step == "untimed":
             # what an earlier kernel of this model chose by timing (none with autotune off)
             hint = self._hinted(*(self._bound.hint or (self._first, False)) if autotune_enabled()
                                 else ("default", False))
@@ -444,8 +442,7 @@ class JaxKernel(Kernel):
         self._race_builds(u, ctx)
 
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        if not self.untimed or self._forced is not None or (
-                len(self._builds) == 1 and len(self.variants) == 1):
+        if not self.untimed or self.fixed is not None or len(self.variants) == 1:
             return
         self.untimed = False
         self._race_builds(u, ctx)
@@ -460,17 +457,10 @@ class JaxKernel(Kernel):
         # one race of all: a second race, minutes later on a shared machine, compared the
         # winner of the first with itself at another load and once took blocks for it
         times = race(lambda v: self._run(v, u, ctx), self.variants, prune=self.PRUNE)
-        winner = "default"
-        if "no-ynnpack" in times and times["no-ynnpack"] < self.MARGIN * times["default"]:
-            winner = "no-ynnpack"
-        blocked = [v for v in self.variants if "/" in v]
-        if blocked:
-            fastest = min(blocked, key=lambda v: times[v])
-            if times[fastest] < self.BLOCK_MARGIN * times[winner]:
-                winner = fastest
-        self._bound.hint = (winner.split("/")[0], "/" in winner)
-        timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in times.items())
-        self._select(winner, f"{winner} (timed one chunk: {timed})")
+        best = winner(times, "default", ["no-ynnpack"])
+        best = winner(times, best, [v for v in self.variants if "/" in v])
+        self._bound.hint = (best.split("/")[0], "/" in best)
+        self._select(best, f"{best} (timed one chunk: {timings(times)})")
         from .executables import release
 
         # the race's executables are written now: a process that stops calling after its

@@ -19,6 +19,7 @@ from ..._errors import (
     VectorizationFallbackWarning,
     XLAFallbackWarning,
 )
+from ..._tune.chooser import first_step, race, winner
 from .._base import (
     UNTUNED,
     CallBudget,
@@ -29,7 +30,6 @@ from .._base import (
     fallback_message,
     first_line,
     other_mode,
-    race,
     user_stacklevel,
 )
 from . import compat
@@ -174,12 +174,8 @@ class TFKernel(Kernel):
     @property
     def cheap_first(self) -> str | None:
         return "graph"  # built sooner than XLA compiles (see _first_call)
-    #: below this ratio graph/XLA time, the graph is chosen
-    GRAPH_MARGIN = 0.95
     #: rows of a block of "xla/blocks" (evened over the chunk), and the least chunk that has it
     BLOCK_ROWS, BLOCKED_CHUNK = 4096, 16384
-    #: below this ratio of times to the faster of the others, "xla/blocks" is chosen
-    BLOCK_MARGIN = 0.95
 
     def __init__(self, bound: TFBound, mode: Mode, chunk_size: int, with_outputs: bool,
                  budget: CallBudget = UNTUNED) -> None:
@@ -410,11 +406,12 @@ class TFKernel(Kernel):
         from ..._config import autotune_enabled
         from .._base import untimed_note
 
+        step = first_step(self, budget)
         if self._forced == "graph":  # no need to compile XLA at all
             self._select("graph", "graph (fixed)")
             return
         # (with BATCHJAC_AUTOTUNE=off, the first implementation, XLA, as stores use)
-        if self._forced is None and not budget.may_race and autotune_enabled():
+        if step == "untimed" and autotune_enabled():
             # untimed: the plain graph, which is built sooner than XLA compiles (measured here,
             # first calls W1 0.10 s vs 0.14, W2 0.52 vs 0.57, W4 0.40 vs 0.79); XLA is tried
             # against it once the work repays a race (retune)
@@ -439,10 +436,10 @@ class TFKernel(Kernel):
                 raise ModelError(f"The model failed while computing the Jacobian: {e.message}") from e
             self._xla_failed(xla_error)
             return
-        if self._forced is not None:
-            self._select(self._forced, f"{self._forced} ({self._forced_why})")
+        if step == "fixed":
+            self._select(self._forced, f"{self._forced} ({self._forced_why})")  # type: ignore[arg-type]
             return
-        if not budget.may_race:  # autotune off, or the plain graph failed above: XLA, untimed
+        if step != "race":  # autotune off, or the plain graph failed above: XLA, untimed
             self._select("xla", f"xla ({untimed_note()})")
             return
         self._race_builds(u, ctx, first)
@@ -497,13 +494,11 @@ class TFKernel(Kernel):
         # each, as this timed before, once kept the graph for W1 (1.1 vs 1.3 ms just after
         # XLA's compilation) where XLA then ran 0.73 ms a call against the graph's 1.0
         best = race(lambda v: self._run(v, u, ctx), tuple(names))
-        winner = "graph" if best["graph"] < self.GRAPH_MARGIN * best["xla"] else "xla"
-        if "xla/blocks" in best and best["xla/blocks"] < self.BLOCK_MARGIN * best[winner]:
-            winner = "xla/blocks"
+        chosen = winner(best, winner(best, "xla", ["graph"]), ["xla/blocks"])
         timed = f"XLA {best['xla'] * 1e3:.1f} ms, graph {best['graph'] * 1e3:.1f} ms"
         if "xla/blocks" in best:
             timed += f", XLA in blocks {best['xla/blocks'] * 1e3:.1f} ms"
-        self._select(winner, f"{winner} (timed one chunk: {timed})")
+        self._select(chosen, f"{chosen} (timed one chunk: {timed})")
 
 
 def _evened(rows: int, limit: int) -> int:

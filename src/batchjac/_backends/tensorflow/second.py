@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..._errors import BatchJacError, ModelError, XLAFallbackWarning
+from ..._tune.chooser import first_step, race, winner
 from .._base import (
     SECOND_RESULT,
     UNTUNED,
@@ -19,7 +20,6 @@ from .._base import (
     Kernel,
     Order,
     SecondKind,
-    race,
     user_stacklevel,
 )
 from . import compat
@@ -298,7 +298,7 @@ class TFSecondKernel(Kernel):
         from .._base import untimed_note
 
         chosen = self._bound.tuning.builds.get((self.kind, self.order))
-        if self._forced is None and chosen in self.variants:
+        if first_step(self, budget) != "fixed" and chosen in self.variants:
             # as a race chose for another chunk size of this model: the ladder of chunk sizes
             # compares sizes on one build, and each size's race would compile every build
             self._forced, self._forced_why = chosen, "as timed for another chunk size"
@@ -307,7 +307,7 @@ class TFSecondKernel(Kernel):
             if forced in ("tapes", *_FORWARD_RULES) and not self._tapes_work(u, ctx, forced):
                 forced = "graph"  # the same values without pfor, on a machine where it failed
             self._select(forced, f"{forced} ({self._forced_why})")
-        elif budget.may_race:
+        elif first_step(self, budget) == "race":
             self._race(u, ctx)
         else:
             # the first build that works (the tapes and the forward Laplacian may not)
@@ -337,8 +337,10 @@ class TFSecondKernel(Kernel):
         if len(self.variants) < 2:  # (XLA failed and the tapes too: the graph, said so)
             return
         names = sorted(self.variants, key=("graph", "xla", "tapes", *_FORWARD_RULES).index)
+        # the build the kernel runs without a race: a retune's untimed one, else the first
+        incumbent = self.variant if self.variant in names else names[0]
         times = race(lambda v: self._run(v, u, ctx), names)
-        best = min(times, key=lambda v: times[v])
+        best = winner(times, incumbent)
         timed = ", ".join(f"{v} {times[v] * 1e3:.1f} ms" for v in names)
         self._select(best, f"{best} (timed one chunk: {timed})")
         self._bound.tuning.builds[(self.kind, self.order)] = best

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..._errors import ForwardModeFallbackWarning, ModelError
+from ..._tune.chooser import first_step, race, timings, winner
 from .._base import (
     UNTUNED,
     CallBudget,
@@ -28,7 +29,6 @@ from .._base import (
     Mode,
     asked_mode_failed,
     fallback_allowed,
-    race,
     user_stacklevel,
 )
 from . import compat
@@ -188,7 +188,6 @@ class TorchKernel(Kernel):
     plain-autograd build untimed (:meth:`_first_plain`).
     """
 
-    MARGIN = 0.95
     #: "replicated" is timed only against chunks faster than this (where the Python work
     #: around torch.func matters), never on large chunks (it holds m copies of the chunk)
     REPLICATED_BELOW = 0.005
@@ -392,10 +391,11 @@ class TorchKernel(Kernel):
         repay a race, ``running`` is kept untimed (True: no race)."""
         from .._base import untimed_note
 
-        if self._forced is not None:
-            self._select(self._forced, f"{self._forced} ({self._forced_why})")
+        step = first_step(self, budget, builds=2)  # (a race has rivals to time here)
+        if step == "fixed":
+            self._select(self._forced, f"{self._forced} ({self._forced_why})")  # type: ignore[arg-type]
             return True
-        if not budget.may_race:
+        if step == "untimed":
             self.note = f"{running} ({untimed_note()})"
             self.untimed = True
             return True
@@ -421,10 +421,9 @@ class TorchKernel(Kernel):
             self.note = f"{only} (the other forward-mode build failed)"
             return
         best = race(lambda v: runs[v](), list(runs), timing_seconds=0.1)
-        winner = "transposed" if best["transposed"] < self.MARGIN * best["vmap"] else "vmap"
-        self._path, self.variant = ("forward", _VARIANT_ENGINE[winner]), winner
-        timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in best.items())
-        self.note = f"{winner} (timed one chunk: {timed})"
+        chosen = winner(best, "vmap", ["transposed"])
+        self._path, self.variant = ("forward", _VARIANT_ENGINE[chosen]), chosen
+        self.note = f"{chosen} (timed one chunk: {timings(best)})"
 
     def _choose_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
                         ) -> None:
@@ -448,12 +447,10 @@ class TorchKernel(Kernel):
             return
         best = race(lambda v: self._run(("reverse", _VARIANT_ENGINE[v]), u, ctx),
                     ["vmap", *rivals], timing_seconds=0.1)
-        fastest = min(rivals, key=lambda v: best[v])
-        winner = fastest if best[fastest] < self.MARGIN * best["vmap"] else "vmap"
-        self._path = ("reverse", _VARIANT_ENGINE[winner])
-        self.variant = winner
-        timed = ", ".join(f"{v} {t * 1e3:.2f} ms" for v, t in best.items())
-        self.note = f"{winner} (timed one chunk: {timed})"
+        chosen = winner(best, "vmap", rivals)
+        self._path = ("reverse", _VARIANT_ENGINE[chosen])
+        self.variant = chosen
+        self.note = f"{chosen} (timed one chunk: {timings(best)})"
 
     def _warn_fallback(self, budget: CallBudget) -> None:
         self.mode = "reverse"

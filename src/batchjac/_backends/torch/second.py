@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from ..._errors import BatchJacError, ModelError, OrderFailedError
-from .._base import SECOND_RESULT, UNTUNED, CallBudget, Kernel, Order, SecondKind, race
+from ..._tune.chooser import first_step, race, timings, winner
+from .._base import SECOND_RESULT, UNTUNED, CallBudget, Kernel, Order, SecondKind
 from . import compat
 from .errors import _explain_model_failure, _first_line, _first_sentence, _quoted
 from .state import _FORWARD_AD, _load_forward_ad
@@ -173,13 +174,14 @@ class TorchSecondKernel(Kernel):
         from .._base import untimed_note
 
         chosen = self._bound.tuning.builds.get((self.kind, self.order))
-        if self._forced is not None:
-            self._select(self._forced, self._forced_why)
+        step = first_step(self, budget)
+        if step == "fixed":
+            self._select(self._forced, self._forced_why)  # type: ignore[arg-type]
         elif chosen is not None and chosen in self.variants:
             # as a race chose for another chunk size of this model (the ladder of chunk sizes
             # compares the sizes on one build)
             self._select(chosen, "as timed for another chunk size")
-        elif budget.may_race:
+        elif step == "race":
             self._race(u, ctx)
         else:
             if "forward-laplacian" in self.variants:
@@ -214,15 +216,17 @@ class TorchSecondKernel(Kernel):
             return
 
         v = torch.ones_like(u) if self.kind == "hvp" else None  # (any tangents: timed alike)
+        # the build the kernel runs without a race (a retune's untimed one, else the cheap one)
+        incumbent = self.variant if self.variant in self.variants else \
+            (self.cheap_first or self.variants[0])
 
         def run(variant: str) -> None:
             self.variant = variant
             self._compute(u, ctx, v)
 
         times = race(run, self.variants)
-        best = min(times, key=lambda v: times[v])
-        timed = ", ".join(f"{v} {t * 1e3:.1f} ms" for v, t in times.items())
-        self._select(best, f"timed {rows} rows: {timed}")
+        best = winner(times, incumbent)
+        self._select(best, f"timed {rows} rows: {timings(times)}")
         if self.kind == "laplacian":
             self._bound.tuning.builds[(self.kind, self.order)] = best
 
