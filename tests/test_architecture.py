@@ -138,6 +138,7 @@ def test_frameworks_only_in_framework_modules() -> None:
 #: below (the longest matching prefix places a module)
 LAYERS = [
     ["batchjac._version", "batchjac._errors", "batchjac._config", "batchjac._finite_diff",
+     "batchjac._closures",
      "batchjac._fit"],
     ["batchjac._spec", "batchjac._xp", "batchjac._fingerprint", "batchjac._tunecache",
      "batchjac._cachefiles", "batchjac._tune.state", "batchjac._tune.chooser"],

@@ -423,9 +423,9 @@ def test_the_refusal_is_found_behind_older_jaxs_traceback_filtering() -> None:
 
 def test_a_walk_of_captured_values_that_fails_warns_and_computes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Census #32: the walk that finds the values a trace bakes in reads Python's code and
-    closure objects. Where it cannot (here every code object's names fail to read), what it
+    closure objects. Where it cannot (here reading what a function reads fails), what it
     could not read is unwatched, as past its limits: one UnwatchedValuesWarning, right numbers."""
-    monkeypatch.setattr(staleness, "_global_names", renamed("_global_names", AttributeError))
+    monkeypatch.setattr(staleness, "reads", renamed("reads", AttributeError))  # (_closures.reads)
     x = inputs(20, seed=12)
     with pytest.warns(UnwatchedValuesWarning, match="could not read"):
         got = batchjac.jacobian(model(), x)

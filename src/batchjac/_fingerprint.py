@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from ._closures import EMPTY, MISSING, global_names, reads
+
 #: objects from these packages are referred to by name only (their code is not the user's model)
 _LIBRARIES = ("numpy", "builtins", "jax", "jaxlib", "torch", "tensorflow", "keras", "tf_keras",
               "scipy", "math", "functools", "typing", "collections", "abc", "equinox", "flax",
@@ -352,20 +354,17 @@ class _Hasher:
         self.tag("function", fn.__module__, fn.__qualname__)
         if _is_library(fn):
             return
-        self._code(fn.__code__, depth)
-        self.feed(fn.__defaults__, depth + 1)
-        self.feed(fn.__kwdefaults__, depth + 1)
-        for cell in fn.__closure__ or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                value = None
-            self.feed(value, depth + 1)
-        glb = fn.__globals__
-        for name in _global_names(fn.__code__):
-            if name in glb:
-                self.tag("global", name)
-                self.feed(glb[name], depth + 1)
+        for what, _, key, value in reads(fn):
+            if what == "code":
+                self._code(value, depth)
+            elif what == "cell":
+                self.feed(None if value is EMPTY else value, depth + 1)
+            elif what == "global":
+                if value is not MISSING:
+                    self.tag("global", key)
+                    self.feed(value, depth + 1)
+            elif what != "closure":  # (the defaults)
+                self.feed(value, depth + 1)
 
     def _code(self, code: types.CodeType, depth: int) -> None:
         self.tag("code", code.co_name, code.co_argcount, code.co_kwonlyargcount)
@@ -423,16 +422,8 @@ def _names_in_code(cls: type) -> list[str]:
                        else (getattr(member, "__func__", member),)):
                 code = getattr(fn, "__code__", None)
                 if isinstance(code, types.CodeType):
-                    names.update(_global_names(code))
+                    names.update(global_names(code))
     return sorted(names)
-
-
-def _global_names(code: types.CodeType) -> list[str]:
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_global_names(const))
-    return sorted(set(names))
 
 
 def _is_library(fn: Any) -> bool:

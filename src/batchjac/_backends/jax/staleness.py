@@ -9,13 +9,14 @@ none was rebound or (numpy arrays) changed in place, or else trace the kernels a
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
 from typing import Any
 
 import jax
 import numpy as np
+
+from ..._closures import EMPTY, MISSING, reads
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _MAX_VISITS = 2000
@@ -41,7 +42,7 @@ class _Sites:
     having baked its old values in, would not see: each writeable one found is kept with a
     checksum of its contents (:func:`_contents`, CRC-32: ~1 ms a MB), compared too."""
 
-    _MISSING = object()
+    _MISSING = MISSING
 
     def __init__(self) -> None:
         self.reads: list[tuple[Any, Any, Any]] = []  # (getter target, key, value)
@@ -144,15 +145,15 @@ def _captured_values(fn: Any, sites: _Sites | None = None) -> list[Any]:
             return
         seen.add(id(obj))
         if isinstance(obj, types.FunctionType):
-            code = log.read(obj, "__code__", obj.__code__)
-            visit_code(code, obj.__globals__, hops, nested)
-            for cell in log.read(obj, "__closure__", obj.__closure__) or ():
-                with contextlib.suppress(ValueError):  # an empty cell has no contents
-                    visit(log.read(cell, "cell_contents", cell.cell_contents), hops + 1, True,
-                          nested + 1)
-            visit(log.read(obj, "__defaults__", obj.__defaults__) or (), hops + 1, True, nested + 1)
-            visit(log.read(obj, "__kwdefaults__", obj.__kwdefaults__) or {}, hops + 1, True,
-                  nested + 1)
+            for what, target, key, value in reads(obj):
+                if value is EMPTY:  # an empty cell holds nothing (and cannot be read again)
+                    continue
+                log.read(target, key, value)
+                if what in ("code", "closure") or value is MISSING:
+                    continue  # (the code's globals and the cells come one by one)
+                if what in ("defaults", "kwdefaults"):
+                    value = value or ()  # (none)
+                visit(value, hops + 1, True, nested + 1)
         elif isinstance(obj, types.MethodType):
             visit(obj.__self__, hops + 1, False, nested + 1)
             visit(obj.__func__, hops + 1, False, nested + 1)
@@ -164,28 +165,11 @@ def _captured_values(fn: Any, sites: _Sites | None = None) -> list[Any]:
             # arrays only: other attributes may be counters
             visit(vars(obj), hops + 1, False, nested + 1)
 
-    def visit_code(code: types.CodeType, glb: dict[str, Any], hops: int, nested: int) -> None:
-        for name in _global_names(code):
-            value = glb.get(name, _Sites._MISSING)
-            log.read(glb, name, value)
-            if value is not _Sites._MISSING:
-                visit(value, hops + 1, True, nested + 1)
-
     try:
         visit(fn, 0, False)
     except Exception as e:  # an object that cannot be read as plain ones are: unwatched
         log.cut_at(f"an object the walk could not read ({type(e).__name__}: {e})"[:200])
     return found
-
-
-@functools.lru_cache(maxsize=1024)
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """Names ``code`` and the functions nested in it may look up as globals."""
-    names = dict.fromkeys(code.co_names)
-    for const in code.co_consts:  # nested functions and lambdas
-        if isinstance(const, types.CodeType):
-            names.update(dict.fromkeys(_global_names(const)))
-    return tuple(names)
 
 
 def _same_values(a: list[Any], b: list[Any]) -> bool:
