@@ -138,7 +138,7 @@ def test_frameworks_only_in_framework_modules() -> None:
 #: below (the longest matching prefix places a module)
 LAYERS = [
     ["batchjac._version", "batchjac._errors", "batchjac._config", "batchjac._finite_diff",
-     "batchjac._closures",
+     "batchjac._closures", "batchjac._keras_compat",
      "batchjac._fit"],
     ["batchjac._spec", "batchjac._xp", "batchjac._fingerprint", "batchjac._tunecache",
      "batchjac._cachefiles", "batchjac._tune.state", "batchjac._tune.chooser"],
@@ -181,7 +181,8 @@ def test_imports_point_down_the_layers() -> None:
 #: loader's (whose every use is guarded, with a fallback: tests/test_compat_*.py), and the
 #: benchmark harness (it reads nothing private into a result)
 COMPAT_MODULES = ("batchjac._backends.jax.compat", "batchjac._backends.torch.compat",
-                  "batchjac._backends.tensorflow.compat", "batchjac._loaders.onnx_compat")
+                  "batchjac._backends.tensorflow.compat", "batchjac._loaders.onnx_compat",
+                  "batchjac._keras_compat")
 #: dotted names that are private by the framework's own convention, beside ``_``-prefixed ones
 PRIVATE_PACKAGES = ("tensorflow.python", "jax.interpreters", "jaxlib.xla_extension")
 

@@ -142,6 +142,25 @@ def test_1_without_the_keras_layer_walk_the_probes_call_the_model(
     assert calls  # the probes ran with values
 
 
+def test_1_the_layer_walk_of_the_probes_and_the_fingerprint_renamed(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The same Keras name read before a backend is chosen (batchjac._keras_compat: the probes'
+    layer list, the computation fingerprint's): renamed, the layers are the public top-level
+    ones, the fingerprint still tells two models apart, and the Jacobians stay right."""
+    from batchjac import _fingerprint, _keras_compat
+
+    monkeypatch.setattr(_keras_compat, "FLATTEN_LAYERS", "_flatten_layers_renamed")
+    monkeypatch.setattr(compat, "FLATTEN_LAYERS", "_flatten_layers_renamed")
+    model = keras_mlp()
+    assert _keras_compat.flattened(model, include_self=True) is None
+    wider = keras.Sequential([keras.Input((K + H,)), keras.layers.Dense(7, activation="tanh"),
+                              keras.layers.Dense(M)])
+    assert _fingerprint.computation_fingerprint(model) != \
+        _fingerprint.computation_fingerprint(wider)
+    u, h = inputs(seed=4)
+    assert_jac_close(batchjac.jacobian(model, u, h), jac_ref(u, h), np.float32)
+
+
 def test_2_a_layer_class_keras_no_longer_exports_means_the_probes_run(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Keras renames or moves Dense: the allowlist's name finds no class, so the model is

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from ._closures import EMPTY, MISSING, global_names, reads
+from ._keras_compat import flattened
 
 #: objects from these packages are referred to by name only (their code is not the user's model)
 _LIBRARIES = ("numpy", "builtins", "jax", "jaxlib", "torch", "tensorflow", "keras", "tf_keras",
@@ -315,10 +316,7 @@ class _Hasher:
         (``self.mode``); for the library's layers their config, unless ``whole`` (a Sequential
         or functional model's config covers its layers). Keras's own attributes (auto names,
         build state, trackers) are left out: they differ between processes."""
-        try:
-            layers = list(model._flatten_layers(include_self=True, recursive=True))
-        except Exception:
-            layers = [model]
+        layers = flattened(model, include_self=True) or [model]
         position = {id(layer): i for i, layer in enumerate(layers)}
         for layer in layers:
             cls = type(layer)

@@ -13,6 +13,7 @@ import numpy as np
 
 from ._backends import BoundModel
 from ._errors import BatchJacError, InputError, ModelError, NotConnectedError, RowInteractionError
+from ._keras_compat import flattened
 from ._spec import BatchSpec
 
 PROBE_ROWS = 4
@@ -144,13 +145,10 @@ def _is_keras(model: Any) -> bool:
 
 
 def _keras_layers(model: Any) -> list[Any]:
-    flatten = getattr(model, "_flatten_layers", None)
-    if callable(flatten):
-        try:
-            return list(flatten(include_self=False, recursive=True))
-        except Exception:  # an older or foreign Keras: its top-level layers
-            pass
-    try:
+    layers = flattened(model, include_self=False)
+    if layers is not None:
+        return layers
+    try:  # a Keras that cannot list its nested layers: its top-level ones
         return list(getattr(model, "layers", None) or [])
     except Exception:
         return []

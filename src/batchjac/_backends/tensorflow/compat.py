@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from ... import _keras_compat
 from .._base import first_line
 
 
@@ -79,19 +80,13 @@ def keras_module() -> Any | None:
 # -- 1, 2: the Keras layer walk and the row-wise allowlist ------------------------------------
 
 #: the private method of Keras models that lists every nested layer
-FLATTEN_LAYERS = "_flatten_layers"
+FLATTEN_LAYERS = _keras_compat.FLATTEN_LAYERS
 
 
 def keras_layers(model: Any) -> list[Any] | None:
     """Every layer nested in a Keras model (itself left out), or None where this Keras cannot
     list them (the caller then knows nothing of the layers)."""
-    flatten = getattr(model, FLATTEN_LAYERS, None)
-    if not callable(flatten):
-        return None
-    try:
-        return list(flatten(include_self=False, recursive=True))
-    except Exception:  # another Keras, another signature
-        return None
+    return _keras_compat.flattened(model, include_self=False, name=FLATTEN_LAYERS)
 
 
 def is_keras_class(obj: Any, name: str) -> bool:
