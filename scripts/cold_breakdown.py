@@ -42,7 +42,7 @@ wrap(_bind, "_same_code")
 import batchjac._fingerprint as fp
 wrap(fp, "computation_fingerprint")
 if B == "jax":
-    from batchjac._backends import jax_executables as je
+    from batchjac._backends.jax import executables as je
     wrap(je, "compile", "exec.compile"); wrap(je, "_key", "exec._key")
     K = mod.JaxKernel
     wrap(K, "_block_sizes")

@@ -12,7 +12,7 @@ directory of small JSON files, one per :class:`TuneKey`::
      "decision": {"mode": "forward", "chunk_size": 1000, ...},
      "written": "2025-01-01T00:00:00Z"}
 
-Binary payloads (a compiled JAX executable, :mod:`batchjac._backends.jax_executables`) sit
+Binary payloads (a compiled JAX executable, :mod:`batchjac._backends.jax.executables`) sit
 beside them as ``<sha256 of the key>.bin``: one header line (the key, the payload's size and
 sha256) and the bytes, read back only when size and checksum match (:meth:`TuneCache.get_bytes`).
 
@@ -61,7 +61,7 @@ someone else must never be read:
   installed batchjac's files (:func:`code_id`), so another checkout of the same version never
   reads this one's decisions.
 - **No code from the disk.** Nothing read back is unpickled by batchjac; a JAX executable's
-  trees are rebuilt from the traced function (:mod:`batchjac._backends.jax_executables`).
+  trees are rebuilt from the traced function (:mod:`batchjac._backends.jax.executables`).
 
 Files are created readable by their owner only (``mkstemp``): the cache is per user, and
 another user's decisions are not to be trusted any more than their files.

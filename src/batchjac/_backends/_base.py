@@ -367,7 +367,7 @@ class BoundModel(ABC):
     #: side on W7 (3 unknowns, 1 output, 10,000 rows), JAX 0.86x, PyTorch 1.9x, TensorFlow 1.8x
     reductions_over_forward: ClassVar[bool] = True
     #: whether forward over forward computes a full Hessian in one pass of second-order
-    #: Taylor terms (``1 + k + k(k+1)/2`` a value, :mod:`.jax_laplacian`), which the order
+    #: Taylor terms (``1 + k + k(k+1)/2`` a value, :mod:`batchjac._backends.jax.laplacian`), which the order
     #: choice then weighs against forward over reverse (``_plan.choose_order``)
     forward_hessian: ClassVar[bool] = False
     #: whether a Hessian's kernel forward over reverse holds every output's passes at once
