@@ -510,6 +510,14 @@ class TorchSecondKernel(Kernel):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(H v)_i``: the derivative along ``v`` of the derivative along ``e_i``, for each
         of the ``k`` unit tangents (``k`` passes; forward over reverse takes one)."""
+        y, jac, hvs = self._along_units(u, ctx, v)
+        return y, jac, hvs.reshape(jac.shape)
+
+    def _along_units(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], outer: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For each of the ``k`` unit tangents ``t``, vmapped: the value, the derivative along
+        ``t`` (the Jacobians, per instance), and the derivative of that along ``outer`` (``t``
+        itself where None: the Hessian's diagonal), as ``(rows, m, k)``."""
         bound = self._bound
         k, m, out_shape, ushape = self._shapes(u)
         rows = u.shape[0]
@@ -518,13 +526,14 @@ class TorchSecondKernel(Kernel):
             def first(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 out = torch.func.jvp(lambda b: bound.apply(b, ctx), (a,), (t,))
                 return out[1], out[0]
-            out: Any = torch.func.jvp(first, (u,), (v,), has_aux=True)
-            return out[2], out[0], out[1]
+            out: Any = torch.func.jvp(first, (u,), (t if outer is None else outer,), has_aux=True)
+            return out[2], out[0], out[1]  # (y, dy along t, its derivative along outer)
 
         tangents = _basis(k, rows, ushape, u.dtype, u.device)
-        y, dys, hvs = torch.func.vmap(along, out_dims=(None, 0, 0))(tangents)  # type: ignore[arg-type]
+        y, dys, d2ys = torch.func.vmap(along, out_dims=(None, 0, 0))(tangents)  # type: ignore[arg-type]
+        # (k, rows, *out) -> (rows, *out, k)
         jac = dys.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
-        return y, jac, hvs.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
+        return y, jac, d2ys.reshape(k, rows, m).permute(1, 2, 0)
 
     def _shapes(self, u: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
         out_shape = self._bound.output_shape
@@ -573,24 +582,10 @@ class TorchSecondKernel(Kernel):
 
     def _diagonal_ff(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        bound = self._bound
-        k, m, out_shape, ushape = self._shapes(u)
-        rows = u.shape[0]
-
-        def twice(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            def first(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                out = torch.func.jvp(lambda b: bound.apply(b, ctx), (a,), (t,))
-                return out[1], out[0]
-            out: Any = torch.func.jvp(first, (u,), (t,), has_aux=True)
-            return out[2], out[0], out[1]  # (y, dy along t, d2y along t twice)
-
-        tangents = _basis(k, rows, ushape, u.dtype, u.device)
-        y, dys, d2ys = torch.func.vmap(twice, out_dims=(None, 0, 0))(tangents)  # type: ignore[arg-type]
-        # (k, rows, *out) -> (rows, *out, k)
-        jac = dys.reshape(k, rows, m).permute(1, 2, 0).reshape(rows, *out_shape, *ushape)
-        diag = d2ys.reshape(k, rows, m).permute(1, 2, 0)
+        y, jac, diag = self._along_units(u, ctx, None)
+        rows, out_shape = u.shape[0], self._shapes(u)[2]
         if self.kind == "diagonal":
-            return y, jac, diag.reshape(rows, *out_shape, *ushape)
+            return y, jac, diag.reshape(jac.shape)
         return y, jac, diag.sum(-1).reshape(rows, *out_shape)
 
     def _hessian_ff(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
