@@ -133,7 +133,8 @@ def cache_enabled() -> bool:
     return raw == "on"
 
 
-#: the default of BATCHJAC_CACHE_MAX_BYTES: W1-W4's executables take 0.07-2 MB each
+#: the default of BATCHJAC_CACHE_MAX_BYTES: room for hundreds of the benchmark's executables
+#: (their sizes: docs/thresholds.md)
 CACHE_MAX_BYTES = 10**9
 
 
@@ -172,9 +173,8 @@ def cache_dir() -> Path:
 
 #: the last-level cache assumed where the machine does not say (this project's CPU: 32 MB),
 #: and the most a process is taken to have: a virtual machine's share of a large shared L3
-#: is not its own (one of this project's machines reports 105 MB across 2 cores; the forward
-#: Laplacian of W7 there ran 0.84-0.99 s in blocks sized to it, 0.56-0.68 s in blocks of
-#: 1,500-8,192 rows, ~13-50 MB)
+#: is not its own (one of this project's machines reports 105 MB across 2 cores, and blocks
+#: sized to that ran slower than blocks of a few tens of MB: docs/thresholds.md)
 CACHE_FALLBACK = CACHE_CAP = 32 << 20
 
 

@@ -248,8 +248,8 @@ def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wr
                              return_outputs=return_outputs, return_jacobian=return_jacobian,
                              nan_policy=nan_policy, options=options, explain=explain,
                              progress=progress, compute_chunks=compute_chunks)
-        # (JAX: the probes beside the first kernel's compilation, as jacobian's; W6's first
-        # call waited 10 ms of 250 for them)
+        # (JAX: the probes beside the first kernel's compilation, as jacobian's: a first call
+        # waits little for them)
         bound = prepare(model, _plain(spec), name, options, overlap=out is None)
 
         def compute() -> Any:
@@ -405,9 +405,9 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: SecondKindArg,
                 bar.close()
         return finish()
 
-    # the rows ladder (measured under load, JAX's trace of its native Hessian on W7, 20,000
-    # rows, took 0.48x the time in chunks of 2,000) and the kernel's builds (TensorFlow: graph,
-    # XLA) race only when the work seen repays it, in the ledger of second-order work
+    # the rows ladder (smaller chunks can run a Hessian much faster than one large one:
+    # docs/thresholds.md) and the kernel's builds (TensorFlow: graph, XLA) race only when the
+    # work seen repays it, in the ledger of second-order work
     result = compute(bound, spec, what, plan, backend=backend,
                      rows_free=out is None and plan.budget_rows is not None, run=run,
                      explain=explain)

@@ -18,7 +18,8 @@ from ._errors import ChunkMemoryWarning as ChunkMemoryWarning, InputError
 ModeArg = Literal["auto", "forward", "reverse"]
 
 #: upper bound on rows per chunk: beyond this, larger chunks buy no speed on any backend we
-#: measured, and fixed chunk shapes keep the number of compilations small
+#: measured, and fixed chunk shapes keep the number of compilations small (no figures were
+#: recorded: docs/thresholds.md)
 MAX_CHUNK = 131072
 #: below this ratio of max(k, m) / min(k, m), mode="auto" times both modes once
 UNSURE_RATIO = 4
@@ -172,14 +173,12 @@ def _chunking(n: int, per_row: int, chunk_size: int | None, max_memory: int
 # -- the CPU's cache (its size: batchjac._config.cache_bytes) ----------------------------------
 
 #: a Jacobian kernel's temporaries a row, per tangent or backward pass, against those of the
-#: forward derivative with one tangent (``BoundModel.row_bytes``, from a trace):
-#: measured with XLA's buffer assignment (JAX, per row, against the traced estimate): W1
-#: 2.3-2.8 KB against 1.0 KB for 4-5 passes, W3 forward 8.2 KB against 6.1 KB for 4, W4 227 KB
-#: against 43 KB for 10; 0.75 a pass keeps the estimate above each
+#: forward derivative with one tangent (``BoundModel.row_bytes``, from a trace): set to keep
+#: the estimate above what XLA's buffer assignment keeps (measured: docs/thresholds.md)
 PASS_FACTOR = 0.75
 #: chunks are cut to the cache only where the temporaries outweigh the results that many
-#: times: more chunks copy their results into the whole array (JAX's W2, 31 KB of Jacobians
-#: and about as much temporaries a row, ran 449 against 315 ms in chunks of 625 rows)
+#: times: more chunks copy their results into the whole array, which costs more than the
+#: cache saves where the results are as large as the temporaries (docs/thresholds.md)
 TEMP_RESULT_RATIO = 4
 #: fewer rows a chunk are dispatch-bound (each chunk is a call of the kernel)
 MIN_CACHE_ROWS = 64
@@ -190,13 +189,11 @@ def fit_cache(plan: AnyPlan, n: int, *, row_bytes: float | None, passes: int,
     """The plan in chunks whose temporaries fit the CPU's cache, where the backend estimated
     them (``row_bytes``: :meth:`~batchjac._backends.BoundModel.row_working_set`) and they
     outweigh the results (:data:`TEMP_RESULT_RATIO`); else the plan as it is. A chunk whose
-    temporaries outgrow the cache runs them from memory: measured here, JAX's W4 (2,000
-    images, 227 KB of temporaries a row by XLA's count) took 1.25 s in one chunk, 0.88 s in
-    chunks of 250 rows (57 MB), 0.48 s in chunks of 125 (28 MB), first call 0.72 against 1.41 s;
-    its W1 at 100,000 rows 118 ms in one chunk, 47 ms in chunks of 8,192; the Hessians of W7
-    (100,000 rows, 7.7 KB of temporaries a row) 0.47 s in one chunk, in chunks of 6,144 too,
-    0.20 s in chunks of 4,096 (31 MB). ``passes``: of the kernel, where each holds about what
-    the one tangent does (a Jacobian's ``k`` tangents or ``m`` backward passes). The ladder of
+    temporaries outgrow the cache runs them from memory: on the benchmark workloads where
+    this applies, Jacobians and Hessians alike, one chunk ran two to three times slower than
+    chunks cut to the cache (measured: docs/thresholds.md, ``_config.CACHE_FALLBACK``).
+    ``passes``: of the kernel, where each holds about what the one tangent does (a
+    Jacobian's ``k`` tangents or ``m`` backward passes). The ladder of
     chunk sizes (``batchjac._autotune.tune_rows``) times sizes below this one later, when the
     work repays it."""
     if row_bytes is None or n == 0:
@@ -220,9 +217,8 @@ def fit_cache(plan: AnyPlan, n: int, *, row_bytes: float | None, passes: int,
 def hessian_passes(order: str, k: int, m: int) -> int:
     """The passes of a full Hessian's kernel for :func:`fit_cache`: forward over reverse, the
     ``k`` tangents of the primal and of each of the ``m`` backward passes; forward over
-    forward, ``k`` tangents of ``k`` tangents and of the primal. Measured (JAX, XLA's buffer
-    assignment against the probes' one tangent): W7 (k=3, m=1) 3.75x, W1 (k=5, m=4) 11.3x,
-    against ``PASS_FACTOR`` times 6 and 25 passes, 4.5x and 18.8x."""
+    forward, ``k`` tangents of ``k`` tangents and of the primal. ``PASS_FACTOR`` times these
+    passes stays above what XLA's buffer assignment keeps (measured: docs/thresholds.md)."""
     return k * (m + 1) if order == "forward-over-reverse" else k * (k + 1)
 
 

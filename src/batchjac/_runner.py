@@ -126,7 +126,8 @@ def warn_if_zero(kernel: Any, out: Results, where: object) -> None:
     missing path in the probes (NotConnectedError); TensorFlow's gradients flow through a
     slice of the unknowns that is never used, and zeros came back silently. Every backend gets
     this one check here. It stops at the first block of rows with a nonzero entry: the whole
-    first chunk is read only when it is all zero (W2's 10,000 rows, 313 MB: 50-70 ms)."""
+    first chunk is read only when it is all zero (reading a large chunk whole costs tens of
+    milliseconds)."""
     if not hasattr(kernel, "chunk_size"):  # not a kernel (a wrapper of a launched call)
         return
     owner = getattr(kernel, "_bound", kernel)

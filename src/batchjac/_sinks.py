@@ -24,11 +24,10 @@ def new_result(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     A large one (``POPULATE_BYTES``) is an anonymous mapping whose pages the kernel maps in
     one go (``MAP_POPULATE``, Linux), rather than ``np.empty``: numpy asks transparent huge
     pages for large arrays, and where the machine's memory is fragmented the first writes
-    then wait for the kernel to compact it. Measured on this machine with PyTorch's W2 (313
-    MB of Jacobians in 64 chunks): 355 ms a call, but 490-1,280 ms in 3 of 8 calls, and 5 of
-    11 beside the baseline; populated, 385 ms every call (mapping 78 ms, copies 29 ms, where
-    np.empty without huge pages takes 169 ms). The array owns its mapping: it is unmapped
-    when the array is freed.
+    then wait for the kernel to compact it: measured, a large result's calls then took up to
+    several times their usual time, now and then, where a populated mapping costs the same
+    every call (docs/thresholds.md). The array owns its mapping: it is unmapped when the
+    array is freed.
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize

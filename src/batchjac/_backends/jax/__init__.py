@@ -10,13 +10,12 @@ Kernel: ``jit(vmap(jacfwd | jacrev))`` over instances, each instance pushed thro
 batch function as a one-row batch (``f(x_i[None])[0]``; for a per-instance model, ``f(x_i)``).
 That is what people write by hand, and on a 2-core CPU it was the faster of the two shapes
 tried: the alternative, vmapping ``jvp``/``vjp`` of the whole batch over the basis (rows are
-independent), was 1.27x slower on W1 at 4,096 rows and 1.1x on W2 in reverse mode, and at
-1,000 rows of W1 it timed 5-10% faster as a bare kernel but no faster within batchjac in
-the benchmark (re-measured 2026-11-30). Each kernel is traced once and compiled ahead of
-time for its fixed chunk shape (``jit(...).lower(...).compile()``; calling the compiled
-executable skips jit's argument matching), on the CPU in two builds, each also computing
-the chunk in blocks of ~128 rows inside the one call, that the first call times against each
-other (see :class:`JaxKernel`).
+independent), was slower on the benchmark's MLPs, and no faster within batchjac where it
+timed faster as a bare kernel (measured: docs/thresholds.md, "Measured choices"). Each
+kernel is traced once and compiled ahead of time for its fixed chunk shape
+(``jit(...).lower(...).compile()``; calling the compiled executable skips jit's argument
+matching), on the CPU in two builds, each also computing the chunk in blocks of ~128 rows
+inside the one call, that the first call times against each other (see :class:`JaxKernel`).
 
 Array leaves of the model (an Equinox module is a pytree) and of ``params`` are arguments of
 the compiled kernel, not constants: floating ones are cast to the compute dtype inside it (so
@@ -120,11 +119,9 @@ _NO_PARAMS = object()
 
 class JaxBound(BoundModel):
     #: ``jacfwd`` traces and compiles quicker than ``jacrev`` and runs as fast where the widths
-    #: are close: W1 (5 unknowns, 4 outputs, 1,000 rows) in a fresh process, batchjac's first
-    #: call 161-172 ms forward against 221-227 ms reverse, steady 0.36-0.47 ms against
-    #: 0.34-0.47 ms (the native first calls: jit(vmap(jacfwd)) 121 ms, jacrev 160 ms). In
-    #: TensorFlow (ForwardAccumulator: 399 against 147 ms) and PyTorch (1.14 s against 0.25 s)
-    #: forward mode costs more, and they keep the default
+    #: are close (a first call of the benchmark's seed MLP is quicker forward); in TensorFlow
+    #: (ForwardAccumulator) and PyTorch forward mode costs more, and they keep the default
+    #: (measured: docs/thresholds.md)
     forward_bias: ClassVar[float] = 1.5
     #: full Hessians pushed forward by :mod:`.laplacian`'s rule set (JaxSecondKernel)
     forward_hessian: ClassVar[bool] = True

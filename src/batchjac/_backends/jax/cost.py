@@ -8,16 +8,13 @@ keeps the two apart:
 
 - ``products``: floating-point operations of matrix products and convolutions, at
   ``2 * output size * contracted size``;
-- ``elements``: the output elements of every other equation, the loops XLA emits. Measured on
-  the project's machine (CPU seconds, level 0 against the default), each costs 0.3-1 ns more:
-  W1 1,000 rows 1.4 ms more for 2.6 million, 30,000 rows 44 ms for 79 million; W3 16 ms for
-  16 million; W2 (10,000 rows) 97 ms for 340 million (figures of level 0 alone; without the
-  fusion emitters too, W1 10,000 rows: 14 ms for 26 million), while the compilation saves
-  50-60 ms.
+- ``elements``: the output elements of every other equation, the loops XLA emits, each a
+  little slower in the quick build: the count prices what that build loses against what its
+  compilation saves (measured: docs/thresholds.md, ``JaxKernel.QUICK_ELEMENTS``).
 
 Loops count at their trip count (a ``while`` at one trip: its count is not known before it
-runs). The walk takes well under a millisecond, where XLA's own ``cost_analysis`` of the
-lowered module takes 6-11 ms, a fifth of what it would decide about.
+runs). The walk is quick, where XLA's own ``cost_analysis`` of the lowered module takes a
+sizeable part of what it would decide about (docs/thresholds.md, "Measured choices").
 
 The count is a heuristic whose only job is speed: where a jaxpr holds something it cannot
 read (a parameter a JAX release renamed, :mod:`.compat`), it is no estimate (None), never an

@@ -1,12 +1,12 @@
 """Compiled JAX kernels remembered on disk: a later process loads the executable instead of
 compiling it again.
 
-A JAX kernel's first call in a fresh process is its trace, XLA's compilation and one run;
-measured on the project's 2-core CPU (idle), W1 traces and lowers in ~50 ms and compiles in
-~60 ms, W3 compiles in ~150 ms. The tuning cache (:mod:`batchjac._tunecache`) already spares a
+A JAX kernel's first call in a fresh process is its trace, XLA's compilation and one run,
+the compilation the larger part. The tuning cache (:mod:`batchjac._tunecache`) already spares a
 second process the races; this module spares it the compilation, the larger part of what is
-left: XLA's executable is serialized (``jax.experimental.serialize_executable``, 0.07-2 MB for
-W1-W4) into the same cache directory, and loading it back takes 2-14 ms.
+left: XLA's executable is serialized (``jax.experimental.serialize_executable``, a few MB at
+most for the benchmark's models) into the same cache directory, and loading it back takes a
+fraction of the compilation (measured: docs/thresholds.md, ``MIN_COMPILE_SECONDS``).
 
 The key is the lowered module's text (StableHLO, with every constant a traced function bakes
 in: a closure's weights are part of it, so new weight values never load an old executable),
@@ -34,10 +34,10 @@ serializer (:mod:`.compat`). ``BATCHJAC_CACHE=off`` reads and writes nothing. Wr
 background thread once the call that compiled has its result (:func:`release`) and no kernel
 has been called for :data:`WRITE_DELAY` (:func:`used`: a call in chunks keeps it waiting, at
 most :data:`MAX_WRITE_WAIT`): serializing
-W3's executable beside its first run took 4-8 ms of the run's two cores. A directory that
-never held an executable is not searched (:meth:`~batchjac._tunecache.TuneCache.has_payloads`):
-the key, the module's text hashed, costs 1-12 ms on a first call (W1-W3), and is then made
-by the writer, after the call. The directory keeps at most ``BATCHJAC_CACHE_MAX_BYTES`` of
+an executable beside a first run takes some of the run's cores. A directory that never held
+an executable is not searched (:meth:`~batchjac._tunecache.TuneCache.has_payloads`): the key,
+the module's text hashed, costs a first call milliseconds, and is then made by the writer,
+after the call. The directory keeps at most ``BATCHJAC_CACHE_MAX_BYTES`` of
 executables (1 GB by default), the least recently used removed first.
 """
 
@@ -59,13 +59,14 @@ from . import compat
 
 #: XLA's compiler options: strings, or Python booleans for its boolean flags (it refuses "false")
 Options = dict[str, str | bool]
-#: compilations shorter than this are not worth a file (reading one back costs a few ms)
+#: compilations shorter than this are not worth a file (reading one back costs a few ms:
+#: docs/thresholds.md)
 MIN_COMPILE_SECONDS = 0.02
 #: seconds without a kernel call the writer waits for before it serializes an executable:
-#: its key and serialization hold Python's lock for 2-10 ms (and a core), which the call that
-#: compiled, returning meanwhile, would otherwise wait for (Python hands its lock over every
-#: 5 ms); the chunks after the first one of a call keep it waiting (W6's 10,000 Hessians in 6
-#: chunks: a first call of 347 ms against the native 273 when it wrote after the first chunk)
+#: its key and serialization hold Python's lock (and a core), which the call that compiled,
+#: returning meanwhile, would otherwise wait for; the chunks after the first one of a call
+#: keep it waiting (a call in chunks whose writer wrote after its first chunk was measurably
+#: slower than native: docs/thresholds.md)
 WRITE_DELAY = 0.05
 #: ... but no longer than this after the executable was queued
 MAX_WRITE_WAIT = 2.0
@@ -162,9 +163,8 @@ def _lookup(cache: Any, lowered: Any, options: Options
 
 def _started() -> None:
     """Nothing: submitted once an executable is queued, so that the writer's thread exists
-    before the call's result. Made by :func:`release` instead, it waited 15-20 ms for the
-    memory map (XLA freeing the first call's temporaries: a thread's stack is mapped memory)
-    on W2's first call."""
+    before the call's result. Made by :func:`release` instead, it waited for the memory map
+    (XLA freeing the first call's temporaries: a thread's stack is mapped memory)."""
 
 
 def release() -> None:
@@ -248,8 +248,8 @@ def _only_known_classes(payload: bytes) -> bool:
 
 def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
            options: Options, queued: float = 0.0) -> None:
-    # before the imports too: importing serialize_executable holds Python's lock for ~20 ms,
-    # which a first call returning meanwhile waited for (W2's: 40 ms of 420)
+    # before the imports too: importing serialize_executable holds Python's lock for a while,
+    # which a first call returning meanwhile waited for (docs/thresholds.md)
     _quiet(queued or time.monotonic())  # (the calls return before this takes Python's lock)
     if compat.serializer() is None:  # (imported here) a JAX without one: nothing remembered
         return

@@ -52,7 +52,7 @@ from jax import lax
 from . import compat
 
 if TYPE_CHECKING:  # (at run time told apart by their attributes, as cost.py does:
-    # importing jax.extend for the classes costs ~23 ms of a first call, W6's ~300)
+    # importing jax.extend for the classes costs a first call a noticeable share)
     from jax.extend.core import ClosedJaxpr, Jaxpr
 
 

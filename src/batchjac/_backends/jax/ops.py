@@ -46,10 +46,10 @@ class JaxOps:
 
     def buffer(self, like: Any, shape: tuple[int, ...], host: Any) -> Any | None:
         """On the CPU, where a JAX array's memory is the host's: a numpy array (``host``'s)
-        that becomes the JAX result without a copy (:meth:`sealed`). XLA's CPU concatenate joins
-        W2's 64 chunks of 156 rows (313 MB) in 170-190 ms, slower than the chunking saves
-        (1.0-1.37x the native one-chunk baseline), where a numpy copy of each chunk as it
-        comes takes 41 ms in all. Off the CPU, None: the chunks are joined on the device."""
+        that becomes the JAX result without a copy (:meth:`sealed`). XLA's CPU concatenate of
+        many chunks of a large result costs more than the chunking saves, where a numpy copy of
+        each chunk as it comes costs a fraction of it (measured: docs/thresholds.md). Off the
+        CPU, None: the chunks are joined on the device."""
         devices = like.devices()
         device = next(iter(devices))
         if len(devices) != 1 or device.platform != "cpu":
@@ -85,8 +85,8 @@ class JaxOps:
 class _HostBuffer:
     """A result written on the host and handed to JAX as it is: ``jax.device_put`` of an
     array aligned to :data:`ALIGN` bytes onto a CPU device takes its memory, with no copy
-    (PjRt's zero-copy host buffers; a misaligned one would be copied, 180-200 ms for W2's
-    313 MB), and keeps the numpy array alive for as long as the JAX array lives. A large
+    (PjRt's zero-copy host buffers; a misaligned one would be copied, a large result's whole
+    size), and keeps the numpy array alive for as long as the JAX array lives. A large
     result (``batchjac._sinks.new_result``: a mapping) is page-aligned; a smaller one that
     is not aligned is allocated again, aligned, before anything is written into it."""
 

@@ -4,8 +4,8 @@ compilation.
 The probes (:mod:`batchjac._probes`) check that a model is deterministic and that its rows
 do not interact (batch statistics make per-instance Jacobians silently wrong). They do it
 with values: three forward passes of a few rows, which in JAX cost a compilation of the
-forward (35-100 ms of CPU on the project's machine, about the native answer's whole
-compilation of W1). A jaxpr can often prove both without running anything:
+forward (for a small model, about as much as the native answer's whole compilation:
+docs/thresholds.md). A jaxpr can often prove both without running anything:
 
 - **rows apart**: follow the batch axis (axis 0 of every input that has one) through each
   equation; a primitive that keeps it at axis 0 and mixes nothing along it (elementwise

@@ -47,7 +47,7 @@ _float64_copy = float64_copy
 
 
 class TFBound(BoundModel):
-    reductions_over_forward = False  # (see BoundModel: measured 1.8-1.9x)
+    reductions_over_forward = False  # (see BoundModel; measured: docs/thresholds.md)
     def __init__(self, model: Any, signature: Signature) -> None:
         super().__init__(signature)
         self.original = model
@@ -170,7 +170,7 @@ class TFBound(BoundModel):
 
     def rows_apart(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
         """Read from the Keras model's layers (:mod:`.keras`): no
-        call, so none of the graph traces the probes' passes would cost (W1: 115-120 ms)."""
+        call, so none of the graph traces the probes' passes would cost (:mod:`.keras`)."""
         return self.output_shape_of(u, ctx) is not None
 
     def output_shape_of(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[int, ...] | None:

@@ -2,8 +2,8 @@
 and its float64 clone.
 
 The probes (:mod:`batchjac._probes`) call a TensorFlow model three times in a traced graph and
-once more under a gradient tape; for a Keras model those traces are most of what they cost
-(measured on W1: 115-120 ms of a 310 ms first call, against a rule of 10%). A Sequential or
+once more under a gradient tape; for a Keras model those traces are most of what they cost,
+a large share of a small model's first call (measured: docs/thresholds.md). A Sequential or
 functional model built only of Keras's own layers that act row by row (dense, convolution,
 pooling, reshapes of the per-row axes, element-wise merges, Keras's own activations) in
 inference mode (batchjac calls with ``training=False``: dropout is the identity) is

@@ -256,8 +256,8 @@ def _reshaped(op: tf.Operation, primals: list[tf.Tensor], varying: tuple[Any, An
               form: _Form) -> list[Any] | None:
     """An operation that only moves or relabels its first input's elements (:data:`_RESHAPES`):
     the tangents and second-order terms moved alike, as one reshape (or cast) each with their
-    leading axis kept, instead of the generic rule's ``vectorized_map`` over them (W7's
-    Keras model has two reshapes and an identity: 95 ms of its 240 ms trace). None where
+    leading axis kept, instead of the generic rule's ``vectorized_map`` over them (whose
+    trace was a large part of a small Keras model's: docs/thresholds.md). None where
     the shapes are not all known (the generic rule then)."""
     x, jac, lap = varying
     kind = compat.op_type(op)

@@ -10,15 +10,16 @@ Jacobian at once:
 - reverse mode: ``torch.func.vjp`` of the whole chunk (one forward pass), then ``vmap`` of its
   pullback over the outputs' basis. ``autograd.Function`` subclasses in the old style
   (``forward(ctx, ...)``) are refused by torch.func; for them the same is done with plain
-  autograd (``autograd.grad(..., is_grads_batched=True)``, ~10% slower on W2).
+  autograd (``autograd.grad(..., is_grads_batched=True)``, a little slower).
 
 The model always sees its ordinary batch, as in training code; no per-instance wrapper. On the
 benchmark workloads this is as fast as ``vmap(jacrev)``/``vmap(jacfwd)`` or faster. The
 Jacobians come back as views of the framework's layout (``(basis, rows, ...)`` moved to
-``(rows, ..., basis)``), not copied: a copy costs ~15% on W2.
+``(rows, ..., basis)``), not copied: a copy costs a noticeable share of a large call.
 
-``torch.compile`` is not used: on W1 and W3 it cut the steady-state time by 25-35% but took
-4-17 s to compile on a 2-core CPU, which a call must be thousands of chunks long to win back.
+``torch.compile`` is not used: it cuts the steady-state time of an MLP by a quarter to a
+third, but its compilation takes seconds on a 2-core CPU, which a call must be thousands of
+chunks long to win back (measured: docs/thresholds.md, "Measured choices").
 Parameters are constants: kernels run under ``torch.no_grad()`` (torch.func transforms are
 unaffected by it), so no graph is built for the weights and ``.grad`` is never touched.
 """
@@ -112,8 +113,8 @@ class TorchOps:
 
     def all_finite(self, a: Any) -> bool:
         # one reduction: NaN and Inf reach the sum, so a finite sum proves every entry finite
-        # (torch.isfinite(a).all() is four passes: 19 ms on W2's 10,000 x 784 input against
-        # 0.5 ms, 4% of the call); only a sum that overflowed is checked entry by entry
+        # (torch.isfinite(a).all() is four passes, a sizeable share of a call on a wide input);
+        # only a sum that overflowed is checked entry by entry
         return not a.is_floating_point() or bool(torch.isfinite(a.sum())) or \
             bool(torch.isfinite(a).all())
 
@@ -144,8 +145,8 @@ def _owner_module(model: Any) -> torch.nn.Module | None:
 
 
 def _set_eval(module: torch.nn.Module, flags: list[tuple[torch.nn.Module, bool]]) -> None:
-    """``module.eval()``, without its per-module ``__setattr__`` (~0.1 ms a call for a small
-    MLP, 5% of W1) unless some submodule overrides ``train`` and must see the call."""
+    """``module.eval()``, without its per-module ``__setattr__`` (a few percent of a small
+    MLP's call) unless some submodule overrides ``train`` and must see the call."""
     if any(type(m).train is not torch.nn.Module.train for m, _ in flags):
         module.eval()
         return
@@ -175,7 +176,7 @@ def _model_device(module: torch.nn.Module | None) -> torch.device:
 
 class TorchBound(BoundModel):
     compiles_kernels = False  # eager: a kernel of another chunk size costs nothing to make
-    reductions_over_forward = False  # (see BoundModel: measured 1.8-1.9x)
+    reductions_over_forward = False  # (see BoundModel; measured: docs/thresholds.md)
     hessian_outputs_at_once = False  # (see BoundModel: plain autograd, an output at a time)
 
     def __init__(self, model: Any, signature: Signature, *, train_mode: bool = False,

@@ -13,11 +13,9 @@ axis: an array made per call whose leading size happens to equal the probes' few
 counted, which makes the chunks smaller than they need be, never too large).
 
 A model with convolutions gets no estimate: oneDNN tiles its convolutions for the cache
-itself, and each new chunk shape costs its primitives' setup on the first call. Measured on
-the project's 2-core CPU, first call in a fresh process, one chunk against cache-sized ones:
-W4 (2,000 images, conv net) 0.32 s whole against 0.42-0.45 s in chunks of 143-667 rows; the
-MLPs gain: W1 at 100,000 rows 0.146 against 0.093 s (chunks of 10,000), W6's Hessians
-0.14 against 0.11 s (3,334), W7H's 1.11 against 0.49 s (2,382).
+itself, and each new chunk shape costs its primitives' setup on the first call: measured on
+a first call in a fresh process, the benchmark's conv net ran slower in cache-sized chunks
+than whole, where its MLPs ran faster (docs/thresholds.md, "Measured choices").
 """
 
 from __future__ import annotations

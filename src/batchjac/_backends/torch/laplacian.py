@@ -21,9 +21,9 @@ stacked into one ``(k + 1, ...)`` tensor; any other operation by ``torch.func``:
 where forward over reverse (``vmap(jacfwd(jacrev))``, the Hessian then its trace) costs
 ``2k + 2`` and ``jvp`` of ``jvp`` along each ``e_j`` ``3k + 1``.
 
-Measured side by side in one process on a loaded 2-core CPU (W7, PINN MLP 3-128-128-128-1,
-20,000 rows, medians of interleaved rounds): batchjac.laplacian with this build 0.39x the
-native trace of ``vmap(jacfwd(jacrev))``; its forward over reverse 0.88x.
+Measured side by side on the benchmark's PINN MLP, this build runs well under half the time
+of the native trace of ``vmap(jacfwd(jacrev))``, where forward over reverse is about as fast
+as that trace (docs/thresholds.md, "Measured choices").
 """
 
 from __future__ import annotations
