@@ -25,17 +25,7 @@ HEADER = "| name | value | decides | where measured |"
 #: files that still quote workload timings while they are being rewritten (issue 34). The list
 #: must shrink to empty: a file leaves it once its figures are in docs/thresholds.md and its
 #: comments point there, and the test fails for a file listed here that no longer quotes any
-PENDING = {
-    "_autotune.py",
-    "_backends/_base.py",
-    "_backends/jax/builds.py",
-    "_backends/jax/second.py",
-    "_backends/tensorflow/builds.py",
-    "_backends/tensorflow/second.py",
-    "_backends/torch/builds.py",
-    "_backends/torch/second.py",
-    "_tuning.py",
-}
+PENDING: set[str] = set()
 
 #: a workload (W1-W9, W7H) and a figure of time or speed: a duration, a ratio ("0.8x",
 #: "1.10x native"), a percentage

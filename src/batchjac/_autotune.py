@@ -3,13 +3,12 @@
 - **Mode**: when unknowns and outputs are of similar count, time one chunk in each mode and
   keep the winner (:func:`tune`).
 - **Chunk size**: the memory budget bounds the chunk, but the fastest chunk is often much
-  smaller than what fits: measured on this 2-core CPU, W1 (100,000 rows) takes 118 ms in one
-  JAX chunk and 47 ms in chunks of 8,192; W4 (2,000 images) 750 ms in one chunk and 360 ms
-  in chunks of 125 (JAX and PyTorch alike), while TensorFlow's graph prefers its largest
-  chunk on W2 and W4. Which size wins depends on the framework, the layers and the machine's
-  caches and allocator; the planner's first guess cuts JAX chunks whose traced temporaries
-  outgrow the cache (:func:`batchjac._plan.fit_cache`), and :func:`tune_rows` times a ladder
-  of sizes (the planned one, then a quarter of it each step) on the call's own rows, counting
+  smaller than what fits, while TensorFlow's graph prefers its largest chunk (measured:
+  docs/thresholds.md, "The chunk-size ladder"). Which size wins depends on the framework,
+  the layers and the machine's caches and allocator; the planner's first guess cuts JAX
+  chunks whose traced temporaries outgrow the cache (:func:`batchjac._plan.fit_cache`), and
+  :func:`tune_rows` times a ladder of sizes (the planned one, then a quarter of it each
+  step) on the call's own rows, counting
   the copy of each chunk into the result that one whole chunk does not need, and takes the
   largest size within ``NEAR`` of the fastest per row when it is faster per row than the
   planned one by more than ``ROWS_MARGIN`` (``COPY_MARGIN`` when the plan was one chunk of
@@ -59,9 +58,8 @@ ROWS_MARGIN = chooser.MARGIN
 #: chunking then adds copies into a large new result, which the timing leaves out
 COPY_MARGIN = 0.25
 COPY_BYTES = 64 << 20
-#: timed runs of each chunk size (the median counts: PyTorch's W2 in chunks of 2,500 rows
-#: runs erratically, 405-942 ms for the 10,000 rows, and its fastest timing of three, 29 us a
-#: row, once won against 625-row chunks that steadily take 31-34)
+#: timed runs of each chunk size (the median counts: an erratic size's fastest timing once
+#: won against a steadily faster one; docs/thresholds.md)
 TIMED_RUNS = 3
 #: ... and runs more of the planned size and the fastest, interleaved, before choosing
 CONFIRM_RUNS = 2
@@ -74,8 +72,7 @@ ROWS_STEP = 4
 #: ... down to this many rows
 MIN_TUNED_ROWS = 64
 #: a size this much slower per row than the best so far ends the descent. The landscape is
-#: not monotonic: JAX's W1 (100,000 rows) timed 1.04 us a row in one chunk, 1.22 in chunks
-#: of 25,008 and 0.36 in chunks of 6,252, which a stop at 1.15 never reached
+#: not monotonic, and a tighter stop missed the best size (docs/thresholds.md)
 STOP_RATIO = 1.5
 #: the clock every timing here reads: tests replace it with one their fake kernels advance,
 #: to test the decisions on chosen timings rather than on sleeps a busy machine stretches
@@ -200,8 +197,8 @@ def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan | SecondPlan,
     fastest = _pick(per_row)
     if fastest != sizes[0]:
         # the sizes were timed one after the other, minutes apart on a busy machine: time
-        # the two that decide again, interleaved (PyTorch's W2 once kept one chunk, 1.0x of
-        # the baseline, when a slow spell fell on the smaller sizes' turn)
+        # the two that decide again, interleaved (a slow spell on the smaller sizes' turn once
+        # kept the planned one; docs/thresholds.md, CONFIRM_RUNS)
         timers = {s: _timer(spec, plan, kernel_for, s, first=False)[0]
                   for s in (sizes[0], fastest)}
         for _ in range(CONFIRM_RUNS):
@@ -211,10 +208,8 @@ def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan | SecondPlan,
             per_row[s] = float(np.median(runs[s])) / s
     # the fastest size tried, if clearly faster than the planned one. Where the plan is one
     # large chunk, chunking adds copies into a new result whose first writes (page faults)
-    # the reused buffer above does not pay: measured, JAX's W2 (313 MB of Jacobians) timed
-    # 27.9 us a row in chunks of 625 against 33.8 in one chunk and then ran 449 ms against
-    # 315, so that case asks more. A small result does not: TensorFlow's W1 (8 MB) timed
-    # 0.50 against 0.66 us a row and ran 47.7 against 63.1 ms, as timed
+    # the reused buffer above does not pay, so that case asks more; a small result does not
+    # (measured: docs/thresholds.md, COPY_MARGIN)
     fastest = _pick(per_row)
     large = plan.n_chunks == 1 and row_bytes * spec.n >= COPY_BYTES
     margin = COPY_MARGIN if large else ROWS_MARGIN
@@ -224,8 +219,7 @@ def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan | SecondPlan,
 
 def _pick(per_row: dict[int, float]) -> int:
     """The largest size within NEAR of the fastest per row: each chunk costs the runner some
-    work the timing leaves out (slicing, padding, the copy's call), and PyTorch's W2 ran 422
-    ms in chunks of 156 rows, timed 30.7 us a row, against 384 in chunks of 625, timed 31.4."""
+    work the timing leaves out (slicing, padding, the copy's call): docs/thresholds.md, NEAR."""
     best = min(per_row.values())
     return max(s for s, t in per_row.items() if t <= (1 + NEAR) * best)
 

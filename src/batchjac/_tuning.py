@@ -41,8 +41,8 @@ from ._tune.state import Ledger as Ledger
 
 T = TypeVar("T")
 
-#: the largest fraction of the work a race is assumed to save (the best choice measured here
-#: was 2x faster than the cost model's: TensorFlow's graph on W4, JAX's blocks on W1)
+#: the largest fraction of the work a race is assumed to save (the best choice measured was
+#: twice as fast as the cost model's: docs/thresholds.md)
 MAX_GAIN = 0.5
 #: a race's timed runs, beyond its compilations, in seconds (mode and build races time a
 #: chunk a handful of times: ~0.1-0.3 s)
@@ -146,8 +146,8 @@ def recall_variant(bound: Any, backend: str, kernel: Any, found: Any = ...) -> N
     why = f"remembered: {found.get('timings', '')}"
     cheap = getattr(kernel, "cheap_first", None)
     if cheap is not None and found["variant"] != cheap:
-        # a faster build that costs more to make (TensorFlow's XLA against its graph, W1: 0.14
-        # against 0.10 s): the first call takes the cheap one, and the remembered one replaces
+        # a faster build that costs more to make (TensorFlow's XLA against its graph: see
+        # docs/thresholds.md): the first call takes the cheap one, and the remembered one replaces
         # it once the work repays one more build (settle), without a race
         kernel.remembered = (found["variant"], why)
         return

@@ -363,18 +363,17 @@ class BoundModel(ABC):
     #: N that earn their own kernel, see ``_tuning.reuse``) would otherwise grow without bound
     MAX_KERNELS: ClassVar[int] = 16
     #: whether the diagonal and the Laplacian are cheaper forward over forward (``k``
-    #: second-order tangents) than forward over reverse for few outputs: measured side by
-    #: side on W7 (3 unknowns, 1 output, 10,000 rows), JAX 0.86x, PyTorch 1.9x, TensorFlow 1.8x
+    #: second-order tangents) than forward over reverse for few outputs: measured per backend
+    #: (docs/thresholds.md)
     reductions_over_forward: ClassVar[bool] = True
     #: whether forward over forward computes a full Hessian in one pass of second-order
-    #: Taylor terms (``1 + k + k(k+1)/2`` a value, :mod:`batchjac._backends.jax.laplacian`), which the order
-    #: choice then weighs against forward over reverse (``_plan.choose_order``)
+    #: Taylor terms (``1 + k + k(k+1)/2`` a value, :mod:`batchjac._backends.jax.laplacian`),
+    #: which the order choice then weighs against forward over reverse (``_plan.choose_order``)
     forward_hessian: ClassVar[bool] = False
     #: whether a Hessian's kernel forward over reverse holds every output's passes at once
     #: (``vmap``-ed, as JAX's and TensorFlow's are), for the chunks cut to the cache
     #: (``_plan.hessian_passes``); PyTorch's first build, plain autograd, differentiates one
-    #: output after another (W6 in chunks cut for its 4 outputs at once, 1,667 rows: 79 ms
-    #: steady, for one: 3,334 rows, 64 ms; 5,000 rows 61 ms)
+    #: output after another, and runs faster in chunks cut for one (docs/thresholds.md)
     hessian_outputs_at_once: ClassVar[bool] = True
     #: how many tangent passes one backward pass weighs, in the mode choice the shapes leave
     #: open (``_plan.choose_mode``: forward while ``k < forward_bias * m``); 1 unless measured
@@ -391,8 +390,7 @@ class BoundModel(ABC):
         #: set once the caller's thread has left Python for a while (JAX: XLA compiles its first
         #: kernel outside Python's lock), or has stopped waiting for the probes: probes run
         #: beside the first kernel wait for it, since their tracing would take that lock from
-        #: the caller's own tracing (measured on JAX's W1: the kernel's trace 67-124 ms beside
-        #: the probes against 38 ms alone)
+        #: the caller's own tracing (measured: docs/thresholds.md, "Probes beside the first kernel")
         self.compiling = threading.Event()
         #: (chunk size, with outputs) -> (mode, measured timings), from _autotune
         self.tuned: dict[tuple[int, bool], tuple[str, str]] = {}

@@ -50,18 +50,16 @@ class JaxKernel(Kernel):
 
     *Builds*: XLA's defaults ("default"), whose matrix products are YNNPACK library calls on
     the CPU, or XLA's own dot emitter ("no-ynnpack", the ``xla_cpu_experimental_ynn_fusion_type``
-    option emptied). Neither always wins: measured on this 2-core CPU, the second takes 0.73x
-    the time on a W2 chunk (313 vs 429 ms) and 0.85-0.9x on W3, the same on W1 at 1,000 rows,
-    and as a bare kernel 0.97x on W4 but 1.07x on W1 at 6,252 rows.
+    option emptied). Neither always wins on the CPU: wide products favour the second, small
+    chunks neither (measured: docs/thresholds.md, "JAX's builds").
 
     *Blocks* ("default/125": that build, the chunk computed 125 rows at a time in a
     ``lax.map`` inside the one compiled call). XLA's CPU runtime splits each large operation
     of a chunk over its thread pool, and for small chunks the hand-offs cost more than they
-    save: W1 at 1,000 rows takes 0.52 ms pinned to one core and 0.65-0.70 ms on two. In
-    blocks of 100-200 rows no operation is large enough to be split, and the same chunk took
-    0.71-0.80x the time (W1, 1,000 rows), 0.91x on W2 (100 rows of 2,500); above ~240 rows
-    the gain is gone, and convolutions (W4: 2x slower) and wide forward mode (W3: 1.2-2x)
-    lose. So only :data:`BLOCK_ROWS` are tried, on chunks at least twice as large.
+    save. In blocks of a hundred or two rows no operation is large enough to be split, and
+    the chunk runs faster; in larger blocks the gain is gone, and convolutions and wide
+    forward mode lose. So only :data:`BLOCK_ROWS` are tried, on chunks at least twice as
+    large (measured: docs/thresholds.md, ``JaxKernel.BLOCK_ROWS``).
 
     The first call compiles every variant and times them in one
     :func:`~batchjac._tune.chooser.race` of interleaved rounds (those clearly slower in a
@@ -73,14 +71,9 @@ class JaxKernel(Kernel):
     *The quick build* ("quick": XLA at optimization level 0 without its fusion emitters, on
     the CPU) is a first call's build when the chunk's elementwise work is at most
     :data:`QUICK_ELEMENTS` (counted from the traced equations, :mod:`batchjac._backends.jax.cost`):
-    it compiles in a third to 40% of the time, and runs XLA's own loops 2-3x slower (matrix
-    products are library calls either way). Measured on the project's 2-core CPU, fresh
-    processes, ``jit(vmap(jacfwd))`` of the whole input, compile / steady run: W1, 1,000 rows,
-    24-29 ms / 2.6-4.0 ms against the default build's 73-82 ms / 0.9 ms (level 0 alone, the
-    earlier quick build: 59 ms / 2.5-5 ms); W3, 1,000 rows, 36-38 / 25 ms against 97 / 16 ms
-    (level 0 alone 65-72 / 32 ms); W1 at 10,000 rows 30 / 30 ms against 85 / 16 ms, where
-    it no longer pays. Batchjac's W1 first call: 81-90 ms against 129-139 with level 0 alone
-    (the native ``jit(vmap(jacfwd))``: 118-138 ms). It is never raced and never a store's
+    it compiles in a fraction of the time and runs XLA's own loops slower (matrix products
+    are library calls either way), so it pays while the call's elementwise work is small
+    (measured: docs/thresholds.md, ``JaxKernel.QUICK_ELEMENTS``). It is never raced and never a store's
     build: the race the first call skipped, once the work repays it (:mod:`batchjac._tuning`),
     replaces it with the fastest of the others. Chunks with wide matrix products
     (:data:`WIDE_PRODUCTS`) take "no-ynnpack" as their first build, untimed, for the same
@@ -90,13 +83,11 @@ class JaxKernel(Kernel):
     #: each build's XLA options (:data:`~batchjac._backends.jax.compat.BUILDS`)
     _OPTIONS: ClassVar[dict[str, Options]] = compat.BUILDS
     #: calls whose equations other than matrix products and convolutions write at most
-    #: this many elements (in all their chunks) compile "quick" first: at 0.3-1 ns more an
-    #: element, the quick build costs at most ~40 ms more a call, less than the 50-60 ms its
-    #: compilation saves (W1: 2.6 million per 1,000 rows; W3 16 million; W2 at 10,000 rows 340 million)
+    #: this many elements (in all their chunks) compile "quick" first: below it the quick
+    #: build's slower loops cost less than its compilation saves (docs/thresholds.md)
     QUICK_ELEMENTS = 4e7
     #: chunks of at least this many floating-point operations in matrix products compile
-    #: "no-ynnpack" first (W2's 10,000 rows: 5.9e10, 273 against 361 ms a chunk; W3's 10,000
-    #: rows 2e10, 179 against 196 ms; W2's 2,000 rows and W4's 1,000 the same either way)
+    #: "no-ynnpack" first, where XLA's own emitter was the faster (docs/thresholds.md)
     WIDE_PRODUCTS = 1e10
     #: below this ratio of times, "no-ynnpack" is chosen
     #: block sizes tried (each made even over the chunk: 1,000 rows in blocks of 125)
@@ -208,10 +199,10 @@ class JaxKernel(Kernel):
 
     def _load_recalled(self, budget: CallBudget) -> tuple[str, Any] | None:
         """The variant an earlier process's race chose (:attr:`~batchjac._backends._base.CallBudget.recalled`)
-        and its executable, where that process left it on disk: loading it (2-14 ms) is
-        cheaper than compiling even the quick build (W1: 80 ms), and it is the faster build.
-        A variant in blocks ("default/125") is traced in its blocks only, not first as a whole
-        chunk too (a warm W1 first call traced both: 94-106 ms against a cold 82-87 ms). None
+        and its executable, where that process left it on disk: loading it is cheaper than
+        compiling even the quick build, and it is the faster build. A variant in blocks
+        ("default/125") is traced in its blocks only, not first as a whole chunk too (a warm
+        first call that traced both was slower than a cold one). None
         where no race is remembered, the caller fixed the build (a store), or the executable
         is not on disk (the first build is then chosen as usual)."""
         from ..._config import autotune_enabled
@@ -251,8 +242,8 @@ class JaxKernel(Kernel):
         self.work = jax_cost.work(self._jaxpr)
         if self.work is None:  # a jaxpr the count cannot read: no estimate
             return "default"
-        # the quick build's cost is per element of every chunk of the call (W4's 2,000 images
-        # in chunks of 100: 3.1e7 elements a chunk, 6e8 a call, 0.88 against 0.48 s); never in
+        # the quick build's cost is per element of every chunk of the call (docs/thresholds.md,
+        # QUICK_ELEMENTS); never in
         # a mode race, which times full builds (provisional): a quick one would be compiled
         # for nothing
         chunks = max(1, -(-budget.rows // self.chunk_size))
@@ -372,8 +363,8 @@ class JaxKernel(Kernel):
         """Before the first call has chosen: what the last kernel of this model chose (its
         build, in blocks if this chunk has them), else the default; nothing is timed. Never
         the quick build: the races that call this (the modes, the chunk sizes) compare full
-        builds, since the quick one's slow loops favour whichever mode has fewer of them (W1:
-        forward 1.28 against reverse 1.30 ms a chunk at level 0, 0.4 ms either way in full)."""
+        builds, since the quick one's slow loops favour whichever mode has fewer of them
+        (docs/thresholds.md, "JAX's builds")."""
         self._check_asked()
         fn = self._fn
         if self.variant is None or self.variant == "quick":

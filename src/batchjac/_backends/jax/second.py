@@ -34,12 +34,10 @@ class JaxSecondKernel(Kernel):
       ``jvp(jacrev(f), (x,), (v,))`` (one tangent, no Hessian formed);
     - forward over forward: the rule set of :mod:`.laplacian`, one pass of the value,
       its ``k`` tangents and the second-order terms, the primal and first-order work done
-      once: one summed term for the Laplacian (W7: ``k + 2`` matrix products a layer against
+      once: one summed term for the Laplacian (``k + 2`` matrix products a layer against
       ``2k + 1`` for ``jvp`` of ``jvp``), ``k`` for the diagonal, the ``k(k+1)/2`` pairs of
-      the upper triangle for the full Hessian (W6: 21 terms where ``jacfwd(jacrev)`` pushes
-      30; bare kernels of 10,000 rows, not the batchjac call, in fresh processes: first call
-      261-296 ms against the native ``jit(vmap(hessian))`` 284-346 ms, steady 51-62 against
-      67-89 ms; the batchjac calls are in BENCHMARKS.md, W6). Where the
+      the upper triangle for the full Hessian (fewer terms than ``jacfwd(jacrev)`` pushes;
+      measured: docs/thresholds.md, "JAX's second-order kernels"). Where the
       model has a primitive without a rule there (the note names it): ``jvp`` of ``jvp``
       along each unit tangent ``e_j``, ``vmap``-ed over the ``k`` tangents (the diagonal,
       summed for the Laplacian), ``jacfwd(jacfwd(f))`` (the full Hessian). No race between
@@ -96,10 +94,7 @@ class JaxSecondKernel(Kernel):
                           else f", {FORWARD_RULES[kind]} (one pass)")
 
     #: second-order kernels on the CPU compile without XLA's fusion emitters (the older
-    #: loop emitter): they compile sooner and run as fast. Fresh processes, first call /
-    #: steady call, with the emitters against without: W6 210-240 / 16.0 ms against 175 /
-    #: 15.2 ms; W7 400-410 / 174 against 357-390 / 173-178 ms (both without YNNPACK's
-    #: fusions); W7H 530-550 / 282 against 500-530 / 278-302 ms
+    #: loop emitter): they compile sooner and run as fast (measured: docs/thresholds.md)
     CPU_OPTIONS: ClassVar[dict[str, str | bool]] = compat.SECOND_CPU_OPTIONS
     #: the forward Laplacian's matrix products, each alone in a YNNPACK call, on the CPU; then,
     #: where an XLA does not know that fusion type, no YNNPACK fusions at all
@@ -118,14 +113,10 @@ class JaxSecondKernel(Kernel):
         """The executable (loaded from the disk cache, or compiled) and whether it was loaded.
         On the CPU without the fusion emitters (:data:`CPU_OPTIONS`). The forward Laplacian
         also without XLA's YNNPACK fusions, which fold its elementwise terms into the matrix
-        products badly: W7's kernel (20,000 rows, bare, side by side under load) took 272 ms
-        with them, 108 ms without, the native trace of ``jit(vmap(hessian))`` 180 ms (default
-        build; 214 ms without them). Its matrix products each alone in a YNNPACK call
+        products badly. Its matrix products each alone in a YNNPACK call
         (:data:`LAPLACIAN_YNN`) start sooner than XLA's own, whose first run generates oneDNN's
-        matrix kernels (W7, fresh processes: first block 13 against 30 ms, first call 339-354
-        against 358-367 ms, steady 176-182 against 183-188 ms). The forward Hessian keeps the
-        fusions (W6 steady, one bench run each: 18.4 ms with them, 22.0 without; W6 and W7H
-        the same with the products alone). An XLA that refuses an option set compiles with
+        matrix kernels. The forward Hessian keeps the fusions, faster there (all measured:
+        docs/thresholds.md, "JAX's second-order kernels"). An XLA that refuses an option set compiles with
         the next (:meth:`_options`), the last its defaults."""
         from . import executables as jax_executables
 
@@ -201,17 +192,11 @@ class JaxSecondKernel(Kernel):
 
     #: rows of a block of the forward rules' kernels, for chunks at least twice as large:
     #: their temporaries ((k + 2) values per activation for the Laplacian) then stay in
-    #: cache. W7, one chunk of 100,000 rows, bare kernels side by side under load, ratio to
-    #: the native trace of ``jit(vmap(hessian))``: one block 0.54, blocks of 128 rows 0.34,
-    #: 512 0.28, 1,024 0.29, 2,048 0.23, 4,096 0.25. On the CPU only (as :class:`JaxKernel`'s
+    #: cache (measured: docs/thresholds.md). On the CPU only (as :class:`JaxKernel`'s
     #: blocks): a GPU's cache is not what a block of rows would be sized for (unmeasured).
-    #: Since compiled a block at a time, each block alone in YNNPACK's products (fresh
-    #: processes, first call / steady median): W7 blocks of 1,024 rows 0.36-0.38 / 0.20 s,
-    #: 2,048 0.34-0.36 / 0.17-0.18 s, 4,096 0.32-0.34 / 0.17 s, 8,192 0.46-0.47 / 0.28 s
     LAPLACIAN_BLOCK_ROWS = 4096
-    #: the same for the diagonal and the Hessian, whose activations carry more values (W7H:
-    #: 10 against the Laplacian's 5): W7H at 2,048 rows 0.54 / 0.27 s, 4,096 0.56-0.60 /
-    #: 0.27-0.28 s; W6 the same at either
+    #: the same for the diagonal and the Hessian, whose activations carry more values
+    #: (docs/thresholds.md)
     HESSIAN_BLOCK_ROWS = 2048
 
     @classmethod
@@ -220,8 +205,8 @@ class JaxSecondKernel(Kernel):
         CPU a block of about :attr:`LAPLACIAN_BLOCK_ROWS` (:attr:`HESSIAN_BLOCK_ROWS` for the
         diagonal and the Hessian) evened over the chunk, which
         :meth:`__call__` loops over. The executable is then compiled for one block, not for a
-        ``lax.map`` over the blocks inside one call: W7 (100,000 rows, fresh processes, this
-        machine) compiled in 126-135 ms against 188-199 ms, and ran as fast (0.18-0.20 s both)."""
+        ``lax.map`` over the blocks inside one call: it compiles sooner and runs as fast
+        (docs/thresholds.md, "JAX's second-order kernels")."""
         limit = cls.LAPLACIAN_BLOCK_ROWS if kind == "laplacian" else cls.HESSIAN_BLOCK_ROWS
         blocked = kind in FORWARD_RULES and order == "forward-over-forward" and \
             chunk_size >= 2 * limit and jax.default_backend() == "cpu"
@@ -258,8 +243,8 @@ class JaxSecondKernel(Kernel):
 
         try:
             # the rules' jax.numpy calls inlined into this trace, not each traced as a jit of
-            # its own first (the model's jaxpr is walked, not called: its own jits stay): W7's
-            # trace 22-27 ms against 28-43 ms, fresh processes side by side
+            # its own first (the model's jaxpr is walked, not called: its own jits stay): a
+            # quicker trace (docs/thresholds.md, "JAX's second-order kernels")
             with compat.inline_jits():
                 return jax.vmap(per_instance)(u, ctx)  # type: ignore[no-any-return]
         except jax_laplacian.Unsupported as e:

@@ -157,17 +157,14 @@ class TFKernel(Kernel):
 
     Neither always wins on a CPU: XLA removes per-op dispatch, which dominates small chunks,
     while TensorFlow's own (oneDNN) kernels for large matrix products and convolutions beat
-    XLA's: measured here, W4's reverse-mode chunk takes 610 ms with XLA and 295 ms as a graph,
-    W2's 400 and 285 ms, W1's (1,000 rows) is faster with XLA. So the first call compiles
+    XLA's (measured: docs/thresholds.md, "TensorFlow's builds"). So the first call compiles
     both and times one chunk in each (interleaved, the minimum of a few), unless a variant
     was fixed with :meth:`use`.
 
     A chunk of at least :data:`BLOCKED_CHUNK` rows has a third build, ``"xla/blocks"``: XLA
     over blocks of about :data:`BLOCK_ROWS` rows in a ``tf.map_fn``, whose temporaries stay
-    in cache. Raced only, never the untimed first. Measured here (steady, one process, the
-    Jacobians of W1 in reverse mode under XLA): 100,000 rows in one piece 65 ms, in blocks of
-    1,024 rows 58 ms, 2,048 48 ms, 4,096 42 ms, 8,192 42 ms; 10,000 rows 4.8 ms in one piece
-    and 6.0-7.3 ms in blocks; W2's 10,000 rows 413 ms in one piece, 446-463 in blocks.
+    in cache. Raced only, never the untimed first: it wins on large chunks of small rows and
+    loses on small chunks and wide rows (measured: docs/thresholds.md, ``TFKernel.BLOCK_ROWS``).
     """
 
     variants: tuple[str, ...] = ("xla", "graph")
@@ -266,8 +263,9 @@ class TFKernel(Kernel):
         if _is_tensor(u):  # tensors in, tensors out, where TensorFlow computed them
             return (out[0], out[1]) if self.with_outputs else (None, out)
         # The Jacobians as a read-only view of TensorFlow's buffer: ``.numpy()`` would copy
-        # them (78 ms of W2's 370 ms). Read-only because TensorFlow may hand out one buffer
-        # twice (a constant-folded Jacobian); the runner copies chunks into the result anyway.
+        # them (a fifth of a large call's time, docs/thresholds.md). Read-only because
+        # TensorFlow may hand out one buffer twice (a constant-folded Jacobian); the runner
+        # copies chunks into the result anyway.
         if self.with_outputs:
             return out[0].numpy(), np.asarray(out[1])
         return None, np.asarray(out)
@@ -383,8 +381,8 @@ class TFKernel(Kernel):
     def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...], *,
              keep: bool = False) -> float:
         """Seconds of one call of ``variant`` on the chunk; with ``keep``, its result is kept
-        for :meth:`_kept_result` (the first call's answer: W2's first call computed its
-        Jacobians twice, 0.3 s of 1.2, before it was)."""
+        for :meth:`_kept_result` (the first call's answer, which was otherwise computed twice;
+        docs/thresholds.md)."""
         self._kept = None  # (a race's calls keep none: their results would double the peak)
         start = time.perf_counter()
         out = self._fn(variant)(u, *ctx)
@@ -412,9 +410,9 @@ class TFKernel(Kernel):
             return
         # (with BATCHJAC_AUTOTUNE=off, the first implementation, XLA, as stores use)
         if step == "untimed" and autotune_enabled():
-            # untimed: the plain graph, which is built sooner than XLA compiles (measured here,
-            # first calls W1 0.10 s vs 0.14, W2 0.52 vs 0.57, W4 0.40 vs 0.79); XLA is tried
-            # against it once the work repays a race (retune)
+            # untimed: the plain graph, which is built sooner than XLA compiles (measured:
+            # docs/thresholds.md, "TensorFlow's builds"); XLA is tried against it once the
+            # work repays a race (retune)
             try:
                 self._run("graph", u, ctx, keep=True)
             except tf.errors.OpError:
@@ -491,8 +489,8 @@ class TFKernel(Kernel):
             else:
                 names.append("xla/blocks")
         # the shared race (interleaved rounds of back-to-back calls, medians): two single calls
-        # each, as this timed before, once kept the graph for W1 (1.1 vs 1.3 ms just after
-        # XLA's compilation) where XLA then ran 0.73 ms a call against the graph's 1.0
+        # each, as this timed before, once kept the slower build just after XLA's compilation
+        # (docs/thresholds.md, "TensorFlow's builds")
         best = race(lambda v: self._run(v, u, ctx), tuple(names))
         chosen = winner(best, winner(best, "xla", ["graph"]), ["xla/blocks"])
         timed = f"XLA {best['xla'] * 1e3:.1f} ms, graph {best['graph'] * 1e3:.1f} ms"
@@ -527,6 +525,6 @@ def _map_blocks(fn: Callable[..., Any], arrays: tuple[tf.Tensor, ...], block: in
 
 def _is_tensor(a: Any) -> bool:
     """``tf.is_tensor``, answered at once for a numpy array: ``tf.is_tensor`` checks a
-    runtime Protocol (~27 us a call), three times a call of a kernel on numpy chunks: 0.08 ms
-    of W1's 0.9 ms steady call at 1,000 rows."""
+    runtime Protocol, three times a call of a kernel on numpy chunks: about a tenth of a small
+    steady call (docs/thresholds.md)."""
     return not isinstance(a, np.ndarray) and tf.is_tensor(a)

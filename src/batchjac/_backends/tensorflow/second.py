@@ -55,11 +55,10 @@ class TFSecondKernel(Kernel):
     Hessian is taken over the reverse-mode Jacobian (forward over reverse, not ``hvp``), a
     third build, ``"tapes"``, is TensorFlow's own answer: ``batch_jacobian`` of
     ``batch_jacobian`` in a plain graph, whose vectoriser (pfor) runs the forward pass once
-    and batches the derivatives. Measured side by side in one process (10,000 rows, a loaded
-    2-core CPU): W7H (3 unknowns, 1 output) tapes 25 ms, tiled graph 52 ms, tiled XLA 50 ms;
-    W6 (5 unknowns, 4 outputs, 20 blocks) tapes 166 ms, tiled graph 148 ms, tiled XLA 104 ms.
-    So an untimed first call takes the tapes for one output (every block of the tiled builds
-    is a repeated forward and reverse pass there) and the tiled graph otherwise; a race (the
+    and batches the derivatives: it wins for one output, the tiled builds for several
+    (measured: docs/thresholds.md, "TensorFlow's second-order builds"). So an untimed first
+    call takes the tapes for one output (every block of the tiled builds is a repeated
+    forward and reverse pass there) and the tiled graph otherwise; a race (the
     tuning policy's, where the work repays it) times all three. Not under XLA: the nested
     tapes compile once per input *value* there (see :mod:`batchjac._bench.second`).
 
@@ -69,10 +68,8 @@ class TFSecondKernel(Kernel):
     has an operation without a rule (or XLA cannot compile it) the next build. A Hessian
     kernel's fourth build, ``"forward-hessian"``, carries the second derivatives along every
     pair of unit tangents instead (blocks of :attr:`HESSIAN_BLOCK_ROWS`): the untimed first
-    choice for at most 8 unknowns an output (:meth:`forward_hessian_first`; W7H, one process,
-    20,000 rows: built and run once in 0.52 s against the tapes' 0.47 s, then 52.6 against
-    68.6 ms; 100,000 rows: 0.77-1.0 s against 2.8 s, then 289-345 against 360 ms), else raced
-    only.
+    choice for at most 8 unknowns an output (:meth:`forward_hessian_first`; measured:
+    docs/thresholds.md), else raced only.
     """
 
     def __init__(self, bound: TFBound, kind: SecondKind, order: Order, chunk_size: int,
@@ -96,8 +93,7 @@ class TFSecondKernel(Kernel):
             self.variants = ("tapes", "graph", "xla") if one_output else ("graph", "xla", "tapes")
         if kind == "laplacian":
             # the untimed first too: under XLA in blocks it is built quicker than the nested
-            # tapes and runs faster (W7, 100,000 rows: built and run in 0.5-0.7 s against
-            # 2.2 s, then 0.24-0.46x their time); where it cannot be built, the next build
+            # tapes and runs faster (docs/thresholds.md); where it cannot be built, the next build
             self.variants = ("forward-laplacian", *self.variants)
         if kind == "hessian" and self.forward_hessian_first(bound):
             self.variants = ("forward-hessian", *self.variants)  # the untimed first (see the class)
@@ -116,14 +112,9 @@ class TFSecondKernel(Kernel):
     def forward_hessian_first(cls, bound: TFBound) -> bool:
         """Whether the forward Hessian is the first build: its second-order terms grow as
         ``k^2`` a row for all outputs at once, the other builds' as ``k`` per output (``m k``
-        tiled blocks, or the tapes' ``k`` reverse passes of one output). Raced, steady, chunks
-        of a Keras MLP k-64-64-m (tanh), 4,000 rows, forward Hessian against the best other
-        build (ms): one output k=5 7.4 / 8.0 (tapes), k=8 11.4 / 11.8, k=12 24.7 / 18.1, k=16
-        38.3 / 21.7, k=30 154 / 47; two outputs k=40 26.3 / 11.3; four k=5 3.8 / 10.1 (XLA),
-        k=10 8.4 / 20.8, k=20 6.5 / 9.7, k=60 27.3 / 21.8; ten k=40 16.4 / 31.6; twenty k=10
-        3.3 / 16.6. It wins where ``k <= 8 m``, every case above on its side of that line.
-        W6 (k=5, m=4), first call in fresh processes: 0.38-0.39 s against 0.74-0.77 s with
-        the tiled graph first."""
+        tiled blocks, or the tapes' ``k`` reverse passes of one output). Raced against the
+        best other build it wins where ``k <= 8 m`` (measured: docs/thresholds.md,
+        ``FORWARD_HESSIAN_UNKNOWNS_PER_OUTPUT``)."""
         k = int(np.prod(bound.signature.unknown_shape or (), dtype=np.int64))
         m = int(np.prod(bound.output_shape or (), dtype=np.int64))
         return k <= cls.FORWARD_HESSIAN_UNKNOWNS_PER_OUTPUT * m
@@ -292,9 +283,8 @@ class TFSecondKernel(Kernel):
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget) -> None:
         """The plain graph, untimed, unless the work at hand repays compiling XLA too and
         timing both (the tuning policy, :mod:`batchjac._tuning`); a fixed variant (stores)
-        as it is. Measured here (10,000 rows, under load): W6's graph is built in 1.5 s and
-        runs in 0.33 s, XLA takes 17 s (constant folding of the tangents' zero products) and
-        0.28 s; W7's graph 1.6 s and 0.20 s, XLA 1.0 s and 0.13 s."""
+        as it is. XLA may take far longer to build than the graph (constant folding of the
+        tangents' zero products) for a small gain a chunk (docs/thresholds.md)."""
         from .._base import untimed_note
 
         chosen = self._bound.tuning.builds.get((self.kind, self.order))
@@ -412,13 +402,10 @@ class TFSecondKernel(Kernel):
 
     #: rows of a block of the forward Laplacian, for chunks at least twice as large: the chunk
     #: in a ``tf.map_fn`` of blocks under XLA, whose temporaries ((k + 2) values per activation)
-    #: stay in cache. W7, 100,000 rows, side by side in one process under load, ratio to the
-    #: nested tapes: one chunk in a graph 0.68-0.71, under XLA 0.41-0.61; blocks of 500 rows
-    #: under XLA 0.37, 1,000 0.24, 2,000 0.28-0.46 (in a graph: 0.36, 0.50, 0.40-0.51)
+    #: stay in cache (measured: docs/thresholds.md)
     LAPLACIAN_BLOCK_ROWS = 2048
     #: the same for the forward Hessian, whose activations carry ``1 + k + k(k+1)/2`` values
-    #: (W7H: 10, the Laplacian's 5): W7H, one chunk of 100,000 rows, one process, steady
-    #: blocks of 2,048 rows 345 ms, 1,024 323 ms, 512 289 ms, the nested tapes 360 ms
+    #: (docs/thresholds.md)
     HESSIAN_BLOCK_ROWS = 512
 
     def _forward_rules(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], m: int, k: int,
@@ -508,8 +495,8 @@ class TFSecondKernel(Kernel):
 
         The seeds are arguments of the compiled function, not constants: XLA constant-folds
         the products of the weights with constant seeds (each ``(blocks * rows, width)``),
-        which took 22 s of W6's first call (10,000 rows, 20 blocks; the native nested tape
-        compiles in 13 s), and it folded them read from a variable too."""
+        which took most of a first call (docs/thresholds.md), and it folded them read from a
+        variable too."""
         return self._seed_inputs[(tuple(int(i) for i in index), width, tuple(shape))]
 
     def _over_reverse(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], v: tf.Tensor | None,

@@ -63,8 +63,8 @@ def jac_transposed(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, 
     pullback along a unit tangent ``e_j`` is ``J e_j``: one batched double-backward pass
     over ``basis`` (``(k, rows, *unknown_shape)``) gives every column. It loads neither
     torch.func (whose forward mode imports torch._dynamo through ``F.linear``'s
-    decomposition: 0.5-1.4 s) nor the forward-mode decompositions (0.3 s), and on W3's
-    1,000 rows took 128-136 ms against vmap(jvp)'s 176 ms (side by side, loaded)."""
+    decomposition) nor the forward-mode decompositions, and ran faster than vmap(jvp)
+    (measured: docs/thresholds.md, "PyTorch's reverse-mode builds")."""
     ushape = tuple(u.shape[1:])
     with torch.enable_grad(), _unknowns_require_grad():
         x = u.detach().requires_grad_(True)
@@ -145,9 +145,9 @@ def _jac_looped(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...
     """Reverse mode with plain autograd and no vmap: one forward pass of the chunk, then
     one backward pass per output ``o`` of ``sum_rows y[:, o]`` (rows are independent,
     which the probes check, so its gradient at row ``i`` is row ``i``'s Jacobian row).
-    It imports nothing (torch.func's vmap imports torch._dynamo, 0.6-0.9 s, on its first
-    pullback), holds one copy of the activations (the replicated pass holds ``m``), and
-    on W2's 10,000 rows took 437 ms against vmap's 507-541 ms (side by side, loaded)."""
+    It imports nothing (torch.func's vmap imports torch._dynamo on its first pullback),
+    holds one copy of the activations (the replicated pass holds ``m``), and can run faster
+    than vmap (measured: docs/thresholds.md, "PyTorch's reverse-mode builds")."""
     assert bound.output_shape is not None
     out_shape = bound.output_shape
     m, rows, ushape = math.prod(out_shape), u.shape[0], tuple(u.shape[1:])
@@ -178,11 +178,10 @@ class TorchKernel(Kernel):
     Reverse mode has three implementations: torch.func's ``vmap`` of ``vjp`` ("vmap"), one
     backward pass through the chunk repeated once per output ("replicated", see
     :func:`_jac_replicated`) and one forward pass with a backward pass per output
-    ("looped", :func:`_jac_looped`). Measured here on an 8-output MLP (5-32-32-8,
-    float64), "replicated" takes 0.22 ms for 15 rows against 0.39 ms, but 2.2 against 1.6 ms
-    for 1,000 rows; on W2's 10,000 rows "looped" took 437 ms against vmap's 507-541 ms. A
-    first call whose work repays a race times "vmap" against "looped", and "replicated" too
-    when a chunk takes less than ``REPLICATED_BELOW`` (:func:`~batchjac._backends._base.race`),
+    ("looped", :func:`_jac_looped`). "replicated" wins on small chunks, "looped" on large
+    ones (measured: docs/thresholds.md, "PyTorch's reverse-mode builds"). A first call whose
+    work repays a race times "vmap" against "looped", and "replicated" too
+    when a chunk takes less than ``REPLICATED_BELOW`` (:func:`~batchjac._tune.chooser.race`),
     unless a variant was fixed with :meth:`use` (stores, reproducible solves) or
     ``BATCHJAC_AUTOTUNE=off``: then "vmap". A first call too small to repay a race runs a
     plain-autograd build untimed (:meth:`_first_plain`).
@@ -267,9 +266,8 @@ class TorchKernel(Kernel):
     #: the replicated pass is a reverse-mode first call's build while it holds at most this
     #: many rows (the call's, or the chunk's where larger, times the outputs) and torch.func
     #: has not loaded torch._dynamo;
-    #: past it the looped pass is. (At 16,384 a remembered chunk of 625 W2 rows took the
-    #: replicated pass, which runs the 784-wide forward pass 10 times: the bench's warm W2
-    #: first call 1.10x native against the cold one's 0.50x.)
+    #: past it the looped pass is (a larger limit made a wide model's warm first call slower
+    #: than its cold one: docs/thresholds.md)
     REPLICATED_FIRST_ROWS = 2048
 
     def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
@@ -342,8 +340,8 @@ class TorchKernel(Kernel):
     def cheap_first(self) -> str | None:
         """The build a first call takes when an earlier process's race chose another one
         (:func:`batchjac._tuning.recall_variant`): a plain-autograd build where it imports
-        nothing and torch.func would import torch._dynamo (0.6 s of a 25 ms first call,
-        measured in the bench's warm-cache W1 case); the remembered build replaces it once
+        nothing and torch.func would import torch._dynamo (most of a warm small first call:
+        docs/thresholds.md, "PyTorch's first calls"); the remembered build replaces it once
         the work repays it."""
         return self._plain_first()
 
@@ -351,9 +349,8 @@ class TorchKernel(Kernel):
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """An untimed reverse-mode first call on plain autograd, where that is the cheaper
         first answer: torch.func's reverse mode imports torch._dynamo when its first pullback
-        runs (measured here: 0.5 s idle, 2.4-2.7 s on the loaded machine, for a W1 job that
-        then computes in 1.5 ms; 0.6-0.9 s of W2's first call at 10,000 rows). Small chunks
-        take the replicated pass (1.4x slower at 1,000 rows of an 8-output MLP, faster below),
+        runs, which can cost far more than a small job's whole computation (measured:
+        docs/thresholds.md, "PyTorch's first calls"). Small chunks take the replicated pass,
         larger ones the looped pass (a backward pass per output, as fast as vmap or faster).
         The builds are raced later, once the work repays it (:meth:`retune`). None: the usual
         first call (a variant fixed, a race allowed, torch.func loaded already, another kernel

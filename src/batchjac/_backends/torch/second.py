@@ -127,8 +127,8 @@ class TorchSecondKernel(Kernel):
             # the forward Laplacian (one pass, see batchjac._backends.torch.laplacian), whose
             # trace into ATen operations costs one forward pass of a block, or the order's own
             # computation, whose torch.func passes import torch._dynamo on their first use
-            # (W7, fresh processes, first calls: 1,000 rows 36 ms against 1.72 s, 100,000
-            # rows 1.5 against 4.0 s): the first untimed, the other timed against it only
+            # (docs/thresholds.md, "PyTorch's second order"): the first untimed, the other
+            # timed against it only
             # when the tuning policy says the work repays a race
             self.variants = ("plain", "forward-laplacian")
             self.variant = None
@@ -157,10 +157,9 @@ class TorchSecondKernel(Kernel):
         return "autograd" if "autograd" in self.variants else None
 
     #: rows of the chunk the race times each build on (an eager kernel runs any size): a
-    #: chunk of W7's 100,000 rows takes ~2 s, and a race calls each build several times. Not
-    #: fewer: on a loaded machine the forward Laplacian's many small operations lose more to
-    #: scheduling on small chunks (W7 in chunks of 2,000: 0.93x the native trace, one chunk
-    #: of 20,000: 0.5x), and a race on 4,096 rows once kept the slower build
+    #: race calls each build several times, so not a whole large chunk; not fewer: on a
+    #: loaded machine the forward Laplacian's many small operations lose more to scheduling
+    #: on small chunks, and a race on fewer rows once kept the slower build (docs/thresholds.md)
     RACE_ROWS = 16384
 
     def _select(self, variant: str, note: str) -> None:
@@ -381,11 +380,9 @@ class TorchSecondKernel(Kernel):
         row ``g_o``), then per unknown ``j`` the backward pass of ``sum_rows g_o[:, j]``: row
         ``i``'s Hessian row (for ``hvp``, one pass of ``sum_rows g_o . v``). No torch.func, so
         nothing is imported: torch.func's passes load torch._dynamo through ``F.linear``'s
-        decomposition on their first use. Measured here, fresh processes, batchjac.hessian's
-        first and second calls: W6 (10,000 rows, 24 passes) 0.36 and 0.19 s against 1.48 and
-        0.29 s with torch.func (the native vmap(jacfwd(jacrev)) 1.72 and 0.27 s); W7H (100,000
-        rows, 4 passes) 2.3 and 2.3 s against 3.8 and 2.9 s. None where a double-backward pass fails for this
-        model (the note says why; torch.func's build then, which may not fail alike)."""
+        decomposition on their first use (measured: docs/thresholds.md, "PyTorch's second
+        order"). None where a double-backward pass fails for this model (the note says why;
+        torch.func's build then, which may not fail alike)."""
         bound = self._bound
         k, m, out_shape, ushape = self._shapes(u)
         rows = u.shape[0]
@@ -435,10 +432,7 @@ class TorchSecondKernel(Kernel):
     #: the forward Laplacian runs a chunk on the CPU in blocks of rows whose values, each
     #: carrying ``k + 1`` derivatives, keep about this many of the widest within the CPU's
     #: last-level cache (``batchjac._config.cache_bytes``): an eager kernel's operations each
-    #: read and write whole arrays, from memory once they outgrow it. W7 (k=3, 128 wide,
-    #: float32: ~6 KB a row, blocks of ~5,300 rows): one chunk of 100,000 rows 1.3 s in one
-    #: block, 0.5 s in blocks (chunks of 6,252 rows took 5.0 us a row, of 25,008 7.0, of
-    #: 100,032 12.8)
+    #: read and write whole arrays, from memory once they outgrow it (docs/thresholds.md)
     LAPLACIAN_LIVE_VALUES = 3
     #: rows of the small trace that measures the widest value, and the fewest rows a block
     #: (fewer are dispatch-bound: each operation is a Python call)
