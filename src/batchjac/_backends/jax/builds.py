@@ -129,7 +129,8 @@ class JaxKernel(Kernel):
     def variants(self) -> tuple[str, ...]:
         """The builds, then each in blocks where :meth:`_block_sizes` allows: read when first
         asked (a race, a remembered blocked build), since the block sizes need the default
-        build's memory analysis (2-4 ms), which a first call that races nothing never uses."""
+        build's memory analysis, which costs milliseconds that a first call that races nothing
+        would spend for nothing (measured: docs/thresholds.md)."""
         if self._variants is None:
             self._variants = self._builds + tuple(f"{b}/{rows}" for b in self._builds
                                                   for rows in self._block_sizes())

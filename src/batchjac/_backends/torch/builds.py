@@ -119,8 +119,8 @@ def _jac_replicated(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor,
     """Reverse mode with plain autograd and no vmap: the chunk repeated once per output,
     one forward and one backward pass, block ``i`` seeded with the unit cotangent ``e_i``
     (rows are independent, which the probes check). It computes the forward pass ``m``
-    times, but skips torch.func's per-call Python work (~0.2 ms), which dominates small
-    chunks of small models."""
+    times, but skips torch.func's per-call Python work, which dominates small chunks of
+    small models (measured: docs/thresholds.md, "PyTorch's reverse-mode builds")."""
     assert bound.output_shape is not None
     out_shape = bound.output_shape
     m, rows = math.prod(out_shape), u.shape[0]
@@ -220,7 +220,7 @@ class TorchKernel(Kernel):
         if path == ("forward", "transposed"):
             return jac_transposed(self._bound, u, ctx, self._in_basis)
         if path[0] == "forward":
-            _load_forward_ad()  # (only torch.func's forward mode needs them: 0.3 s)
+            _load_forward_ad()  # (only torch.func's forward mode needs them, and they load slowly)
             with _FORWARD_AD:
                 return jac_forward(self._bound, u, ctx, self._in_basis)
         return jac_reverse(self._bound, u, ctx, self._out_basis, path[1])
@@ -329,9 +329,9 @@ class TorchKernel(Kernel):
                 and not compat.dynamo_loaded() and bound.reverse_engine in (None, "func")
                 and bound.output_shape is not None):
             return None
-        # (the call's rows: a large call cut into cache-sized chunks, W4's 2,000 images in
-        # chunks of 143, ran its conv net's forward pass 10 times a chunk replicated, first
-        # call 0.61 s against 0.37 looped)
+        # (the call's rows: a large call cut into cache-sized chunks would otherwise run a
+        # wide model's forward pass once per output in every chunk, replicated, and its first
+        # call is slower than looped; measured: docs/thresholds.md, REPLICATED_FIRST_ROWS)
         rows = max(self.chunk_size, self._rows)
         small = math.prod(bound.output_shape) * rows <= self.REPLICATED_FIRST_ROWS
         return "replicated" if small else "looped"

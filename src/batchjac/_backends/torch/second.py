@@ -115,8 +115,9 @@ class TorchSecondKernel(Kernel):
         self.chunk_size, self.with_outputs, self.with_jacobian = chunk_size, with_outputs, with_jacobian
         self._bound = bound
         bound.trace_count += 1
-        # (forward mode's decompositions, 0.37 s in a fresh process, are loaded where
-        # torch.func's forward mode runs: the forward Laplacian and plain autograd need none)
+        # (forward mode's decompositions, slow to load in a fresh process, are loaded where
+        # torch.func's forward mode runs: the forward Laplacian and plain autograd need none;
+        # measured: docs/thresholds.md)
         self.note = f"{kind}: {order}"
         #: the forward Laplacian's graph of the model per input shapes, with the weights'
         #: identities and versions it was traced with (a graph holds the weights it saw)
