@@ -1,7 +1,13 @@
 # Measurement helper of the cold-start work (branch cold): see the report; not part of the package.
 """Alternate fresh-process cold cases; medians. usage: alt.py W BACKEND N REPS case[,case...]
 case: bj (fresh cache) | bjwarm (second process on the same cache after settle) | noprobe | nat | natfwd"""
-import json, os, subprocess, sys, tempfile, statistics
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
 W, B, N, R = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 cases = sys.argv[5].split(",")
 py = "/work/main/.venv/bin/python"

@@ -1,12 +1,16 @@
 """Side-by-side timings of batchjac.hessian/laplacian and the native answers in one fresh process
 (first call, then the median of 5): python scripts/hessian_side_by_side.py torch|jax|tensorflow W6|W7
 [hessian|laplacian|laplacian:forward-over-reverse]. Interim, until the bench harness has W6-W8."""
-import sys, time, os
+import sys
+import time
+
 import numpy as np
+
 fw, wl = sys.argv[1], sys.argv[2]
 N = 10_000
 import batchjac
 from batchjac.examples import mlp_weights
+
 sizes = (8, 64, 64, 4) if wl == "W6" else (3, 128, 128, 128, 1)
 k = 5 if wl == "W6" else 3
 layers = mlp_weights(sizes, seed=0)
@@ -39,7 +43,8 @@ if fw == "torch":
     def native_h_full():
         return torch.func.vmap(torch.func.jacfwd(torch.func.jacrev(lambda z: f(z[None])[0])))(xt).detach().numpy()
 elif fw == "jax":
-    import jax, jax.numpy as jnp
+    import jax
+    import jax.numpy as jnp
     ws = [(jnp.asarray(w, jnp.float32), jnp.asarray(b, jnp.float32)) for w, b in layers]
     def f(z):
         h = z

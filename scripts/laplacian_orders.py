@@ -1,6 +1,12 @@
 """Laplacian orders side by side in one process (W7, N=10,000, float32): python lap.py FW"""
-import sys, time, numpy as np, batchjac
+import sys
+import time
+
+import numpy as np
+
+import batchjac
 from batchjac.examples import mlp_weights
+
 fw = sys.argv[1]
 layers = mlp_weights((3,128,128,128,1), seed=0)
 x = np.random.default_rng(1).standard_normal((10000, 3)).astype("f4")

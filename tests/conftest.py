@@ -1,6 +1,6 @@
 """Session set-up shared by every test module.
 
-The tuning cache (:mod:`batchjac._tunecache`) remembers decisions in a per-user directory,
+The tuning cache (:mod:`batchjac._tune.cache`) remembers decisions in a per-user directory,
 ``~/.cache/batchjac`` by default. Tests must neither write into the developer's (or the CI
 machine's) cache nor read decisions left there by earlier runs, which would make their timings
 and choices depend on history. So, before any test module is collected, ``BATCHJAC_CACHE_DIR``

@@ -76,11 +76,11 @@ __all__ = ["ATOL", "RTOL", "assert_close", "assert_jac_close", "central_differen
 
 
 def race_now(monkeypatch: Any) -> None:
-    """Make every call pay for its races (batchjac._tuning's rule answers yes), as a job large
+    """Make every call pay for its races (batchjac._tune.policy's rule answers yes), as a job large
     enough to repay them would: for tests of the races themselves."""
-    import batchjac._tuning
+    import batchjac._tune.policy
 
-    monkeypatch.setattr(batchjac._tuning, "worth", lambda *args, **kwargs: True)
+    monkeypatch.setattr(batchjac._tune.policy, "worth", lambda *args, **kwargs: True)
 
 
 # ---- one small model in every framework, with the framework's own Jacobian ---------------------

@@ -265,7 +265,7 @@ def test_100k_rows_trace_once_per_mode_and_dtype() -> None:
         bound = next(b for b in _backends._bound[model].values() if b.signature.dtype == np.float32)
         counts[mode] = bound.trace_count
     # 7 chunks each: one trace per mode (its XLA build), none per chunk; the plain graph is
-    # traced and raced against XLA only once the work seen repays it (batchjac._tuning)
+    # traced and raced against XLA only once the work seen repays it (batchjac._tune.policy)
     assert counts == {"forward": 1, "reverse": 2}
     ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown[-500:], known[-500:]], 1))
     assert_jac_close(jac[-500:], ref[:, :, :5])
@@ -437,7 +437,8 @@ def test_a_remembered_xla_build_waits_until_the_work_repays_it() -> None:
     """An earlier process's race chose XLA: a first call still builds the plain graph (sooner
     built than XLA compiles, the cheaper first answer), and the remembered XLA replaces it,
     without a race, once the work seen repays one more build. Right Jacobians throughout."""
-    from batchjac import _backends, _tuning
+    from batchjac import _backends
+    from batchjac._tune import policy as _tuning
 
     unknown, known = workload_inputs("W1", 200, seed=23)
     ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]

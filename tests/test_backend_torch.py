@@ -743,7 +743,8 @@ def test_a_remembered_vmap_build_waits_until_the_work_repays_loading_torch_dynam
 
     code = """
         import sys, numpy as np, batchjac
-        from batchjac import _backends, _tuning
+        from batchjac import _backends
+        from batchjac._tune import policy as _tuning
         from batchjac.examples import seed_model, workload_inputs, mlp_jacobian, mlp_weights
         model = seed_model("torch")
         unknown, known = workload_inputs("W1", 300, seed=31)
@@ -828,7 +829,8 @@ def test_a_remembered_plain_build_runs_without_loading_torch_dynamo(tmp_path: An
 
     code = """
         import sys, numpy as np, batchjac
-        from batchjac import _backends, _tuning
+        from batchjac import _backends
+        from batchjac._tune import policy as _tuning
         from batchjac.examples import workload_model, workload_inputs, mlp_jacobian, mlp_weights
         model = workload_model("W2", "torch")
         (unknown, _) = workload_inputs("W2", 300, seed=41)

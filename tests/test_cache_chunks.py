@@ -162,7 +162,8 @@ def test_a_model_with_large_temporaries_computes_in_cache_sized_chunks(
     (the full build: its elementwise work over all the chunks is too much for the quick one),
     and the working set is written with the probes' verdict for later processes."""
     import batchjac
-    from batchjac import _backends, _tuning
+    from batchjac import _backends
+    from batchjac._tune import policy as _tuning
 
     monkeypatch.setenv("BATCHJAC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_plan, "cache_bytes", lambda: 1 << 20)

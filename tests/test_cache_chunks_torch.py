@@ -113,8 +113,8 @@ def test_a_large_call_computes_in_cache_sized_chunks_and_remembers_the_count(
     reverse pass for them (the call is large, though each chunk is small), computes torch's own
     Jacobians of the whole batch, and writes the count with the probes' verdict."""
     import batchjac
-    from batchjac import _tuning
     from batchjac._bind import _PROBES
+    from batchjac._tune import policy as _tuning
 
     model = _mlp(3, (7, 64, 64, 6))
     x = np.random.default_rng(5).normal(size=(3000, 7)).astype(np.float32)

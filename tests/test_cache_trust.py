@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 import batchjac
-from batchjac import _tunecache
 from batchjac._errors import TuneCacheWarning
-from batchjac._tunecache import TuneCache, TuneKey
+from batchjac._tune import cache as _tunecache
+from batchjac._tune.cache import TuneCache, TuneKey
 
 from .helpers import run_in_fresh_process
 

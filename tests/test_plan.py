@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import batchjac
-from batchjac._autotune import TUNE_MIN_ROWS
 from batchjac._config import parse_bytes
 from batchjac._plan import MAX_CHUNK, bytes_per_row, make_plan
+from batchjac._tune.races import TUNE_MIN_ROWS
 
 
 def plan(**kw):
@@ -72,7 +72,7 @@ def test_bad_plan_options() -> None:
 
 # -- decisions taken by timing (_autotune), on injected timings ---------------------------------
 class _Clock:
-    """The clock :mod:`batchjac._autotune` reads; only the fake kernels advance it, so every
+    """The clock :mod:`batchjac._tune.races` reads; only the fake kernels advance it, so every
     decision below is taken on exactly the timings the test chose (no sleeps a busy machine
     stretches: a 4% slowdown flipped the old sleeping version's "2% faster" case)."""
 
@@ -85,10 +85,10 @@ class _Clock:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
-    import batchjac._autotune
+    import batchjac._tune.races
 
     fake = _Clock()
-    monkeypatch.setattr(batchjac._autotune, "clock", fake)
+    monkeypatch.setattr(batchjac._tune.races, "clock", fake)
     return fake
 
 
@@ -134,7 +134,7 @@ US = 1e-6
 
 
 def test_tune_rows_takes_a_smaller_chunk_when_clearly_faster(clock: _Clock) -> None:
-    from batchjac._autotune import tune_rows
+    from batchjac._tune.races import tune_rows
 
     base = plan(n=4096, chunk_size=4096)
     # 1,024 rows 30% faster per row than 4,096: taken; 256 rows slower: the descent stops there
@@ -150,7 +150,7 @@ def test_tune_rows_takes_a_smaller_chunk_when_clearly_faster(clock: _Clock) -> N
 
 
 def test_tune_rows_prefers_the_larger_of_near_sizes(clock: _Clock) -> None:
-    from batchjac._autotune import tune_rows
+    from batchjac._tune.races import tune_rows
 
     # 256 rows a little faster per row than 1,024 (within NEAR = 5%): the larger, fewer chunks
     fake = _FakeBound(clock, {4096: 20 * US, 1024: 14.2 * US, 256: 13.8 * US, 64: 60 * US})
@@ -164,7 +164,7 @@ def test_tune_rows_prefers_the_larger_of_near_sizes(clock: _Clock) -> None:
 def test_tune_rows_margin(clock: _Clock, faster: float, chosen: int) -> None:
     """A smaller size must be more than ROWS_MARGIN (5%) faster per row than the planned one:
     2% and 4% are within the noise and keep the plan, 6% changes it."""
-    from batchjac._autotune import ROWS_MARGIN, tune_rows
+    from batchjac._tune.races import ROWS_MARGIN, tune_rows
 
     assert ROWS_MARGIN == 0.05
     fake = _FakeBound(clock, {4096: 10 * US, 1024: faster * 10 * US, 256: 30 * US, 64: 30 * US})
@@ -177,7 +177,7 @@ def test_tune_rows_margin(clock: _Clock, faster: float, chosen: int) -> None:
 def test_tune_rows_asks_more_of_one_large_chunk(clock: _Clock) -> None:
     """One planned chunk of >= COPY_BYTES of Jacobians: a smaller size must be COPY_MARGIN (25%)
     faster, since its copies go to fresh pages of a large result."""
-    from batchjac import _autotune
+    from batchjac._tune import races as _autotune
 
     n = 4096
     # rows of 16 kB of Jacobians: 64 MiB in all, the threshold
@@ -209,7 +209,7 @@ def test_tune_rows_prices_the_copy_of_a_native_result(clock: _Clock, copy_cost: 
     result's own kind (``spec.xp.write``: a torch tensor, a CPU JAX array's host memory), as
     it is for numpy: 1,024 rows 30% faster per row than one chunk of 4,096 wins while its copy
     is free, and loses once the copy costs 4 us a row (7 + 4 > 10)."""
-    from batchjac._autotune import tune_rows
+    from batchjac._tune.races import tune_rows
     from batchjac._validate import normalize
     from batchjac._xp import NumpyOps
 
@@ -227,7 +227,7 @@ def test_tune_rows_prices_the_copy_of_a_native_result(clock: _Clock, copy_cost: 
 
 
 def test_tune_rows_skips_small_chunks(clock: _Clock) -> None:
-    from batchjac._autotune import tune_rows
+    from batchjac._tune.races import tune_rows
 
     # below TUNE_MIN_ROWS nothing is timed
     small = _FakeBound(clock, {})
@@ -243,7 +243,7 @@ def test_tune_rows_skips_small_chunks(clock: _Clock) -> None:
 ])
 def test_time_modes_switches_only_past_the_margin(clock: _Clock, forward_cost: float, prior: str,
                                                   winner: str) -> None:
-    from batchjac._autotune import MARGIN, time_modes
+    from batchjac._tune.races import MARGIN, time_modes
 
     assert MARGIN == 0.1
 
@@ -275,9 +275,9 @@ def test_tuned_chunks_give_the_same_jacobians(monkeypatch: pytest.MonkeyPatch,
     model = workload_model("W1", "jax")
     unknown, known = workload_inputs("W1", 5000, seed=3)
     with monkeypatch.context() as patch:
-        import batchjac._tuning
+        import batchjac._tune.policy
 
-        patch.setattr(batchjac._tuning, "worth", lambda *a, **k: True)  # a job that repays it
+        patch.setattr(batchjac._tune.policy, "worth", lambda *a, **k: True)  # a job that repays it
         jac = batchjac.jacobian(model, unknown, known, explain=True)
     err = capsys.readouterr().err
     # the ladder starts at the planned chunk: the whole batch, or less where the CPU's cache

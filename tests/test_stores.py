@@ -155,7 +155,7 @@ class StoreConformance(ResumableStoreConformance):
     def test_matches_in_memory_and_records_names(self, model: Any, files: tuple[str, str], out: Path,
                                                  reference: tuple[np.ndarray, np.ndarray],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-        import batchjac._autotune
+        import batchjac._tune.races
 
         from .helpers import race_now
 
@@ -163,7 +163,7 @@ class StoreConformance(ResumableStoreConformance):
         # pay, a store reads no clock of the timings and leaves the tuning cache empty
         race_now(monkeypatch)
         timed: list[float] = []
-        monkeypatch.setattr(batchjac._autotune, "clock", lambda: timed.append(0.0) or 0.0)
+        monkeypatch.setattr(batchjac._tune.races, "clock", lambda: timed.append(0.0) or 0.0)
         result = self.run(model, files, out)
         assert timed == [], "a store timed something"
         cache = Path(os.environ["BATCHJAC_CACHE_DIR"])

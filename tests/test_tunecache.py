@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import batchjac
-from batchjac import _tunecache
 from batchjac._config import cache_dir, cache_enabled
 from batchjac._errors import BatchJacWarning, InputError, InputTypeError, TuneCacheWarning
-from batchjac._tunecache import TuneKey, default_cache, machine_id, versions
+from batchjac._tune import cache as _tunecache
+from batchjac._tune.cache import TuneKey, default_cache, machine_id, versions
 
 from .helpers import without_dac_capabilities
 
@@ -126,7 +126,7 @@ def test_another_process_reads_what_this_one_wrote_and_vice_versa(cache_env: Pat
     default_cache().put(key(), DECISION)
     child = _run(f"""
         import json
-        from batchjac._tunecache import TuneKey, default_cache
+        from batchjac._tune.cache import TuneKey, default_cache
         cache = default_cache()
         print(json.dumps(cache.get({make_key})))
         cache.put({make_key.replace('"mode"', '"rows"')}, {{"chunk_size": 250}})
@@ -311,7 +311,7 @@ def test_decisions_must_be_json(cache_env: Path) -> None:
 WRITER = """
     import sys, time
     from pathlib import Path
-    from batchjac._tunecache import TuneKey, default_cache
+    from batchjac._tune.cache import TuneKey, default_cache
     me, go = int(sys.argv[1]), Path(sys.argv[2])
     key = TuneKey.make("sha256:model", "sig", "rows", 1000, framework="numpy")
     cache = default_cache()
@@ -408,7 +408,7 @@ def test_a_read_only_directory_warns_once(cache_env: Path) -> None:
             return
         code = f"""
             import warnings
-            from batchjac._tunecache import TuneKey, default_cache
+            from batchjac._tune.cache import TuneKey, default_cache
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 for what in ("mode", "rows"):

@@ -1,4 +1,4 @@
-"""The cold-start rule (batchjac._tuning): a race runs only when the work it can save repays
+"""The cold-start rule (batchjac._tune.policy): a race runs only when the work it can save repays
 its cost; new batch sizes reuse compiled kernels; decisions persist across processes; new
 function objects with the same code are not probed again. Decisions are asserted, not times:
 the ledger's timings are injected where a test needs a job of a given size."""
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import batchjac
-from batchjac import ClosedForm, _backends, _tuning
+from batchjac import ClosedForm, _backends
+from batchjac._tune import policy as _tuning
 
 D, M = 4, 3  # 4 unknowns, 3 outputs: the cost model cannot tell the modes apart (a race decides)
 _rng = np.random.default_rng(5)
@@ -147,7 +148,7 @@ def test_padding_that_adds_up_to_a_compilation_gets_its_own_kernel() -> None:
     for seed in range(5):  # 37 rows pad 963: ~1 ms of waste a call, a compilation is 3 ms
         z = data(37, seed)
         np.testing.assert_allclose(batchjac.jacobian(model, z), jac(z), rtol=1e-12)
-        batchjac._fastpath._entries.clear()  # each call through the full path
+        batchjac._tune.fastpath._entries.clear()  # each call through the full path
         sizes.append(sorted(bound.kernel_sizes("forward", False) + bound.kernel_sizes("reverse", False)))
     # three calls reuse the 1,000-row kernel (2.9 ms of padding); the fourth compiles 37 rows
     assert [37 in s for s in sizes] == [False, False, False, True, True]
@@ -159,7 +160,8 @@ CHILD = textwrap.dedent('''
     import json, sys
     import numpy as np
     import batchjac
-    from batchjac import ClosedForm, _backends, _tuning
+    from batchjac import ClosedForm, _backends
+    from batchjac._tune import policy as _tuning
     A = np.array(json.loads(sys.argv[1]))
     def f(z): return np.sin(z @ A.T)
     def jac(z): return np.cos(z @ A.T)[:, :, None] * A[None]
@@ -265,7 +267,8 @@ SECOND_CHILD = textwrap.dedent('''
     import numpy as np
     import torch
     import batchjac
-    from batchjac import _backends, _tuning
+    from batchjac import _backends
+    from batchjac._tune import policy as _tuning
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     if sys.argv[1] == "race":

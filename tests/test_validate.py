@@ -140,7 +140,7 @@ def test_list_of_arrays_is_multi_input(x: np.ndarray) -> None:
 
 def test_repeated_calls_take_the_fast_path_with_fresh_data_and_checks() -> None:
     pytest.importorskip("tensorflow")
-    from batchjac import _fastpath
+    from batchjac._tune import fastpath as _fastpath
     from batchjac.examples import mlp_jacobian, mlp_weights, seed_model
 
     model = seed_model("tensorflow")

@@ -25,8 +25,8 @@ from ._errors import BatchJacError, RebindWarning
 from ._plan import ModeArg, Plan, make_plan
 from ._probes import check_model, diagnose, run_probes
 from ._spec import BatchSpec
+from ._tune.policy import persist_probes, recall_probes
 from ._tune.state import Ledger
-from ._tuning import persist_probes, recall_probes
 
 BackendName = Literal["tensorflow", "torch", "jax"]
 

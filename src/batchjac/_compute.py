@@ -21,13 +21,14 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from . import _backends, _tuning as tuning
-from ._autotune import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
+from . import _backends
 from ._backends._base import SECOND_RESULT, UNTUNED, CallBudget
 from ._errors import InputError
 from ._plan import Plan, SecondPlan, fit_cache, hessian_passes
 from ._runner import pad_chunk
 from ._spec import BatchSpec
+from ._tune import policy as tuning
+from ._tune.races import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
 from ._tune.state import Ledger
 
 log = logging.getLogger("batchjac")
@@ -135,7 +136,7 @@ def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
 def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan: P, book: Ledger,
             budget: CallBudget, *, backend: str, rows_free: bool) -> P:
     """The cost model's plan, on a kernel compiled already where padding is cheaper than a new
-    one, and the races that pay for themselves (:mod:`batchjac._tuning`): the mode (one more
+    one, and the races that pay for themselves (:mod:`batchjac._tune.policy`): the mode (one more
     kernel to build) and, where the chunk size is free, the ladder of chunk sizes. Each reads
     first what an earlier process decided."""
     tuning.begin(book)  # the races this call skips set the next check anew

@@ -35,7 +35,8 @@ SETTLE_SECONDS = 10.0
 
 def _settle(model: Any, call: Callable[[], Any], budget: float = SETTLE_SECONDS) -> int:
     """Call until batchjac has no race left to run for ``model``; the number of calls."""
-    from batchjac import _backends, _tuning
+    from batchjac import _backends
+    from batchjac._tune import policy as _tuning
 
     calls, start = 0, time.perf_counter()
     while any(_tuning.pending(b) for b in _backends._bound.get(model, {}).values()) \

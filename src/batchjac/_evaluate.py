@@ -12,14 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends, _tuning as tuning
-from ._autotune import tune
+from . import _backends
 from ._bind import plan_for, prepare
 from ._config import default_max_memory, parse_bytes
 from ._errors import BatchJacError, InputError, add_context
 from ._plan import ModeArg, Plan
 from ._runner import chunks, iter_results, model_call, pad_args
 from ._spec import BatchSpec
+from ._tune import policy as tuning
+from ._tune.races import tune
 
 #: most rows one forward call of an analysis gets (fixed per call, so one trace per shape)
 MAX_BLOCK = 16384

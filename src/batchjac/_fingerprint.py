@@ -17,7 +17,7 @@ duck typing (nothing here imports a framework):
 
 :func:`computation_fingerprint` walks the same objects with the same rules, except that arrays
 and tensors contribute their dtype and shape only: it identifies *what is computed* (the
-architecture, dtypes, code), not the weights, so the tuning cache (:mod:`batchjac._tunecache`)
+architecture, dtypes, code), not the weights, so the tuning cache (:mod:`batchjac._tune.cache`)
 can reuse a decision timed on a model for the same model retrained, reloaded, or rebuilt around
 new parameters of the same shapes. The running time of a kernel depends on those, not on the
 values of the weights. It also keys the probes' verdict (rows that do not interact), which a

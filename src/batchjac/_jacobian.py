@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends, _fastpath, _tuning as tuning
+from . import _backends
 from ._arrays import OutputArg, deliver, in_memory, native_options, on_host, resolve
 from ._bind import BackendName, beside_probes, plan_for, prepare
 from ._compute import Derivative, check_out, compute, context
@@ -20,6 +20,7 @@ from ._plan import ModeArg, Plan, check_options
 from ._runner import Results, call, run_chunks, run_single
 from ._spec import BatchSpec
 from ._stores import StoreError, as_store, compute_to_store, is_store_target, progress_bar
+from ._tune import fastpath as _fastpath, policy as tuning
 from ._validate import DTypeLike, NanPolicy, normalize
 
 log = logging.getLogger("batchjac")

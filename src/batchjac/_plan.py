@@ -194,7 +194,7 @@ def fit_cache(plan: AnyPlan, n: int, *, row_bytes: float | None, passes: int,
     chunks cut to the cache (measured: docs/thresholds.md, ``_config.CACHE_FALLBACK``).
     ``passes``: of the kernel, where each holds about what the one tangent does (a
     Jacobian's ``k`` tangents or ``m`` backward passes). The ladder of
-    chunk sizes (``batchjac._autotune.tune_rows``) times sizes below this one later, when the
+    chunk sizes (``batchjac._tune.races.tune_rows``) times sizes below this one later, when the
     work repays it."""
     if row_bytes is None or n == 0:
         return plan

@@ -57,14 +57,14 @@ class CallBudget:
     """What the call at hand lets a kernel spend on choosing its build, and what it knows:
     passed to a kernel's construction (:meth:`BoundModel.kernel`) and to its calls
     (:meth:`Kernel.call`, or :meth:`Kernel.under` for the runner), never set around them.
-    The tuning policy (:mod:`batchjac._tuning`) makes it; kernels read it."""
+    The tuning policy (:mod:`batchjac._tune.policy`) makes it; kernels read it."""
 
     #: the rows of the call at hand (0: not known): a kernel's first build weighs what its
     #: compilation saves against the work of these rows, all its chunks
     rows: int = 0
     #: whether a kernel meeting its first call may race its builds now
     race: bool = False
-    #: whether the kernels are being timed mode against mode (:func:`batchjac._autotune.time_modes`):
+    #: whether the kernels are being timed mode against mode (:func:`batchjac._tune.races.time_modes`):
     #: a mode that fails there loses the race without a warning, which is for calls that
     #: compute with the kernel, and a kernel builds what such a race compares (no quick build)
     mode_race: bool = False
@@ -296,7 +296,7 @@ class Kernel(ABC):
         """The build a first call takes untimed because it is the cheapest to make, if there
         is one (TensorFlow: the plain graph; PyTorch: plain autograd before torch._dynamo is
         loaded); a remembered build other than it waits for the work to repay its making
-        (see ``batchjac._tuning.recall_variant``)."""
+        (see ``batchjac._tune.policy.recall_variant``)."""
         return None
 
     #: that remembered build and why, until it is taken
@@ -304,7 +304,7 @@ class Kernel(ABC):
 
     def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:  # noqa: B027 - optional
         """Time the builds now, on ``(u, ctx)``, and keep the fastest: the race the first call
-        skipped, once the work seen repays it (see :mod:`batchjac._tuning`). Backends with
+        skipped, once the work seen repays it (see :mod:`batchjac._tune.policy`). Backends with
         several builds override this; the default has nothing to time."""
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> Any:

@@ -78,7 +78,8 @@ def _settle(call: Callable[[], object]) -> None:
     """Call batchjac until no bound model has a race to come, as the steady table does
     (:func:`batchjac._bench.worker.settle`): a build chosen untimed for the first calls (torch's
     looped pass) is raced once the work repays it, and the row compares the settled choice."""
-    from batchjac import _backends, _tuning
+    from batchjac import _backends
+    from batchjac._tune import policy as _tuning
 
     from .worker import SETTLE_SECONDS
 

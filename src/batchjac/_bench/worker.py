@@ -155,14 +155,15 @@ def build_cases(workload: str, backend: str, n: int, loop_rows: int) -> tuple[li
 
 
 #: the steady state is measured once batchjac's tuning has settled: its races run when the work
-#: seen repays them (batchjac._tuning), so a user calling repeatedly reaches the tuned kernels
+#: seen repays them (batchjac._tune.policy), so a user calling repeatedly reaches the tuned kernels
 #: after some calls; the benchmark calls until no race is due, for at most this long
 SETTLE_SECONDS = 30.0
 
 
 def settle(case: Case, model: Any, budget: float = SETTLE_SECONDS) -> dict[str, Any]:
     """Call batchjac until none of its bound models has a race to come (or ``budget`` s)."""
-    from batchjac import _backends, _tuning
+    from batchjac import _backends
+    from batchjac._tune import policy as _tuning
 
     def due() -> bool:
         return any(_tuning.pending(b) for b in _backends._bound.get(model, {}).values())

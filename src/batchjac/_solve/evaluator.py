@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from .. import _backends
-from .._autotune import time_modes
 from .._runner import call, pad_args
+from .._tune.races import time_modes
 
 _MIN_BUCKET = 8  # smallest chunk kernel compiled for the tail of the active set
 _BUCKET_FACTOR = 8  # ratio between successive chunk sizes

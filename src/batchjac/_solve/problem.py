@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 
 from .. import _backends
-from .._autotune import tune
 from .._bind import BackendName, prepare
 from .._config import autotune_enabled, default_max_memory, parse_bytes
 from .._errors import BatchJacError, InputError, InputTypeError, add_context
 from .._fit import default_fit_tol
 from .._plan import ModeArg, Plan, make_plan
 from .._spec import BatchSpec
+from .._tune.races import tune
 from .._validate import DTypeLike, normalize, resolve_dtype, to_numpy
 
 

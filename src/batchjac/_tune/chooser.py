@@ -9,7 +9,7 @@ builds are and how to run one; this module decides between them, the same way fo
 1. **fixed**: a build fixed with ``use`` (a store's record, a remembered decision) runs, untimed;
 2. **only**: a kernel with one build runs it;
 3. **race**: where the call's budget repays it (:class:`~batchjac._backends._base.CallBudget`,
-   set by the tuning policy, :mod:`batchjac._tuning`), the builds are timed on the call's own
+   set by the tuning policy, :mod:`batchjac._tune.policy`), the builds are timed on the call's own
    rows (:func:`race`) and the fastest kept by :func:`winner`;
 4. **untimed**: else the cheapest build to make runs, and the kernel is marked untimed: the
    race runs later, once the work seen repays it (``retune``, called by ``_tuning.settle``).

@@ -74,7 +74,7 @@ class JaxKernel(Kernel):
     it compiles in a fraction of the time and runs XLA's own loops slower (matrix products
     are library calls either way), so it pays while the call's elementwise work is small
     (measured: docs/thresholds.md, ``JaxKernel.QUICK_ELEMENTS``). It is never raced and never a store's
-    build: the race the first call skipped, once the work repays it (:mod:`batchjac._tuning`),
+    build: the race the first call skipped, once the work repays it (:mod:`batchjac._tune.policy`),
     replaces it with the fastest of the others. Chunks with wide matrix products
     (:data:`WIDE_PRODUCTS`) take "no-ynnpack" as their first build, untimed, for the same
     reason: the cost model's choice beats a race the first call cannot repay.

@@ -2,7 +2,7 @@
 compiling it again.
 
 A JAX kernel's first call in a fresh process is its trace, XLA's compilation and one run,
-the compilation the larger part. The tuning cache (:mod:`batchjac._tunecache`) already spares a
+the compilation the larger part. The tuning cache (:mod:`batchjac._tune.cache`) already spares a
 second process the races; this module spares it the compilation, the larger part of what is
 left: XLA's executable is serialized (``jax.experimental.serialize_executable``, a few MB at
 most for the benchmark's models) into the same cache directory, and loading it back takes a
@@ -17,7 +17,7 @@ CPU's instruction set).
 
 An executable is machine code, and JAX's loader is a pickle (``deserialize_and_load`` warns
 that untrusted bytes can run code): only bytes this user's cache signed reach it
-(:mod:`batchjac._tunecache` refuses a directory others can write and checks every file's
+(:mod:`batchjac._tune.cache` refuses a directory others can write and checks every file's
 HMAC), the pickle is scanned first and refused where it names anything but the few JAX and
 numpy classes an executable holds (:func:`_only_known_classes`), and nothing else is
 unpickled: the argument and result trees are the traced function's own (``lowered.in_tree``,
@@ -35,7 +35,7 @@ background thread once the call that compiled has its result (:func:`release`) a
 has been called for :data:`WRITE_DELAY` (:func:`used`: a call in chunks keeps it waiting, at
 most :data:`MAX_WRITE_WAIT`): serializing
 an executable beside a first run takes some of the run's cores. A directory that never held
-an executable is not searched (:meth:`~batchjac._tunecache.TuneCache.has_payloads`): the key,
+an executable is not searched (:meth:`~batchjac._tune.cache.TuneCache.has_payloads`): the key,
 the module's text hashed, costs a first call milliseconds, and is then made by the writer,
 after the call. The directory keeps at most ``BATCHJAC_CACHE_MAX_BYTES`` of
 executables (1 GB by default), the least recently used removed first.
@@ -54,7 +54,7 @@ from typing import Any
 
 import jax
 
-from ..._tunecache import TuneKey, default_cache
+from ..._tune.cache import TuneKey, default_cache
 from . import compat
 
 #: XLA's compiler options: strings, or Python booleans for its boolean flags (it refuses "false")

@@ -282,7 +282,7 @@ class TFSecondKernel(Kernel):
 
     def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget) -> None:
         """The plain graph, untimed, unless the work at hand repays compiling XLA too and
-        timing both (the tuning policy, :mod:`batchjac._tuning`); a fixed variant (stores)
+        timing both (the tuning policy, :mod:`batchjac._tune.policy`); a fixed variant (stores)
         as it is. XLA may take far longer to build than the graph (constant folding of the
         tangents' zero products) for a small gain a chunk (docs/thresholds.md)."""
         from .._base import untimed_note

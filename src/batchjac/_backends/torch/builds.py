@@ -339,7 +339,7 @@ class TorchKernel(Kernel):
     @property
     def cheap_first(self) -> str | None:
         """The build a first call takes when an earlier process's race chose another one
-        (:func:`batchjac._tuning.recall_variant`): a plain-autograd build where it imports
+        (:func:`batchjac._tune.policy.recall_variant`): a plain-autograd build where it imports
         nothing and torch.func would import torch._dynamo (most of a warm small first call:
         docs/thresholds.md, "PyTorch's first calls"); the remembered build replaces it once
         the work repays it."""

@@ -86,11 +86,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import _cachefiles as _files
-from ._cachefiles import KEY_BYTES as KEY_BYTES, KEY_FILE as KEY_FILE
-from ._config import CACHE_MAX_BYTES, cache_dir, cache_enabled, cache_max_bytes
-from ._errors import InputError, InputTypeError, TuneCacheWarning
-from ._version import __version__
+from .._config import CACHE_MAX_BYTES, cache_dir, cache_enabled, cache_max_bytes
+from .._errors import InputError, InputTypeError, TuneCacheWarning
+from .._version import __version__
+from . import files as _files
+from .files import KEY_BYTES as KEY_BYTES, KEY_FILE as KEY_FILE
 
 #: what the "schema" field of every cache file says
 SCHEMA = "batchjac-tunecache"
@@ -172,7 +172,7 @@ class TuneKey:
         importing it; ``gpu`` is the accelerator's name, as the backend reports it.
         """
         if not isinstance(model, str):
-            from ._fingerprint import computation_fingerprint
+            from .._fingerprint import computation_fingerprint
 
             model = computation_fingerprint(model)
         return cls(model=model, signature=signature, what=what, shape=shape,

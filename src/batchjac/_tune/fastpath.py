@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ._backends import BoundModel
-from ._plan import Plan
-from ._spec import BatchSpec
+from .._backends import BoundModel
+from .._plan import Plan
+from .._spec import BatchSpec
 
 _MAX_ENTRIES = 64
 

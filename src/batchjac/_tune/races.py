@@ -37,12 +37,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._backends import BoundModel, CallBudget, Kernel, Mode, under
-from ._plan import Plan, SecondPlan
-from ._runner import pad_chunk
-from ._sinks import new_result
-from ._spec import BatchSpec
-from ._tune import chooser
+from .._backends import BoundModel, CallBudget, Kernel, Mode, under
+from .._plan import Plan, SecondPlan
+from .._runner import pad_chunk
+from .._sinks import new_result
+from .._spec import BatchSpec
+from . import chooser
 
 REPEATS = 5
 #: fast kernels: more repeats of the mode timing, up to this many or this long in all
@@ -133,7 +133,7 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
     return ("forward" if mode == "forward" else "reverse"), measured
 
 
-#: compilations a chunk-size ladder costs, for the rule of :mod:`batchjac._tuning` (sizes of
+#: compilations a chunk-size ladder costs, for the rule of :mod:`batchjac._tune.policy` (sizes of
 #: 1/4, 1/16, ... of the planned one: three or four are built before the descent stops)
 ROWS_COMPILATIONS = 3
 

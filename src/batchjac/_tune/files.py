@@ -2,7 +2,7 @@
 trust checks of a directory, reads that follow no link and open only regular files, atomic
 writes, the folder's signing key and the HMAC under it, and the eviction of payloads.
 
-:mod:`batchjac._tunecache` decides what to store and when; this module decides only how a
+:mod:`batchjac._tune.cache` decides what to store and when; this module decides only how a
 file is read and written safely (its docstring says what the cache trusts).
 """
 

@@ -19,7 +19,7 @@ A kernel's first call races its builds only where the call's budget says it may
 calls): whether the call at hand may pay for it.
 
 Every decision a race takes (the mode for a chunk size, the chunk size for a plan, a kernel's
-build) is written to the on-disk cache (:mod:`batchjac._tunecache`), keyed by the model's
+build) is written to the on-disk cache (:mod:`batchjac._tune.cache`), keyed by the model's
 computation (not its weights), the batch signature, the versions and the machine, and read
 back by the first call of a later process: that call runs the tuned kernel, with one
 compilation, and never races on this machine again. Stores never read it: their kernel is the
@@ -34,10 +34,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._backends._base import CallBudget
-from ._config import autotune_enabled
-from ._plan import Plan
-from ._tune.state import Ledger as Ledger
+from .._backends._base import CallBudget
+from .._config import autotune_enabled
+from .._plan import Plan
+from .state import Ledger as Ledger
 
 T = TypeVar("T")
 
@@ -74,7 +74,7 @@ _MODES = {"mode": {"forward", "reverse"}}
 
 
 def _key(bound: Any, backend: str, what: str, shape: str) -> Any:
-    from ._tunecache import TuneKey, default_cache
+    from .cache import TuneKey, default_cache
 
     cache = default_cache()
     if not cache.enabled:
@@ -82,7 +82,7 @@ def _key(bound: Any, backend: str, what: str, shape: str) -> Any:
     state = bound.tuning
     fingerprint = state.computation
     if fingerprint is None:
-        from ._fingerprint import computation_fingerprint
+        from .._fingerprint import computation_fingerprint
 
         model = state.source() if state.source is not None else None
         fingerprint = state.computation = computation_fingerprint(model) if model is not None else ""
