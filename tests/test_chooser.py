@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from batchjac._backends import CallBudget
+from batchjac._backends._base import UNTUNED, Kernel
 from batchjac._tune import chooser
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "batchjac"
@@ -75,4 +76,129 @@ def test_no_backend_keeps_a_margin_or_a_race_loop_of_its_own() -> None:
                                                   for k in node.keywords) and \
                     "rivals" not in ast.unparse(node):
                 found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
+
+
+def test_the_stages_of_a_race_follow_the_build_records() -> None:
+    """The stage-0 build defends; each later stage challenges the build kept before it."""
+    builds = [chooser.Build("default", 0), chooser.Build("no-ynnpack", 1),
+              chooser.Build("default/128", 2), chooser.Build("no-ynnpack/128", 2)]
+    times = {"default": 1.0, "no-ynnpack": 0.9, "default/128": 0.8, "no-ynnpack/128": 0.86}
+    assert chooser.pick(times, builds, "default") == "default/128"
+    # blocks 4% faster than the kept build: within the margin
+    assert chooser.pick({**times, "default/128": 0.87}, builds, "default") == "no-ynnpack"
+    # no challenger past the margin at any stage: the stage-0 build stays
+    assert chooser.pick({"default": 1.0, "no-ynnpack": 0.97, "default/128": 0.99,
+                         "no-ynnpack/128": 0.96}, builds, "default") == "default"
+    # one stage of all (second order): the fastest past the margin, against the one in use
+    flat = [chooser.Build(n) for n in ("graph", "xla", "tapes")]
+    assert chooser.pick({"graph": 1.0, "xla": 0.7, "tapes": 0.8}, flat, "tapes") == "xla"
+    assert chooser.pick({"graph": 1.0, "xla": 0.78, "tapes": 0.8}, flat, "tapes") == "tapes"
+
+
+class Fake(Kernel):
+    """A kernel that only declares its builds and how to run one: the chooser does the rest.
+    Build "slow" fails for the model where ``broken`` says so."""
+
+    def __init__(self, times: dict[str, float], broken: tuple[str, ...] = (),
+                 known: str | None = None) -> None:
+        self.mode, self.chunk_size, self.with_outputs = "reverse", 4, False
+        self.variants, self.variant, self.times = tuple(times), None, times
+        self.broken, self._known, self.runs = broken, known, []
+
+    def build(self, name: str) -> chooser.Build:
+        return chooser.Build(name, int(name != "a"))
+
+    @property
+    def known(self) -> str | None:
+        return self._known
+
+    def untimed_first(self, u, ctx, budget):  # type: ignore[no-untyped-def]
+        return "c", "c (cheap)", True
+
+    def contenders(self, u, ctx):  # type: ignore[no-untyped-def]
+        works = tuple(v for v in self.variants if v not in self.broken)
+        if len(works) < 2:
+            self._select(works[0], f"{works[0]} (the others failed)")
+        return works
+
+    def run_build(self, name, u, ctx):  # type: ignore[no-untyped-def]
+        self.runs.append(name)
+
+    def call(self, u, ctx, budget=UNTUNED):  # type: ignore[no-untyped-def]
+        raise AssertionError("not called")
+
+
+@pytest.fixture
+def timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race's timings from the fake kernel's table, each build run once."""
+    def race(run, names, **options):  # type: ignore[no-untyped-def]
+        kernel_times = {}
+        for name in names:
+            run(name)
+            kernel_times[name] = Fake.current.times[name]
+        return kernel_times
+
+    monkeypatch.setattr(chooser, "race", race)
+
+
+def _first(kernel: Fake, budget: CallBudget) -> Fake:
+    Fake.current = kernel  # type: ignore[attr-defined]
+    kernel.choose(None, (), budget)
+    return kernel
+
+
+@pytest.mark.usefixtures("timed")
+def test_the_state_machine_of_a_first_call_and_its_later_race() -> None:
+    race, plain = CallBudget(race=True), CallBudget(rows=10)
+    times = {"a": 1.0, "b": 0.5, "c": 0.97}
+    k = _first(Fake(times), race)  # race: "b" beats the stage-0 "a" past the margin
+    assert (k.variant, k.untimed, sorted(set(k.runs))) == ("b", False, ["a", "b", "c"])
+    assert k.note.startswith("b (timed one chunk: a 1000.00 ms")
+    k = _first(Fake({"a": 1.0, "c": 0.97}), race)  # within the margin: "a" stays
+    assert k.variant == "a"
+    k = Fake(times)
+    k.use("c", "a store's record")
+    _first(k, race)  # fixed: taken, nothing timed
+    assert (k.variant, k.note, k.runs) == ("c", "c (a store's record)", [])
+    k = _first(Fake(times, known="b"), race)  # known for another chunk size: taken
+    assert (k.variant, k.runs) == ("b", [])
+    assert "another chunk size" in k.note
+    k = _first(Fake({"a": 1.0}), race)  # one build
+    assert (k.variant, k.runs) == ("a", [])
+    k = _first(Fake(times, broken=("b", "c")), race)  # the others fail: no race, said so
+    assert (k.variant, k.note, k.runs) == ("a", "a (the others failed)", [])
+
+    k = _first(Fake(times), plain)  # untimed: the cheap build, marked for a later race
+    assert (k.variant, k.untimed, k.runs) == ("c", True, [])
+    k.retune(None, ())
+    assert (k.variant, k.untimed) == ("b", False)
+    k.runs.clear()
+    k.retune(None, ())  # raced already: nothing more
+    assert k.runs == []
+    k = _first(Fake(times), plain)
+    k.use("c")  # fixed after the first call: never raced
+    k.retune(None, ())
+    assert (k.variant, k.runs) == ("c", [])
+
+
+def test_no_kernel_holds_a_state_machine_or_a_race() -> None:
+    """The backends declare builds and run them; only the chooser times and decides: no
+    backend module calls race, winner or pick, nor defines a first call's or a retune's
+    method of its own."""
+    found = []
+    for path in sorted((SRC / "_backends").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = node.func.id if isinstance(node.func, ast.Name) else \
+                    node.func.attr if isinstance(node.func, ast.Attribute) else ""
+                if name in ("race", "winner", "pick", "race_builds", "first_call") and \
+                        path.name != "_base.py":  # (Kernel.choose: the chooser's entry)
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, ast.FunctionDef) and (node.name in ("_first_call", "_race") or
+                                                      node.name.startswith("_race_")):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: def {node.name}")
+            if isinstance(node, ast.FunctionDef) and node.name == "retune" and \
+                    path.name != "_base.py":
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: def retune")
     assert not found, found

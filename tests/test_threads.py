@@ -124,8 +124,8 @@ def test_threads_binding_one_model_bind_and_probe_it_once(monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize(("backend", "module", "kernel_class", "first"), [
     ("tensorflow", "tensorflow", "TFKernel", "_establish"),
-    ("jax", "jax", "JaxKernel", "_first_call"),
-    ("torch", "torch", "TorchKernel", "_first_call"),
+    ("jax", "jax", "JaxKernel", "choose"),
+    ("torch", "torch", "TorchKernel", "_establish"),
 ])
 def test_threads_meeting_a_new_kernel_establish_it_once(
         backend: str, module: str, kernel_class: str, first: str,

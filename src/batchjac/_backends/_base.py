@@ -26,6 +26,8 @@ import numpy as np
 
 from .._config import autotune_enabled
 from .._spec import Layout
+from .._tune import chooser
+from .._tune.chooser import Build, timings
 from .._tune.state import TuningState
 
 Mode = Literal["forward", "reverse"]
@@ -192,9 +194,13 @@ class Kernel(ABC):
     """One compiled, pure function over chunks of exactly ``chunk_size`` rows.
 
     A backend may compile a kernel in more than one way (``variants``, e.g. TensorFlow with
-    and without XLA). Such a kernel picks the faster on its first call, by timing, unless a
-    variant was set with :meth:`use` (resumable stores record the variant, so that a resumed
-    run computes the same bits); ``variant`` and ``note`` then say which and why.
+    and without XLA). Such a kernel declares its builds (:meth:`build`: a
+    :class:`~batchjac._tune.chooser.Build` record each) and how to make, run and select one
+    (the hooks below :meth:`retune`); the chooser (:mod:`batchjac._tune.chooser`) runs the
+    first call's choice (:meth:`choose`) and the later race (:meth:`retune`), the same for
+    every kernel, unless a variant was set with :meth:`use` (resumable stores record the
+    variant, so that a resumed run computes the same bits); ``variant`` and ``note`` then say
+    which and why.
     """
 
     mode: Mode
@@ -302,10 +308,81 @@ class Kernel(ABC):
     #: that remembered build and why, until it is taken
     remembered: tuple[str, str] | None = None
 
-    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:  # noqa: B027 - optional
-        """Time the builds now, on ``(u, ctx)``, and keep the fastest: the race the first call
-        skipped, once the work seen repays it (see :mod:`batchjac._tune.policy`). Backends with
-        several builds override this; the default has nothing to time."""
+    def choose(self, u: Any, ctx: tuple[Any, ...], budget: CallBudget) -> None:
+        """The first call's choice of build, on its rows: :func:`batchjac._tune.chooser.first_call`."""
+        chooser.first_call(self, u, ctx, budget)
+
+    def retune(self, u: Any, ctx: tuple[Any, ...]) -> None:
+        """The race the first call skipped, on ``(u, ctx)``, once the work seen repays it (see
+        :mod:`batchjac._tune.policy`): :func:`batchjac._tune.chooser.retune`."""
+        chooser.retune(self, u, ctx)
+
+    # -- what the chooser (:mod:`batchjac._tune.chooser`) asks of a kernel with several builds:
+    # it runs the state machine of the first call and of the later race; a kernel only
+    # declares its builds and makes, runs and selects one
+
+    #: extra arguments of the race (:func:`batchjac._tune.chooser.race`) for this kernel's builds
+    race_options: dict[str, Any] = {}  # noqa: RUF012 - read only
+
+    def build(self, name: str) -> Build:
+        """The record of build ``name``: its stage in a race (default: all challenge alike)."""
+        return Build(name)
+
+    @property
+    def known(self) -> str | None:
+        """The build a race chose for another chunk size of this model, taken untimed."""
+        return None
+
+    def take(self, name: str, why: str, u: Any, ctx: tuple[Any, ...]) -> None:
+        """Select build ``name``, fixed or known, untimed (``why``: for the note), for the
+        first call on ``(u, ctx)``."""
+        self._select(name, f"{name} ({why})")
+
+    def untimed_first(self, u: Any, ctx: tuple[Any, ...], budget: CallBudget
+                      ) -> tuple[str, str, bool] | None:
+        """The build a first call takes where no race is repaid: ``(name, note, later)``,
+        ``later`` whether a race should replace it once the work repays one; None where the
+        kernel selected one itself."""
+        return self.variants[0], untimed_note(), True
+
+    @property
+    def retunable(self) -> bool:
+        """Whether a race can still change the untimed build in use."""
+        return len(self.variants) > 1
+
+    @contextlib.contextmanager
+    def timing(self, u: Any, ctx: tuple[Any, ...]) -> Iterator[tuple[Any, tuple[Any, ...]]]:
+        """The rows of a later race as the builds take them (PyTorch: tensors, in its mode)."""
+        yield u, ctx
+
+    def race_inputs(self, u: Any, ctx: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+        """The rows a race times the builds on (default: the chunk's)."""
+        return u, ctx
+
+    def contenders(self, u: Any, ctx: tuple[Any, ...]) -> tuple[str, ...]:
+        """The builds to race, made and warmed up on ``(u, ctx)``, those that fail for the
+        model left out; with fewer than two, the kernel selects the one left (or its only
+        working build) and says why."""
+        return self.variants
+
+    def run_build(self, name: str, u: Any, ctx: tuple[Any, ...]) -> None:
+        """Run build ``name`` on ``(u, ctx)`` once, for the race: returns when it is done."""
+        raise NotImplementedError(f"{type(self).__name__} has no builds to race")
+
+    def incumbent(self, names: tuple[str, ...]) -> str:
+        """The build a race's challengers must beat: the stage-0 build, else the untimed one in
+        use, else the cheap first one, else the first."""
+        zero = [n for n in names if self.build(n).stage == 0]
+        if zero:
+            return zero[0]
+        if self.variant in names:
+            return self.variant  # type: ignore[return-value]
+        cheap = self.cheap_first
+        return cheap if cheap in names else names[0]  # type: ignore[return-value]
+
+    def raced_to(self, best: str, times: dict[str, float], u: Any) -> None:
+        """Select ``best``, the race's choice on the rows ``u``, with its timings in the note."""
+        self._select(best, f"{best} (timed one chunk: {timings(times)})")
 
     def __call__(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> Any:
         """A call that says nothing of tuning (:data:`UNTUNED`): see :meth:`call`."""

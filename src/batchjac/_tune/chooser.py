@@ -1,27 +1,33 @@
-"""The one chooser between builds: the order of a kernel's first call, the timing race and the
-one margin rule every race decides by.
+"""The one chooser between builds: the state machine of a kernel's first call and of its
+later race, the timing race, and the one margin rule every race decides by.
 
 A kernel (a compiled function over chunks, :class:`batchjac._backends.Kernel`) may compute in
 several builds (TensorFlow's XLA and plain graph, JAX's compiler options and blocks, PyTorch's
-vmap and plain-autograd passes, the second-order rule sets). Each backend declares what its
-builds are and how to run one; this module decides between them, the same way for all:
+vmap and plain-autograd passes, the second-order rule sets). Each backend declares its builds
+as :class:`Build` records and how to make, run and select one (the hooks of
+:class:`~batchjac._backends.Kernel`); this module decides between them, the same way for all.
+A kernel's first call (:func:`first_call`) takes the first of:
 
 1. **fixed**: a build fixed with ``use`` (a store's record, a remembered decision) runs, untimed;
-2. **only**: a kernel with one build runs it;
-3. **race**: where the call's budget repays it (:class:`~batchjac._backends._base.CallBudget`,
+2. **known**: a build a race chose for another chunk size of the same model
+   (``Kernel.known``) runs, untimed: the ladder of chunk sizes compares sizes on one build;
+3. **only**: a kernel with one build runs it;
+4. **race**: where the call's budget repays it (:class:`~batchjac._backends._base.CallBudget`,
    set by the tuning policy, :mod:`batchjac._tune.policy`), the builds are timed on the call's own
-   rows (:func:`race`) and the fastest kept by :func:`winner`;
-4. **untimed**: else the cheapest build to make runs, and the kernel is marked untimed: the
-   race runs later, once the work seen repays it (``retune``, called by ``_tuning.settle``).
+   rows (:func:`race_builds`) and the fastest kept by the stages of :func:`pick`;
+5. **untimed**: else the kernel's cheapest build to make runs (``Kernel.untimed_first``), and
+   the kernel is marked untimed: :func:`retune` runs the race later, once the work seen repays
+   it (called by ``policy.settle``).
 
-A build remembered by an earlier process enters as *fixed* (``_tuning.recall_variant``), or,
+A build remembered by an earlier process enters as *fixed* (``policy.recall_variant``), or,
 where it costs more to make than the cheap first one, replaces it once the work repays that.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -33,6 +39,74 @@ MARGIN = 0.05
 
 Step = Literal["fixed", "only", "race", "untimed"]
 K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class Build:
+    """One way a kernel computes its result: what the chooser picks from.
+
+    ``stage``: when the build enters a race. Stage 0 is the incumbent, the build that runs
+    without a race (at most one a kernel); each later stage's builds challenge the build the
+    stages before kept (:func:`pick`). A kernel whose builds are all of one stage has no fixed
+    incumbent: the one it runs untimed defends (``Kernel.incumbent``)."""
+
+    name: str
+    stage: int = 1
+
+
+def pick(times: dict[str, float], builds: Sequence[Build], incumbent: str) -> str:
+    """The build kept after a race: ``incumbent``, replaced at each stage (in order) by the
+    fastest of the stage's builds where it beats the one kept by :data:`MARGIN`."""
+    best = incumbent
+    for stage in sorted({b.stage for b in builds if b.stage > 0}):
+        best = winner(times, best, [b.name for b in builds if b.stage == stage])
+    return best
+
+
+def first_call(kernel: Any, u: Any, ctx: tuple[Any, ...], budget: Any) -> None:
+    """Choose the build of ``kernel``'s first call, on its rows ``(u, ctx)``, and select it:
+    the order of this module's docstring."""
+    step = first_step(kernel, budget)
+    if step == "fixed":
+        kernel.take(kernel.fixed, kernel._forced_why, u, ctx)
+        return
+    known = kernel.known
+    if known is not None and known in kernel.variants:
+        kernel.take(known, "as timed for another chunk size", u, ctx)
+        return
+    if step == "only":
+        kernel._select(kernel.variants[0], "")
+    elif step == "race":
+        race_builds(kernel, u, ctx)
+    else:
+        chosen = kernel.untimed_first(u, ctx, budget)
+        if chosen is not None:  # (None: the kernel chose already, e.g. its only working build)
+            name, note, later = chosen
+            kernel._select(name, note)
+            kernel.untimed = later
+
+
+def retune(kernel: Any, u: Any, ctx: tuple[Any, ...]) -> None:
+    """The race an untimed first call skipped, on ``(u, ctx)``, once the work repays it."""
+    if not kernel.untimed or kernel.fixed is not None or not kernel.retunable:
+        return
+    kernel.untimed = False
+    with kernel.timing(u, ctx) as (u, ctx):
+        race_builds(kernel, u, ctx)
+
+
+def race_builds(kernel: Any, u: Any, ctx: tuple[Any, ...]) -> None:
+    """Time ``kernel``'s builds on ``(u, ctx)`` and select the one :func:`pick` keeps. The
+    kernel makes and warms up its contenders first (``Kernel.contenders``), dropping those
+    that fail for this model; where fewer than two are left it has selected one already."""
+    u, ctx = kernel.race_inputs(u, ctx)
+    names = kernel.contenders(u, ctx)
+    if len(names) < 2:
+        return
+    builds = [kernel.build(name) for name in names]
+    incumbent = kernel.incumbent(names)  # (before the race: running a build may select it)
+    times = race(lambda name: kernel.run_build(name, u, ctx), names, **kernel.race_options)
+    kernel.raced_to(pick(times, builds, incumbent), times, u)
 
 
 def first_step(kernel: Any, budget: Any, builds: int | None = None) -> Step:

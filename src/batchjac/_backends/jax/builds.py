@@ -17,7 +17,7 @@ from ..._errors import (
     ModelError,
     ReverseModeFallbackWarning,
 )
-from ..._tune.chooser import first_step, race, timings, winner
+from ..._tune.chooser import Build, timings
 from .._base import (
     FIRST_VARIANT,
     UNTUNED,
@@ -381,7 +381,7 @@ class JaxKernel(Kernel):
         if self.variant is None:
             with self.building:  # (threads sharing the kernel: one chooses its build)
                 if self.variant is None:
-                    self._first_call(u, ctx, budget)
+                    self.choose(u, ctx, budget)
         used()
         return self._result(self._fn(self._bound.args, u, tuple(ctx)),  # runs in the background
                             isinstance(u, jax.Array))
@@ -404,42 +404,29 @@ class JaxKernel(Kernel):
             return res
         return wait
 
-    def _run(self, variant: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        jax.block_until_ready(self._compiled[variant](self._bound.args, u, tuple(ctx)))
+    # -- the builds as the chooser (:mod:`batchjac._tune.chooser`) sees them: "default" runs
+    # without a race, "no-ynnpack" challenges it, then each build in blocks the one kept
 
-    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget) -> None:
+    def build(self, name: str) -> Build:
+        return Build(name, 2 if "/" in name else int(name != "default"))
+
+    race_options = {"prune": PRUNE}  # noqa: RUF012 - read only
+
+    def untimed_first(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget
+                      ) -> tuple[str, str, bool]:
         from ..._config import autotune_enabled
         from .._base import untimed_note
 
-        step = first_step(self, budget)
-        if step == "fixed":
-            self._select(self._forced, f"{self._forced} ({self._forced_why})")  # type: ignore[arg-type]
-            return
-        if step == "only":
-            self._select("default", "")
-            return
-        if step == "untimed" and self._first == "quick":
-            self._select("quick", f"quick (XLA at optimization level 0, no fusion emitters: "
-                                  f"{self.work.elements:.2g} elements of elementwise work a "
-                                  f"chunk, too few to repay a full build; {untimed_note()})")
-            self.untimed = True
-            return
-        if step == "untimed":
-            # what an earlier kernel of this model chose by timing (none with autotune off)
-            hint = self._hinted(*(self._bound.hint or (self._first, False)) if autotune_enabled()
-                                else ("default", False))
-            self._select(hint, f"{hint} ({untimed_note()})")
-            self.untimed = True
-            return
-        self._race_builds(u, ctx)
+        if self._first == "quick":
+            return "quick", (f"quick (XLA at optimization level 0, no fusion emitters: "
+                             f"{self.work.elements:.2g} elements of elementwise work a chunk, "
+                             f"too few to repay a full build; {untimed_note()})"), True
+        # what an earlier kernel of this model chose by timing (none with autotune off)
+        hint = self._hinted(*(self._bound.hint or (self._first, False)) if autotune_enabled()
+                            else ("default", False))
+        return hint, f"{hint} ({untimed_note()})", True
 
-    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        if not self.untimed or self.fixed is not None or len(self.variants) == 1:
-            return
-        self.untimed = False
-        self._race_builds(u, ctx)
-
-    def _race_builds(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+    def contenders(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[str, ...]:
         try:
             self._compile("no-ynnpack", strict=True)
         except Exception:  # e.g. a JAX whose XLA has no such option: one build only
@@ -448,13 +435,16 @@ class JaxKernel(Kernel):
             self._compile(v)
         # one race of all: a second race, minutes later on a shared machine, compared the
         # winner of the first with itself at another load and once took blocks for it
-        times = race(lambda v: self._run(v, u, ctx), self.variants, prune=self.PRUNE)
-        best = winner(times, "default", ["no-ynnpack"])
-        best = winner(times, best, [v for v in self.variants if "/" in v])
-        self._bound.hint = (best.split("/")[0], "/" in best)
-        self._select(best, f"{best} (timed one chunk: {timings(times)})")
+        return self.variants
+
+    def run_build(self, name: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        jax.block_until_ready(self._compiled[name](self._bound.args, u, tuple(ctx)))
+
+    def raced_to(self, best: str, times: dict[str, float], u: Any) -> None:
         from .executables import release
 
+        self._bound.hint = (best.split("/")[0], "/" in best)
+        self._select(best, f"{best} (timed one chunk: {timings(times)})")
         # the race's executables are written now: a process that stops calling after its
         # race (the bench's settle loop) left them unwritten, and the warm process compiled
         release()

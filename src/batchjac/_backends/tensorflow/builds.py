@@ -19,7 +19,7 @@ from ..._errors import (
     VectorizationFallbackWarning,
     XLAFallbackWarning,
 )
-from ..._tune.chooser import first_step, race, winner
+from ..._tune.chooser import Build
 from .._base import (
     UNTUNED,
     CallBudget,
@@ -170,7 +170,7 @@ class TFKernel(Kernel):
     variants: tuple[str, ...] = ("xla", "graph")
     @property
     def cheap_first(self) -> str | None:
-        return "graph"  # built sooner than XLA compiles (see _first_call)
+        return "graph"  # built sooner than XLA compiles (see untimed_first)
     #: rows of a block of "xla/blocks" (evened over the chunk), and the least chunk that has it
     BLOCK_ROWS, BLOCKED_CHUNK = 4096, 16384
 
@@ -308,7 +308,7 @@ class TFKernel(Kernel):
             self._enter(path)
             try:
                 with compat.quiet_pfor():
-                    self._first_call(u, ctx, budget)
+                    self.choose(u, ctx, budget)
                     out = self._kept_result()
                     if out is None:
                         out = self._call_selected(u, ctx)
@@ -400,30 +400,43 @@ class TFKernel(Kernel):
         kept, self._kept = self._kept, None
         return kept[1] if kept is not None and kept[0] == self.variant else None
 
-    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget) -> None:
+    # -- the builds as the chooser (:mod:`batchjac._tune.chooser`) sees them: XLA runs
+    # without a race, the plain graph challenges it, then XLA in blocks the one kept
+
+    def build(self, name: str) -> Build:
+        return Build(name, {"xla": 0, "graph": 1}.get(name, 2))
+
+    def take(self, name: str, why: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if name == "graph":  # no need to compile XLA at all
+            self._select("graph", f"graph ({why})")
+        elif self._xla_runs(name, u, ctx):
+            self._select(name, f"{name} ({why})")
+
+    def untimed_first(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget
+                      ) -> tuple[str, str, bool] | None:
         from ..._config import autotune_enabled
         from .._base import untimed_note
 
-        step = first_step(self, budget)
-        if self._forced == "graph":  # no need to compile XLA at all
-            self._select("graph", "graph (fixed)")
-            return
         # (with BATCHJAC_AUTOTUNE=off, the first implementation, XLA, as stores use)
-        if step == "untimed" and autotune_enabled():
+        if autotune_enabled():
             # untimed: the plain graph, which is built sooner than XLA compiles (measured:
             # docs/thresholds.md, "TensorFlow's builds"); XLA is tried against it once the
             # work repays a race (retune)
             try:
                 self._run("graph", u, ctx, keep=True)
             except tf.errors.OpError:
-                pass  # the graph fails where XLA may not: take the XLA path below
+                pass  # the graph fails where XLA may not: take XLA, untimed
             else:
-                self._select("graph", f"graph ({untimed_note()})")
-                self.untimed = True
-                return
-        build = self._forced if self._forced == "xla/blocks" else "xla"  # (one XLA build)
+                return "graph", f"graph ({untimed_note()})", True
+        if not self._xla_runs("xla", u, ctx):
+            return None
+        return "xla", f"xla ({untimed_note()})", False
+
+    def _xla_runs(self, build: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> bool:
+        """Run XLA ``build`` on the first call's chunk, keeping the result; where XLA fails
+        for the model, the plain graph from now on (False)."""
         try:
-            first = self._run(build, u, ctx, keep=True)
+            self._run(build, u, ctx, keep=True)
         except Exception as xla_error:  # (a trace-time failure fails the graph below as well)
             if isinstance(xla_error, Warning) or _out_of_memory(xla_error):
                 raise
@@ -433,14 +446,8 @@ class TFKernel(Kernel):
             except tf.errors.OpError as e:
                 raise ModelError(f"The model failed while computing the Jacobian: {e.message}") from e
             self._xla_failed(xla_error)
-            return
-        if step == "fixed":
-            self._select(self._forced, f"{self._forced} ({self._forced_why})")  # type: ignore[arg-type]
-            return
-        if step != "race":  # autotune off, or the plain graph failed above: XLA, untimed
-            self._select("xla", f"xla ({untimed_note()})")
-            return
-        self._race_builds(u, ctx, first)
+            return False
+        return True
 
     def _xla_failed(self, xla_error: Exception) -> None:
         """XLA cannot compile this model: the plain graph from now on, with one warning."""
@@ -455,29 +462,30 @@ class TFKernel(Kernel):
         self.variants = ("graph",)
         self._select("graph", "graph (XLA could not compile the model)")
 
-    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        if not self.untimed or self._forced is not None or "xla" not in self.variants:
-            return
-        self.untimed = False
-        try:
-            first = self._run("xla", u, ctx)
-        except Exception as e:  # the graph runs: a race is optional, never a failure
-            if isinstance(e, Warning):
-                raise
-            if not _out_of_memory(e):
-                self._xla_failed(e)
-            return
-        self._race_builds(u, ctx, first)
+    @property
+    def retunable(self) -> bool:
+        return "xla" in self.variants
 
-    def _race_builds(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], first: float) -> None:
+    def contenders(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[str, ...]:
+        if self.variant is None:  # a first call: XLA's result is its answer
+            if not self._xla_runs("xla", u, ctx):
+                return ()
+        else:  # a later race: the graph runs, so XLA is optional, never a failure
+            try:
+                self._run("xla", u, ctx)
+            except Exception as e:
+                if isinstance(e, Warning):
+                    raise
+                if not _out_of_memory(e):
+                    self._xla_failed(e)
+                return ()
         try:
             self._run("graph", u, ctx)  # trace and warm up
         except Exception as e:  # XLA runs it but the graph does not: keep XLA
             if isinstance(e, Warning):
                 raise
             self._select("xla", "xla (the plain graph failed)")
-            return
-        del first
+            return ()
         names = ["xla", "graph"]
         if "xla/blocks" in self.variants:
             try:
@@ -491,12 +499,16 @@ class TFKernel(Kernel):
         # the shared race (interleaved rounds of back-to-back calls, medians): two single calls
         # each, as this timed before, once kept the slower build just after XLA's compilation
         # (docs/thresholds.md, "TensorFlow's builds")
-        best = race(lambda v: self._run(v, u, ctx), tuple(names))
-        chosen = winner(best, winner(best, "xla", ["graph"]), ["xla/blocks"])
-        timed = f"XLA {best['xla'] * 1e3:.1f} ms, graph {best['graph'] * 1e3:.1f} ms"
-        if "xla/blocks" in best:
-            timed += f", XLA in blocks {best['xla/blocks'] * 1e3:.1f} ms"
-        self._select(chosen, f"{chosen} (timed one chunk: {timed})")
+        return tuple(names)
+
+    def run_build(self, name: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        self._run(name, u, ctx)
+
+    def raced_to(self, best: str, times: dict[str, float], u: Any) -> None:
+        timed = f"XLA {times['xla'] * 1e3:.1f} ms, graph {times['graph'] * 1e3:.1f} ms"
+        if "xla/blocks" in times:
+            timed += f", XLA in blocks {times['xla/blocks'] * 1e3:.1f} ms"
+        self._select(best, f"{best} (timed one chunk: {timed})")
 
 
 def _evened(rows: int, limit: int) -> int:

@@ -12,7 +12,6 @@ import numpy as np
 import tensorflow as tf
 
 from ..._errors import BatchJacError, ModelError, XLAFallbackWarning
-from ..._tune.chooser import first_step, race, winner
 from .._base import (
     SECOND_RESULT,
     UNTUNED,
@@ -163,7 +162,7 @@ class TFSecondKernel(Kernel):
         if self.variant is None:
             with self.building:  # (threads sharing the kernel: one chooses its build)
                 if self.variant is None:
-                    self._first_call(u, ctx, budget)
+                    self.choose(u, ctx, budget)
         assert self.variant is not None
         tried, self._tried = self._tried, None
         try:
@@ -280,40 +279,38 @@ class TFSecondKernel(Kernel):
             note = f"{note}; {self.tapes_failed}"
         self.variant, self.note = variant, f"{self.kind}: {self.order}, {note}"
 
-    def _first_call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget) -> None:
-        """The plain graph, untimed, unless the work at hand repays compiling XLA too and
-        timing both (the tuning policy, :mod:`batchjac._tune.policy`); a fixed variant (stores)
-        as it is. XLA may take far longer to build than the graph (constant folding of the
-        tangents' zero products) for a small gain a chunk (docs/thresholds.md)."""
+    # -- the builds as the chooser (:mod:`batchjac._tune.chooser`) sees them: the plain graph,
+    # untimed, unless the work at hand repays compiling XLA too and timing both (the tuning
+    # policy, :mod:`batchjac._tune.policy`). XLA may take far longer to build than the graph
+    # (constant folding of the tangents' zero products) for a small gain a chunk
+    # (docs/thresholds.md)
+
+    @property
+    def known(self) -> str | None:
+        # the ladder of chunk sizes compares sizes on one build, and each size's race would
+        # compile every build
+        return self._bound.tuning.builds.get((self.kind, self.order))
+
+    def take(self, name: str, why: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        if name in ("tapes", *_FORWARD_RULES) and not self._tapes_work(u, ctx, name):
+            name = "graph"  # the same values without pfor, on a machine where it failed
+        self._select(name, f"{name} ({why})")
+
+    def untimed_first(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget
+                      ) -> tuple[str, str, bool]:
         from .._base import untimed_note
 
-        chosen = self._bound.tuning.builds.get((self.kind, self.order))
-        if first_step(self, budget) != "fixed" and chosen in self.variants:
-            # as a race chose for another chunk size of this model: the ladder of chunk sizes
-            # compares sizes on one build, and each size's race would compile every build
-            self._forced, self._forced_why = chosen, "as timed for another chunk size"
-        if self._forced is not None:
-            forced = self._forced
-            if forced in ("tapes", *_FORWARD_RULES) and not self._tapes_work(u, ctx, forced):
-                forced = "graph"  # the same values without pfor, on a machine where it failed
-            self._select(forced, f"{forced} ({self._forced_why})")
-        elif first_step(self, budget) == "race":
-            self._race(u, ctx)
-        else:
-            # the first build that works (the tapes and the forward Laplacian may not)
-            first = next((v for v in self.variants
-                          if v not in ("tapes", *_FORWARD_RULES) or self._tapes_work(u, ctx, v)),
-                         "graph")
-            self._select(first, f"{first} ({untimed_note()})")
-            self.untimed = True
+        # the first build that works (the tapes and the forward Laplacian may not)
+        first = next((v for v in self.variants
+                      if v not in ("tapes", *_FORWARD_RULES) or self._tapes_work(u, ctx, v)),
+                     "graph")
+        return first, f"{first} ({untimed_note()})", True
 
-    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        if not self.untimed or self._forced is not None or "xla" not in self.variants:
-            return
-        self.untimed = False
-        self._race(u, ctx)
+    @property
+    def retunable(self) -> bool:
+        return "xla" in self.variants
 
-    def _race(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+    def contenders(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[str, ...]:
         self._tapes_work(u, ctx)
         self._tapes_work(u, ctx, "forward-laplacian")
         self._tapes_work(u, ctx, "forward-hessian")
@@ -325,13 +322,14 @@ class TFSecondKernel(Kernel):
                     raise
                 self._fallback(e)
         if len(self.variants) < 2:  # (XLA failed and the tapes too: the graph, said so)
-            return
-        names = sorted(self.variants, key=("graph", "xla", "tapes", *_FORWARD_RULES).index)
-        # the build the kernel runs without a race: a retune's untimed one, else the first
-        incumbent = self.variant if self.variant in names else names[0]
-        times = race(lambda v: self._run(v, u, ctx), names)
-        best = winner(times, incumbent)
-        timed = ", ".join(f"{v} {times[v] * 1e3:.1f} ms" for v in names)
+            return ()
+        return tuple(sorted(self.variants, key=("graph", "xla", "tapes", *_FORWARD_RULES).index))
+
+    def run_build(self, name: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
+        self._run(name, u, ctx)
+
+    def raced_to(self, best: str, times: dict[str, float], u: Any) -> None:
+        timed = ", ".join(f"{v} {t * 1e3:.1f} ms" for v, t in times.items())
         self._select(best, f"{best} (timed one chunk: {timed})")
         self._bound.tuning.builds[(self.kind, self.order)] = best
 

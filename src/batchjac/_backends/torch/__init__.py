@@ -197,7 +197,7 @@ class TorchBound(BoundModel):
         self._active = 0  # calls in progress: the first switches to eval, the last restores
         self._flags: list[tuple[torch.nn.Module, bool]] = []
         self._perm: torch.Tensor | None = None  # layout.perm as an index tensor
-        # what the first kernel call found out about this model (see TorchKernel._first_call)
+        # what the first kernel call found out about this model (see TorchKernel._establish)
         self.forward_failure: str | None = None
         self.fallback_warned = False
         self.reverse_engine: Engine | None = None

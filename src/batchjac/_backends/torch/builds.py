@@ -12,16 +12,19 @@ model on the chunk; :class:`TorchKernel` finds what works for the model and pick
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from ..._errors import ForwardModeFallbackWarning, ModelError
-from ..._tune.chooser import first_step, race, timings, winner
+from ..._tune import chooser
+from ..._tune.chooser import Build, timings
 from .._base import (
     UNTUNED,
     CallBudget,
@@ -166,10 +169,6 @@ def _jac_looped(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...
     return y.detach(), jac.reshape(rows, *out_shape, *bound.signature.unknown_shape)
 
 
-#: the budget of a race the work has repaid (:meth:`TorchKernel.retune`)
-_RACE = CallBudget(race=True)
-
-
 class TorchKernel(Kernel):
     """Forward or reverse mode over chunks of ``chunk_size`` rows. The first call finds the
     fastest path that works for this model: forward mode falls back to reverse mode (with one
@@ -234,7 +233,7 @@ class TorchKernel(Kernel):
             if self._path is None:
                 with self.building:  # (threads sharing the kernel: one chooses its path)
                     if self._path is None:
-                        first = self._first_call(ut, ct, budget)
+                        first = self._establish(ut, ct, budget)
             path = self._path
             if first is not None:
                 y, jac = first
@@ -247,21 +246,95 @@ class TorchKernel(Kernel):
             return (y if self.with_outputs else None), jac
         return (_to_numpy(y) if self.with_outputs else None), _to_numpy(jac)
 
-    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        if self.untimed and self._path == ("forward", "transposed") and self._forced is None:
-            self.untimed = False
-            ut, ct = self._bound.tensors(u, ctx)
-            with self._bound.calling():
-                self._choose_forward(ut, ct, _RACE)
-            return
-        if not self.untimed or self._path is None or self._path[0] != "reverse" \
-                or self._path[1] not in _PLAIN_ENGINES or "replicated" not in self.variants:
-            return
-        self.untimed = False
+    # -- the builds as the chooser (:mod:`batchjac._tune.chooser`) sees them, on the path the
+    # first call found: torch.func's vmap runs without a race; forward mode's transposed pass,
+    # reverse mode's replicated and looped passes challenge it
+
+    #: about how long a race of this kernel's builds takes in all (cheaper than the compiled
+    #: frameworks': an eager build costs nothing to make, so a race is mostly timing)
+    RACE_SECONDS = 0.1
+    race_options = {"timing_seconds": RACE_SECONDS}  # noqa: RUF012 - read only
+
+    def build(self, name: str) -> Build:
+        return Build(name, int(name != "vmap"))
+
+    @property
+    def retunable(self) -> bool:
+        """An untimed plain-autograd first build: the race against torch.func's it skipped."""
+        path = self._path
+        if path == ("forward", "transposed"):
+            return True
+        return path is not None and path[0] == "reverse" and path[1] in _PLAIN_ENGINES \
+            and "replicated" in self.variants
+
+    @contextlib.contextmanager
+    def timing(self, u: Any, ctx: tuple[Any, ...]) -> Iterator[tuple[Any, tuple[Any, ...]]]:
         bound = self._bound
         ut, ct = bound.tensors(u, ctx)
         with bound.calling():
-            self._choose_reverse(ut, ct, _RACE)
+            yield ut, ct
+
+    def untimed_first(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
+                      ) -> tuple[str, str, bool]:
+        from .._base import untimed_note
+
+        return "vmap", f"vmap ({untimed_note()})", True
+
+    def contenders(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> tuple[str, ...]:
+        assert self._path is not None
+        if self._path[0] == "forward":
+            return self._forward_contenders(u, ctx)
+        return self._reverse_contenders(u, ctx)
+
+    def _forward_contenders(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                            ) -> tuple[str, ...]:
+        """"vmap" (torch.func's jvp) and "transposed" for a forward-mode kernel (both compute
+        the same columns), those that run."""
+        names = []
+        for name in ("vmap", "transposed"):
+            try:
+                self.run_build(name, u, ctx)  # (warm up: torch.func's first call imports)
+            except Exception:  # e.g. an operator without a double-backward rule
+                continue
+            names.append(name)
+        if len(names) < 2:
+            only = next(iter(names), "vmap")
+            self._path, self.variant = ("forward", _VARIANT_ENGINE[only]), only
+            self.variants = (only,)
+            self.note = f"{only} (the other forward-mode build failed)"
+            return ()
+        return tuple(names)
+
+    def _reverse_contenders(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                            ) -> tuple[str, ...]:
+        """"vmap", "replicated" and "looped" for a reverse-mode kernel that runs with
+        torch.func, those that run; "replicated" only for fast chunks (it holds m copies of
+        the chunk)."""
+        start = time.perf_counter()
+        self._run(("reverse", "func"), u, ctx)
+        took = time.perf_counter() - start
+        rivals = ["looped"] if took >= self.REPLICATED_BELOW else ["replicated", "looped"]
+        for name in list(rivals):
+            try:
+                self.run_build(name, u, ctx)  # warm up
+            except Exception:  # e.g. a model that keeps state across rows: torch.func only
+                rivals.remove(name)
+        self.variants = ("vmap", *(v for v in self.variants if v in rivals))
+        if not rivals:
+            self._path, self.variant = ("reverse", "func"), "vmap"
+            self.note = "vmap (the plain-autograd passes failed)"
+            return ()
+        return ("vmap", *rivals)
+
+    def run_build(self, name: str, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+        assert self._path is not None
+        self._run((self._path[0], _VARIANT_ENGINE[name]), u, ctx)
+
+    def raced_to(self, best: str, times: dict[str, float], u: Any) -> None:
+        assert self._path is not None
+        self._path = (self._path[0], _VARIANT_ENGINE[best])
+        self.variant = best
+        self.note = f"{best} (timed one chunk: {timings(times)})"
 
     #: the replicated pass is a reverse-mode first call's build while it holds at most this
     #: many rows (the call's, or the chunk's where larger, times the outputs) and torch.func
@@ -270,8 +343,12 @@ class TorchKernel(Kernel):
     #: than its cold one: docs/thresholds.md)
     REPLICATED_FIRST_ROWS = 2048
 
-    def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _establish(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first call: the cheap plain-autograd build where it answers first
+        (:meth:`_first_plain`), else the first path that works for the model (forward mode,
+        then torch.func's reverse mode, then plain autograd's), then the chooser's choice
+        between that path's builds. Returns the call's answer."""
         self._rows = budget.rows or self._rows
         out = self._first_plain(u, ctx, budget)
         if out is not None:
@@ -305,10 +382,9 @@ class TorchKernel(Kernel):
                     self._warn_fallback(budget)
             self._path = path
             self.variant = "vmap"
-            if path == ("reverse", "func") and "replicated" in self.variants:
-                self._choose_reverse(u, ctx, budget)
-            elif path == ("forward", "func") and "transposed" in self.variants:
-                self._choose_forward(u, ctx, budget)
+            if (path == ("reverse", "func") and "replicated" in self.variants) or \
+                    (path == ("forward", "func") and "transposed" in self.variants):
+                self.choose(u, ctx, budget)
             elif path[0] == "reverse" and self.planned == "forward":
                 self.variants = ("vmap",)  # (forward mode failed: its builds are gone)
             return out
@@ -358,12 +434,12 @@ class TorchKernel(Kernel):
         from ..._config import autotune_enabled
         from .._base import untimed_note
 
-        forced = self._bound.reverse_engine in (None, "func") and (
+        step = chooser.first_step(self, budget, builds=2)
+        forced = step == "fixed" and self._bound.reverse_engine in (None, "func") and (
             (self._forced in ("replicated", "looped") and self.mode == "reverse")
             or (self._forced == "transposed" and self.mode == "forward"))
-        build = self._forced if forced else self._plain_first()
-        if not forced and (self._forced is not None or budget.may_race or not autotune_enabled()):
-            return None
+        build = self._forced if forced else \
+            self._plain_first() if step == "untimed" and autotune_enabled() else None
         if build is None:
             return None
         engine = _VARIANT_ENGINE[build]
@@ -382,72 +458,6 @@ class TorchKernel(Kernel):
         self.note = (f"{build} (plain autograd: torch.func's {mode} mode would load "
                      f"torch._dynamo first; {untimed_note()})")
         return out
-
-    def _race_skipped(self, running: str, budget: CallBudget) -> bool:
-        """Before a race of builds: a fixed variant is selected, or, where the work does not
-        repay a race, ``running`` is kept untimed (True: no race)."""
-        from .._base import untimed_note
-
-        step = first_step(self, budget, builds=2)  # (a race has rivals to time here)
-        if step == "fixed":
-            self._select(self._forced, f"{self._forced} ({self._forced_why})")  # type: ignore[arg-type]
-            return True
-        if step == "untimed":
-            self.note = f"{running} ({untimed_note()})"
-            self.untimed = True
-            return True
-        return False
-
-    def _choose_forward(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
-                        ) -> None:
-        """"vmap" (torch.func's jvp) or "transposed" for a forward-mode kernel, timed where
-        the work repays it (both compute the same columns)."""
-        if self._race_skipped(str(self.variant), budget):
-            return
-        runs = {v: (lambda v=v: self._run(("forward", _VARIANT_ENGINE[v]), u, ctx))
-                for v in ("vmap", "transposed")}
-        for name, run in list(runs.items()):
-            try:
-                run()  # (warm up: torch.func's first call imports, the plain one may fail)
-            except Exception:  # e.g. an operator without a double-backward rule
-                del runs[name]
-        if len(runs) < 2:
-            only = next(iter(runs), "vmap")
-            self._path, self.variant = ("forward", _VARIANT_ENGINE[only]), only
-            self.variants = (only,)
-            self.note = f"{only} (the other forward-mode build failed)"
-            return
-        best = race(lambda v: runs[v](), list(runs), timing_seconds=0.1)
-        chosen = winner(best, "vmap", ["transposed"])
-        self._path, self.variant = ("forward", _VARIANT_ENGINE[chosen]), chosen
-        self.note = f"{chosen} (timed one chunk: {timings(best)})"
-
-    def _choose_reverse(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
-                        ) -> None:
-        """"vmap", "replicated" or "looped" for a reverse-mode kernel that runs with torch.func."""
-        if self._race_skipped("vmap", budget):
-            return
-        start = time.perf_counter()
-        self._run(("reverse", "func"), u, ctx)
-        took = time.perf_counter() - start
-        # the replicated pass holds m copies of the chunk: only for fast chunks
-        rivals = ["looped"] if took >= self.REPLICATED_BELOW else ["replicated", "looped"]
-        for name in list(rivals):
-            try:
-                self._run(("reverse", _VARIANT_ENGINE[name]), u, ctx)  # warm up
-            except Exception:  # e.g. a model that keeps state across rows: torch.func only
-                rivals.remove(name)
-        self.variants = ("vmap", *(v for v in self.variants if v in rivals))
-        if not rivals:
-            self._path, self.variant = ("reverse", "func"), "vmap"
-            self.note = "vmap (the plain-autograd passes failed)"
-            return
-        best = race(lambda v: self._run(("reverse", _VARIANT_ENGINE[v]), u, ctx),
-                    ["vmap", *rivals], timing_seconds=0.1)
-        chosen = winner(best, "vmap", rivals)
-        self._path = ("reverse", _VARIANT_ENGINE[chosen])
-        self.variant = chosen
-        self.note = f"{chosen} (timed one chunk: {timings(best)})"
 
     def _warn_fallback(self, budget: CallBudget) -> None:
         self.mode = "reverse"

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..._errors import BatchJacError, ModelError, OrderFailedError
-from ..._tune.chooser import first_step, race, timings, winner
+from ..._tune.chooser import timings
 from .._base import SECOND_RESULT, UNTUNED, CallBudget, Kernel, Order, SecondKind
 from . import compat
 from .errors import _explain_model_failure, _first_line, _first_sentence, _quoted
@@ -169,64 +170,62 @@ class TorchSecondKernel(Kernel):
             note = f"{note}; {self.laplacian_failed}"
         self.variant, self.note = variant, f"{self.kind}: {self.order}, {what} ({note})"
 
-    def _first_call(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
-                    ) -> None:
+    # -- the builds as the chooser (:mod:`batchjac._tune.chooser`) sees them
+
+    @property
+    def known(self) -> str | None:
+        # as a race chose for another chunk size of this model (the ladder of chunk sizes
+        # compares the sizes on one build)
+        return self._bound.tuning.builds.get((self.kind, self.order))
+
+    def take(self, name: str, why: str, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+        self._select(name, why)
+
+    def untimed_first(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
+                      ) -> tuple[str, str, bool]:
         from .._base import untimed_note
 
-        chosen = self._bound.tuning.builds.get((self.kind, self.order))
-        step = first_step(self, budget)
-        if step == "fixed":
-            self._select(self._forced, self._forced_why)  # type: ignore[arg-type]
-        elif chosen is not None and chosen in self.variants:
-            # as a race chose for another chunk size of this model (the ladder of chunk sizes
-            # compares the sizes on one build)
-            self._select(chosen, "as timed for another chunk size")
-        elif step == "race":
-            self._race(u, ctx)
-        else:
-            if "forward-laplacian" in self.variants:
-                # (where it cannot be traced, _compute computes the plain build and says why)
-                self._select("forward-laplacian", f"{untimed_note()}; its trace costs a "
-                                                  f"forward pass, the plain build's first "
-                                                  f"use imports torch._dynamo")
-            elif "autograd" in self.variants:
-                self._select("autograd", f"plain autograd: torch.func would load "
-                                         f"torch._dynamo first; {untimed_note()}")
-            else:
-                self._select("plain", untimed_note())
-            self.untimed = True
+        if "forward-laplacian" in self.variants:
+            # (where it cannot be traced, _compute computes the plain build and says why)
+            return "forward-laplacian", (f"{untimed_note()}; its trace costs a forward pass, "
+                                         f"the plain build's first use imports torch._dynamo"), True
+        if "autograd" in self.variants:
+            return "autograd", (f"plain autograd: torch.func would load torch._dynamo first; "
+                                f"{untimed_note()}"), True
+        return "plain", untimed_note(), True
 
-    def retune(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
-        if not self.untimed or self._forced is not None or len(self.variants) < 2:
-            return
-        self.untimed = False
+    @contextlib.contextmanager
+    def timing(self, u: Any, ctx: tuple[Any, ...]) -> Iterator[tuple[Any, tuple[Any, ...]]]:
         bound = self._bound
         ut, ct = bound.tensors(u, ctx)
         with bound.calling(), _FORWARD_AD:
-            self._race(ut, ct)
+            yield ut, ct
 
-    def _race(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+    #: the tangents a Hessian-vector product's race times the builds with
+    _race_v: torch.Tensor | None = None
+
+    def race_inputs(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         rows = min(u.shape[0], self.RACE_ROWS)
         u, ctx = u[:rows], tuple(c[:rows] for c in ctx)
+        self._race_v = torch.ones_like(u) if self.kind == "hvp" else None  # (timed alike)
+        return u, ctx
+
+    def contenders(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> tuple[str, ...]:
         if "forward-laplacian" in self.variants and self._forward_laplacian(u, ctx) is None:
             self._select("plain", "the forward Laplacian failed")
-            return
+            return ()
         if "autograd" in self.variants and self._autograd_over_reverse(u, ctx, None) is None:
             self._select("plain", self.autograd_failed)
-            return
+            return ()
+        return self.variants
 
-        v = torch.ones_like(u) if self.kind == "hvp" else None  # (any tangents: timed alike)
-        # the build the kernel runs without a race (a retune's untimed one, else the cheap one)
-        incumbent = self.variant if self.variant in self.variants else \
-            (self.cheap_first or self.variants[0])
+    def run_build(self, name: str, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+        self.variant = name
+        self._compute(u, ctx, self._race_v)
 
-        def run(variant: str) -> None:
-            self.variant = variant
-            self._compute(u, ctx, v)
-
-        times = race(run, self.variants)
-        best = winner(times, incumbent)
-        self._select(best, f"timed {rows} rows: {timings(times)}")
+    def raced_to(self, best: str, times: dict[str, float], u: Any) -> None:
+        self._select(best, f"timed {u.shape[0]} rows: {timings(times)}")
         if self.kind == "laplacian":
             self._bound.tuning.builds[(self.kind, self.order)] = best
 
@@ -241,7 +240,7 @@ class TorchSecondKernel(Kernel):
         with bound.calling(), _FORWARD_AD:
             try:
                 if self.variant is None:
-                    self._first_call(ut, ct, budget)
+                    self.choose(ut, ct, budget)
                 y, jac, second = self._compute(ut, ct, v)
             except (BatchJacError, Warning):
                 raise
