@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import StoreError, StoreWriteError
+from .._tune.files import fsync_dir as fsync_dir  # (one directory fsync: the tuning cache's)
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -34,9 +35,6 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
-        fsync_file(path)
 
 
 def fsync_tree(path: Path) -> None:
