@@ -29,7 +29,8 @@ def _steady(workload: str, n: int, backend: str, t: float, t_best: float, best: 
 
 
 def _side(first: float, second: float = 0.001, **extra: Any) -> dict[str, Any]:
-    return {"first_s": first, "second_s": second, "setup_s": 1.0, **extra}
+    return {"first_s": first, "second_s": second, "setup_s": 1.0,
+            "calls_s": [first, second, second], **extra}
 
 
 def _cold(workload: str, n: int, backend: str, bj: list[float], warm: list[float],
@@ -44,10 +45,11 @@ def _cold(workload: str, n: int, backend: str, bj: list[float], warm: list[float
             "commands": [f"BATCHJAC_CACHE_DIR=$CACHE python -m batchjac._bench.cold batchjac "
                          f"{workload} {backend} {n}"],
         }
-        if loop is not None:
+        if loop is not None:  # (batchjac's loop; the native function built once, called again)
             rnd["loop_variant"] = "jacrev"
             rnd["loop_batchjac"] = _side(loop[0][0], calls_s=loop[0])
-            rnd["loop_native"] = _side(loop[1][0], calls_s=loop[1])
+            for name, times in natives.items():
+                rnd["native"][name] = _side(times[r], calls_s=[times[r], *loop[1][1:]])
         rounds.append(rnd)
     k, m = cold.shapes(workload)
     return {"workload": workload, "backend": backend, "n": n, "k": k, "m": m, "rounds": rounds}
@@ -80,7 +82,7 @@ def test_summary_medians_best_native_and_loop(synthetic: Any) -> None:
     assert torch["ratio_warm"] == pytest.approx(1.5)
     assert torch["natives"]["B3 vmap(jacfwd)"] == pytest.approx(2.0)
     lp = s[("W1", 1000, "jax")]["loop"]
-    assert lp["ratio_1"] == pytest.approx(4.0)
+    assert lp["ratio_1"] == pytest.approx(1.0 / 0.4)
     assert lp["ratio_rest"] == pytest.approx(0.5 / 0.2)  # median of calls 2-5 on both sides
     assert s[("W1", 1000, "torch")]["loop"] is None
 
@@ -112,7 +114,7 @@ def test_markdown_has_cold_columns_closure_line_and_section(synthetic: Any, tmp_
     assert row("W1", "100,000", "jax")[6:8] == ["-", "-"]  # no cold case at that N
     assert row("W3", "250", "jax")[5:8] == ["-", "**4.00**", "4.00"]  # cold only
     # the JAX fresh-closure line: call 1 and the median of calls 2-5
-    assert "| W1 | 1,000 | **4.00** | **2.50** | jacrev |" in summary
+    assert "| W1 | 1,000 | **2.50** | **2.50** | jacrev |" in summary
     section = text[text.index("## First call in a fresh process"):text.index("## All cases")]
     assert "| W1 | 1,000 | torch | 3 s |" in section
     assert "B3 vmap(jacrev) (other: B3 vmap(jacfwd): 2 s)" in section
@@ -174,3 +176,27 @@ def test_real_cold_torch_w1_both_sides() -> None:
             assert res["shape"] == [20, 4, 5]
         a, b = np.load(paths[0]), np.load(paths[1])
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_time_to_the_kth_answer_against_the_faster_native_variant_at_each_k() -> None:
+    """Cumulative sums per side, the native code at each K the faster of its variants, medians
+    over rounds, K only where every round of both sides got there."""
+    case = _cold("W3", 1000, "jax", [1.0, 1.0], [0.5, 0.5],
+                 {"B4 jit(vmap(jacrev))": [2.0, 2.0], "B4 jit(vmap(jacfwd))": [1.5, 1.5]})
+    for rnd in case["rounds"]:
+        rnd["batchjac"]["calls_s"] = [1.0, 0.1, 0.1, 0.1, 0.1, 0.1]
+        rnd["batchjac_warm"]["calls_s"] = [0.5, 0.1, 0.1]
+        rnd["native"]["B4 jit(vmap(jacrev))"]["calls_s"] = [2.0, 0.05, 0.05, 0.05, 0.05, 0.05]
+        rnd["native"]["B4 jit(vmap(jacfwd))"]["calls_s"] = [1.5, 0.3, 0.3, 0.3, 0.3]
+    case["rounds"][1]["batchjac"]["calls_s"] = [1.0, 0.3, 0.1, 0.1, 0.1, 0.1]  # median: round 0's
+    s = cold.summarise(case)
+    assert s["kth"] == pytest.approx({1: 1.0 / 1.5, 2: 1.2 / 1.8, 3: 1.3 / 2.1, 5: 1.5 / 2.2})
+    assert s["kth_warm"] == pytest.approx({1: 0.5 / 1.5, 2: 0.6 / 1.8, 3: 0.7 / 2.1})
+    lines = cold.kth_lines(cold.by_key([case]))
+    fresh = next(line for line in lines if "| fresh |" in line)
+    assert fresh == "| W3 | 1,000 | jax | fresh | 0.67 | 0.67 | 0.62 | 0.68 | 0.68 |"  # K=10: not reached
+    slow = cold.kth(case["rounds"], "native", None)  # (no side of that name: nothing)
+    assert slow == {}
+    case["rounds"][0]["batchjac"]["calls_s"] = [3.0, 0.1, 0.1]
+    assert cold.summarise(case)["kth"][1] == pytest.approx(2.0 / 1.5)  # median of 3.0 and 1.0
+    assert "**1.33**" in "".join(cold.kth_lines(cold.by_key([case])))

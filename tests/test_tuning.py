@@ -223,8 +223,9 @@ def test_new_jax_closures_per_call_warn_once() -> None:
     ref = jac(z.astype(np.float64))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(5):  # the everyday idiom: a new function object per call
-            got = batchjac.jacobian(lambda v: jnp.sin(v @ w), z)
+        for _ in range(5):  # a new function object per call, each reading another array
+            copy = np.array(w)  # (numpy: a twin needs the same object, see _twins)
+            got = batchjac.jacobian(lambda v, w=copy: jnp.sin(v @ w), z)
             np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
     rebinds = [w for w in caught if issubclass(w.category, batchjac.RebindWarning)]
     assert len(rebinds) == 1

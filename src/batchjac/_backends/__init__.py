@@ -12,6 +12,7 @@ import types
 import weakref
 from typing import Any
 
+from .. import _twins
 from .._errors import BackendNotAvailableError, InputError
 from ._base import (
     FIRST_VARIANT,
@@ -178,6 +179,7 @@ def bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> 
 
 
 def _bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> BoundModel:
+    model = _twins.canonical(model)  # a new function object that computes what one bound did
     key = (backend.name, signature, backend.options_key(options))
     try:
         per_model = _bound.setdefault(model, {})

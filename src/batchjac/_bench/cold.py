@@ -10,8 +10,11 @@ the first numpy Jacobian is back. Sides:
 - ``native``: the steady table's expert baseline, built and called once (TF: B2
   ``batch_jacobian`` under ``tf.function(jit_compile=True)``; torch: B3 ``vmap(jacrev|jacfwd)``;
   JAX: B4 ``jit(vmap(jacrev|jacfwd))``; ``--variant`` picks jacrev or jacfwd);
-- ``batchjac-loop`` / ``native-loop`` (JAX): ``--loop`` calls, each with a NEW function object
-  (``lambda z: model(z)``); the native side rebuilds ``jit(vmap(jacrev(...)))`` per call.
+- ``batchjac-loop`` (JAX): ``--loop`` calls, each with a NEW function object
+  (``lambda z: model(z)``), against the native function built once (its repeated calls).
+
+``batchjac`` and ``native`` call the same function again, up to ``--calls`` times or
+``--seconds`` in all: the time to the K-th answer, the sum of the first K calls.
 
 The driver (:func:`run_all`, called by :mod:`batchjac._bench.run`) runs batchjac with
 ``BATCHJAC_CACHE_DIR`` set to a fresh temporary directory per (workload, backend, round),
@@ -41,6 +44,11 @@ from . import second as _second
 FULL_ROUNDS, QUICK_ROUNDS = 3, 1
 #: calls per process in the JAX fresh-closure loop
 LOOP_CALLS = 5
+#: the time to the K-th answer is reported for these K (where both sides reached them)
+KTH = (1, 2, 3, 5, 10, 20, 50, 100, 1000)
+#: repeated calls per process for it: at most this many, or this many seconds in all (full
+#: run, quick run): the slow workloads reach fewer K
+KTH_CALLS, KTH_SECONDS, KTH_QUICK_SECONDS = 1000, 3.0, 1.5
 #: rows of each side's Jacobian saved for the cross-check of the two sides
 CHECK_ROWS = 16
 MODULE = "batchjac._bench.cold"
@@ -114,13 +122,14 @@ def _import_baselines(backend: str) -> None:
 
 
 def first_call(side: str, workload: str, backend: str, n: int, *, variant: str | None = None,
-               loop: int = LOOP_CALLS, check: str | None = None,
-               profile: int = 0) -> dict[str, Any]:
+               loop: int = LOOP_CALLS, check: str | None = None, profile: int = 0,
+               calls: int = 2, seconds: float = 0.0) -> dict[str, Any]:
     """Run one cold case in this (fresh) process and return its timings.
 
     ``first_s`` is the first call, timed from the moment the model and data exist;
     ``second_s`` a second call of the same function (how much of the first was one-off);
-    ``calls_s`` the loop's per-call times; ``setup_s`` the framework's import, the model and
+    ``calls_s`` every call's time (``batchjac`` and ``native``: up to ``calls`` calls, or
+    ``seconds`` in all; the loops: ``loop`` calls); ``setup_s`` the framework's import, the model and
     the data (untimed by the rest). ``check`` names a .npy file to save the first
     ``CHECK_ROWS`` rows of the Jacobian to."""
     t0 = time.perf_counter()
@@ -170,10 +179,15 @@ def first_call(side: str, workload: str, backend: str, n: int, *, variant: str |
         jac = call()
         if prof is not None:
             prof.disable()
-        out["first_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        call()  # the same model (batchjac) or the same built function (native) again
-        out["second_s"] = time.perf_counter() - start
+        out["calls_s"] = times = [time.perf_counter() - start]
+        # then the same model (batchjac) or the same built function (native) again: the
+        # user's repeated calls, for the time to the K-th answer, at least two calls and
+        # at most ``calls``, stopping once ``seconds`` have passed
+        while len(times) < max(2, calls) and (len(times) < 2 or sum(times) < seconds):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        out["first_s"], out["second_s"] = times[0], times[1]
     elif side == "batchjac-settle":
         # what a user's repeated calls do: call until batchjac has no race left to run, which
         # writes its decisions to the cache the warm-cache case then reads
@@ -183,23 +197,20 @@ def first_call(side: str, workload: str, backend: str, n: int, *, variant: str |
         jac = verb(model, data)
         out["first_s"] = time.perf_counter() - start
         out["settle"] = settle(Case("batchjac", lambda: verb(model, data), "batchjac"), model)
-    elif side in ("batchjac-loop", "native-loop"):
+    elif side == "batchjac-loop":
         if backend != "jax":
             raise SystemExit("the fresh-closure loop is a JAX case")
-        calls = []
+        looped = []
         for i in range(loop):
             start = time.perf_counter()
             if prof is not None and i == 0:
                 prof.enable()
-            if side == "batchjac-loop":
-                jac = np.asarray(batchjac.jacobian(lambda z: model(z), *data))
-            else:
-                jac = _native(backend, lambda z: model(z), variant)(unknown, known)
+            jac = np.asarray(batchjac.jacobian(lambda z: model(z), *data))
             if prof is not None and i == 0:
                 prof.disable()
-            calls.append(time.perf_counter() - start)
-        out["calls_s"] = calls
-        out["first_s"] = calls[0]
+            looped.append(time.perf_counter() - start)
+        out["calls_s"] = looped
+        out["first_s"] = looped[0]
     else:
         raise SystemExit(f"unknown side {side!r}")
     out["shape"] = list(jac.shape)
@@ -218,20 +229,24 @@ def first_call(side: str, workload: str, backend: str, n: int, *, variant: str |
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("side", choices=["batchjac", "native", "batchjac-settle", "batchjac-loop",
-                                    "native-loop"])
+    p.add_argument("side", choices=["batchjac", "native", "batchjac-settle", "batchjac-loop"])
     p.add_argument("workload", choices=["W1", "W2", "W3", "W4", *_second.SECOND])
     p.add_argument("backend", choices=["tensorflow", "torch", "jax"])
     p.add_argument("n", type=int)
     p.add_argument("--variant", choices=["jacrev", "jacfwd"], default=None,
                    help="native torch/JAX: which transform (default jacrev)")
     p.add_argument("--loop", type=int, default=LOOP_CALLS, help="calls of the fresh-closure loop")
+    p.add_argument("--calls", type=int, default=2,
+                   help="batchjac and native: calls of the same function (at least 2)")
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="... stopping once this many seconds have passed (after two calls)")
     p.add_argument("--check", default=None, help=f"save the first {CHECK_ROWS} rows of J here (.npy)")
     p.add_argument("--profile", type=int, default=0, metavar="LINES",
                    help="print a cProfile of the first call to stderr, top LINES by cumtime")
     args = p.parse_args(argv)
     out = first_call(args.side, args.workload, args.backend, args.n, variant=args.variant,
-                     loop=args.loop, check=args.check, profile=args.profile)
+                     loop=args.loop, check=args.check, profile=args.profile,
+                     calls=args.calls, seconds=args.seconds)
     sys.stdout.write("COLD-JSON " + json.dumps(out) + "\n")
 
 
@@ -240,12 +255,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def command(side: str, workload: str, backend: str, n: int, *, variant: str | None = None,
-            loop: int | None = None, check: str | None = None) -> list[str]:
+            loop: int | None = None, check: str | None = None,
+            calls: tuple[int, float] | None = None) -> list[str]:
     cmd = [sys.executable, "-m", MODULE, side, workload, backend, str(n)]
     if variant:
         cmd += ["--variant", variant]
     if loop is not None:
         cmd += ["--loop", str(loop)]
+    if calls is not None:
+        cmd += ["--calls", str(calls[0]), "--seconds", f"{calls[1]:g}"]
     if check:
         cmd += ["--check", check]
     return cmd
@@ -287,11 +305,13 @@ def _display(cmd: Sequence[str], names: dict[str, str]) -> str:
 
 
 def measure_round(workload: str, backend: str, n: int, *, timeout: float = 900,
-                  loop: int = LOOP_CALLS, log: Callable[[str], None] = lambda s: None
-                  ) -> dict[str, Any]:
+                  loop: int = LOOP_CALLS, log: Callable[[str], None] = lambda s: None,
+                  seconds: float = KTH_SECONDS) -> dict[str, Any]:
     """One round of every cold case of (workload, backend), each in a fresh process, with one
     fresh cache directory: batchjac (cold cache), the native variants, batchjac again (warm
-    cache), and for JAX the fresh-closure loops (batchjac with a second fresh directory)."""
+    cache), each called again for up to ``seconds`` (the time to the K-th answer), and for
+    JAX the fresh-closure loop (batchjac with a second fresh directory)."""
+    calls = (KTH_CALLS, seconds)
     rnd: dict[str, Any] = {"native": {}, "commands": []}
     with tempfile.TemporaryDirectory(prefix="batchjac-cold-") as tmp:
         cache = os.path.join(tmp, "cache")
@@ -311,20 +331,23 @@ def measure_round(workload: str, backend: str, n: int, *, timeout: float = 900,
 
         bj_check = os.path.join(check, "batchjac.npy")
         rnd["batchjac"] = go("batchjac (cold cache)",
-                             command("batchjac", workload, backend, n, check=bj_check), cache)
+                             command("batchjac", workload, backend, n, check=bj_check,
+                                     calls=calls), cache)
         errs = {}
         for variant in native_variants(workload, backend):
             name = native_name(backend, variant, workload)
             path = os.path.join(check, f"native-{variant}.npy" if variant else "native.npy")
             rnd["native"][name] = res = go(name, command("native", workload, backend, n,
-                                                         variant=variant, check=path), cache)
+                                                         variant=variant, check=path,
+                                                         calls=calls), cache)
             if "error" not in res and "error" not in rnd["batchjac"]:
                 errs[name] = _rel_err(bj_check, path)
         rnd["max_rel_err"] = errs
         rnd["batchjac_settle"] = go("batchjac (repeated calls until tuned)",
                                     command("batchjac-settle", workload, backend, n), cache,
                                     "calls until no race is due: fills the cache")
-        rnd["batchjac_warm"] = go("batchjac (warm cache)", command("batchjac", workload, backend, n),
+        rnd["batchjac_warm"] = go("batchjac (warm cache)",
+                                  command("batchjac", workload, backend, n, calls=calls),
                                   cache, "the same directory again: warm cache")
         if backend == "jax" and not _second.is_second(workload):
             ok = {k: v for k, v in rnd["native"].items() if "error" not in v}
@@ -336,10 +359,8 @@ def measure_round(workload: str, backend: str, n: int, *, timeout: float = 900,
             rnd["loop_variant"] = variant
             rnd["loop_batchjac"] = go("batchjac fresh-closure loop",
                                       command("batchjac-loop", workload, backend, n, loop=loop),
-                                      loop_cache, "a second fresh directory")
-            rnd["loop_native"] = go(f"native fresh-closure loop ({variant})",
-                                    command("native-loop", workload, backend, n, variant=variant,
-                                            loop=loop), loop_cache)
+                                      loop_cache, "a second fresh directory; against the "
+                                      "native function built once, called again above")
     return rnd
 
 
@@ -357,8 +378,8 @@ def precompile() -> None:
 
 
 def run_all(workloads: dict[str, int], backends: list[str], *, rounds: int,
-            log: Callable[[str], None], timeout: float = 900, loop: int = LOOP_CALLS
-            ) -> list[dict[str, Any]]:
+            log: Callable[[str], None], timeout: float = 900, loop: int = LOOP_CALLS,
+            seconds: float = KTH_SECONDS) -> list[dict[str, Any]]:
     """Every cold case, ``rounds`` times, interleaved: round r runs every (workload, backend)
     before round r+1 starts, so drifting load hits all alike. One dict per (workload, backend)
     with the rounds' raw results under ``"rounds"``. batchjac's bytecode is written first
@@ -372,7 +393,7 @@ def run_all(workloads: dict[str, int], backends: list[str], *, rounds: int,
         for w, b in keys:
             log(f"cold {w} N={workloads[w]:,} {b} (round {r + 1}/{rounds}) ...")
             out[(w, b)]["rounds"].append(measure_round(w, b, workloads[w], timeout=timeout,
-                                                       loop=loop, log=log))
+                                                       loop=loop, log=log, seconds=seconds))
     return list(out.values())
 
 
@@ -410,7 +431,6 @@ def _errors(rounds: list[dict[str, Any]]) -> list[str]:
         for name, res in rnd.get("native", {}).items():
             add(res, name)
         add(rnd.get("loop_batchjac"), "batchjac loop")
-        add(rnd.get("loop_native"), "native loop")
     return errs
 
 
@@ -436,10 +456,14 @@ def summarise(c: dict[str, Any]) -> dict[str, Any]:
         "err": max(errs) if errs else None, "errors": _errors(rounds),
         "rounds": len(rounds), "loop": None,
     }
+    s["kth"] = kth(rounds, "batchjac", best)
+    s["kth_warm"] = kth(rounds, "batchjac_warm", best)
     loops_bj = [r["loop_batchjac"]["calls_s"] for r in rounds
                 if "loop_batchjac" in r and "error" not in r["loop_batchjac"]]
-    loops_nat = [r["loop_native"]["calls_s"] for r in rounds
-                 if "loop_native" in r and "error" not in r["loop_native"]]
+    # against the native function built once (the loop's variant), called again
+    loops_nat = [r["native"][name]["calls_s"] for r in rounds
+                 for name in r.get("native", {}) if r.get("loop_variant", "-") in name
+                 and "error" not in r["native"][name] and "calls_s" in r["native"][name]]
     if loops_bj and loops_nat:
         bj1 = statistics.median(calls[0] for calls in loops_bj)
         nat1 = statistics.median(calls[0] for calls in loops_nat)
@@ -452,6 +476,61 @@ def summarise(c: dict[str, Any]) -> dict[str, Any]:
             "ratio_rest": bj_rest / nat_rest if bj_rest is not None and nat_rest else None,
         }
     return s
+
+
+def _cumulative(rounds: list[dict[str, Any]], *path: str) -> list[float]:
+    """The median over rounds of the time to each answer (the sum of the first K calls), for
+    the K every round reached."""
+    runs = [np.cumsum(c) for c in _firsts(rounds, *path, field="calls_s")]
+    if not runs:
+        return []
+    reached = min(len(c) for c in runs)
+    return [float(np.median([c[k] for c in runs])) for k in range(reached)]
+
+
+def kth(rounds: list[dict[str, Any]], side: str, best: str | None = None
+        ) -> dict[int, float]:
+    """batchjac's time to the K-th answer over the native code's, for each K of :data:`KTH`
+    both reached: the native code is, at each K, the faster of its variants (the mode an
+    expert who knew would choose)."""
+    mine = _cumulative(rounds, side)
+    names = list(dict.fromkeys(name for r in rounds for name in r.get("native", {})))
+    natives = [c for c in (_cumulative(rounds, "native", name) for name in names) if c]
+    out: dict[int, float] = {}
+    for k in KTH:
+        theirs = [c[k - 1] for c in natives if len(c) >= k]
+        if k > len(mine) or not theirs:
+            break
+        out[k] = mine[k - 1] / min(theirs)
+    return out
+
+
+def kth_lines(summaries: dict[tuple[str, int, str], dict[str, Any]]) -> list[str]:
+    """The "time to the K-th answer" table: one row per case and cache (fresh, warm)."""
+    rows = [(key, s) for key, s in summaries.items() if s.get("kth")]
+    if not rows:
+        return []
+    ks = [k for k in KTH if any(k in s["kth"] for _, s in rows)]
+    lines = ["", "Time to the K-th answer, batchjac / native code (each side's first K calls "
+             "in one fresh process, summed; median over rounds; the native code is at each K "
+             "the faster of its variants; bold: later than native; `-`: not reached in the "
+             "time given to a case):", "",
+             "| workload | N | backend | cache | " + " | ".join(f"K={k:,}" for k in ks)
+             + " | worst |", "|---|---|---|---|" + "---|" * (len(ks) + 1)]
+    for (w, n, b), s in rows:
+        for cache, ratios in (("fresh", s["kth"]), ("warm", s.get("kth_warm") or {})):
+            if not ratios:
+                continue
+            cells = [_kth_cell(ratios.get(k)) for k in ks]
+            lines.append(f"| {w} | {n:,} | {b} | {cache} | " + " | ".join(cells) + " | "
+                         + _kth_cell(max(ratios.values())) + " |")
+    return lines
+
+
+def _kth_cell(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"**{fmt_ratio(x)}**" if x > 1.0 else fmt_ratio(x)
 
 
 def by_key(cold: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, Any]]:
@@ -486,8 +565,8 @@ def closure_lines(summaries: dict[tuple[str, int, str], dict[str, Any]]) -> list
         return []
     calls = rows[0][1]["loop"]["calls"]
     lines = ["", f"JAX, a new function object per call ({calls} calls in a fresh process: "
-             "`batchjac.jacobian(lambda z: model(z), ...)` against rebuilding "
-             "`jax.jit(jax.vmap(jax.jacrev(lambda z: model(z))))` (or jacfwd) per call), "
+             "`batchjac.jacobian(lambda z: model(z), ...)` against "
+             "`jax.jit(jax.vmap(jax.jacrev(model)))` (or jacfwd) built once and called again), "
              "batchjac / native per call:", "",
              f"| workload | N | call 1 | calls 2-{calls} (median) | native variant |",
              "|---|---|---|---|---|"]
@@ -548,8 +627,9 @@ def section(cold: list[dict[str, Any]]) -> list[str]:
             f"{err} |")
     loops = [(key, s) for key, s in summaries.items() if s["loop"]]
     if loops:
-        lines += ["", "JAX fresh-closure loop (each call a new `lambda z: model(z)`; native "
-                  "rebuilds `jax.jit(jax.vmap(jax.jac...))` per call), per-call seconds:", "",
+        lines += ["", "JAX fresh-closure loop (each call a new `lambda z: model(z)`; native: "
+                  "`jax.jit(jax.vmap(jax.jac...))` built once, its calls above), per-call "
+                  "seconds:", "",
                   "| workload | N | batchjac call 1 | native call 1 | ratio | batchjac calls 2+ "
                   "(median) | native calls 2+ (median) | ratio | native variant |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -559,6 +639,7 @@ def section(cold: list[dict[str, Any]]) -> list[str]:
                          f"**{fmt_ratio(lp['ratio_1'])}** | {fmt_s(lp['bj_rest'])} | "
                          f"{fmt_s(lp['native_rest'])} | **{fmt_ratio(lp['ratio_rest'])}** | "
                          f"{lp['variant']} |")
+    lines += kth_lines(summaries)
     failures = [f"{w} {b}: {e}" for (w, _, b), s in summaries.items() for e in s["errors"]]
     if failures:
         lines += ["", "Failed cold cases: " + "; ".join(f[:300] for f in failures)]

@@ -387,11 +387,14 @@ def main(*, quick: bool, output: Path, backends: list[str] | None, workloads: li
     cold_results: list[dict[str, Any]] = []
     if cold or only_cold:
         rounds = cold_rounds or (_cold.QUICK_ROUNDS if quick else _cold.FULL_ROUNDS)
-        cold_results = _cold.run_all(cold_jobs(quick, workloads), chosen, rounds=rounds, log=log)
+        cold_results = _cold.run_all(
+            cold_jobs(quick, workloads), chosen, rounds=rounds, log=log,
+            seconds=_cold.KTH_QUICK_SECONDS if quick else _cold.KTH_SECONDS)
         for key, cs in _cold.by_key(cold_results).items():
             log(f"cold {' '.join(map(str, key))}: batchjac {_cold.fmt_s(cs['t'])}, "
                 f"{cs['best_name']} {_cold.fmt_s(cs['t_best'])}, ratio {_cold.fmt_ratio(cs['ratio'])}, "
-                f"warm cache {_cold.fmt_ratio(cs['ratio_warm'])}")
+                f"warm cache {_cold.fmt_ratio(cs['ratio_warm'])}, K-th answer "
+                + ", ".join(f"{k}: {r:.2f}" for k, r in cs["kth"].items()))
     extra_blocks = []
     for fn in [] if only_cold else extras or []:
         log(f"section {fn.__module__.rsplit('.', 1)[-1]} ...")
