@@ -20,6 +20,7 @@ the same function object called twice (each backend's check of what its trace ba
 from __future__ import annotations
 
 import functools
+import threading
 import types
 import weakref
 from collections import OrderedDict
@@ -39,6 +40,7 @@ MAX_COMPARED_BYTES = 16 << 20
 MAX_DEPTH = 3
 
 _table: OrderedDict[types.CodeType, list[weakref.ReferenceType[Any]]] = OrderedDict()
+_lock = threading.Lock()  # (threads calling with new function objects at once)
 
 
 def canonical(model: Any) -> Any:
@@ -48,7 +50,11 @@ def canonical(model: Any) -> Any:
     fn = model.func if isinstance(model, functools.partial) else model
     if not isinstance(fn, types.FunctionType):
         return model
-    code = fn.__code__
+    with _lock:
+        return _canonical(model, fn.__code__)
+
+
+def _canonical(model: Any, code: types.CodeType) -> Any:
     refs = _table.get(code)
     if refs is None:
         refs = _table[code] = []
