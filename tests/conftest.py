@@ -53,9 +53,10 @@ def _own_tuning_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyt
 def _no_siblings() -> None:
     """Models of identical code share what binding taught (batchjac._bind): tests build such
     models independently and must not inherit each other's ledgers and decisions."""
-    from batchjac import _bind
+    from batchjac import _bind, _twins
 
     _bind._SIBLINGS.clear()
+    _twins.forget()  # (and a new function object of a finished test's code is not its twin)
 
 
 #: skips the suite expects, by the reason pytest reports: everything else that is skipped (a

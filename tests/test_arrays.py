@@ -398,7 +398,8 @@ for chunk_size in (None, 30):
     y, jac = batchjac.jacobian(model, jax.device_put(u, d1), jax.device_put(h, d1),
                                return_outputs=True, chunk_size=chunk_size)
     assert jac.devices() == {d1} and jac.committed and y.devices() == {d1}, jac.devices()
-    assert np.array_equal(np.asarray(jac), ref), chunk_size
+    # (close, not bitwise: a build compiled beside the first one may take over between chunks)
+    assert np.abs(np.asarray(jac) - ref).max() <= 1e-5 * np.abs(ref).max(), chunk_size
     hess = batchjac.hessian(model, jax.device_put(u, d1), jax.device_put(h, d1),
                             chunk_size=chunk_size)
     assert hess.devices() == {d1} and hess.committed, hess.devices()
@@ -652,7 +653,9 @@ def test_reports_read_native_arrays_and_stay_numpy(fw: str) -> None:
     assert rep_native.passed
     assert type(rep_native.max_rel_error) is np.ndarray
     np.testing.assert_array_equal(rep_native.instances, rep_numpy.instances)
-    np.testing.assert_allclose(rep_native.max_rel_error, rep_numpy.max_rel_error, rtol=1e-6)
+    # (to 1e-6 absolute: a build compiled beside the first may compute one of the two calls,
+    # which moves float32 Jacobians by an ulp, and these errors by as much)
+    np.testing.assert_allclose(rep_native.max_rel_error, rep_numpy.max_rel_error, rtol=0, atol=1e-6)
     hess_native = batchjac.check_hessian(model, put(u), put(h), sample=5)
     hess_numpy = batchjac.check_hessian(model, u, h, sample=5)
     assert hess_native.passed

@@ -1165,3 +1165,41 @@ def test_the_executable_writer_waits_for_the_kernels_to_be_quiet(monkeypatch: py
     start = clock[0]
     jx._quiet(queued=start)
     assert clock[0] == pytest.approx(start + jx.MAX_WRITE_WAIT)
+
+
+def test_the_steady_build_compiles_beside_the_quick_one_and_takes_over(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a second core, the build a large chunk would have compiled first ("default") is
+    compiled on a thread beside the quick one, and the first call after it is ready runs it
+    (the race among the full builds is still to come); with one core it is not, and the quick
+    build stays until the race. Every build gives finite differences' Jacobians."""
+    needs_build("quick")
+    from batchjac._backends.jax import builds
+
+    w = data((4, 6), seed=51)
+    x = data((64, 4), seed=52)
+    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+
+    def make() -> Any:
+        wj = w.copy()  # (numpy: each model its own, not a twin of the other)
+        return lambda v: _smooth(v, jnp.asarray(wj), jnp)
+
+    model = make()
+    assert_jac_close(batchjac.jacobian(model, x, mode="reverse"), ref)
+    kernel = bound_of(model).kernel("reverse", 64, False)
+    assert kernel.variant == "quick"
+    assert set(kernel._pending) == {"default"}  # on the tier-up thread
+    builds.tiered_up()
+    assert_jac_close(batchjac.jacobian(model, x, mode="reverse"), ref)
+    assert kernel.variant == "default"
+    assert "compiled beside the quick first build" in kernel.note
+    assert kernel.untimed  # the race among the full builds is still to come
+    assert not kernel._pending
+
+    monkeypatch.setattr(builds, "_idle_core", lambda: False)
+    single = make()
+    for _ in range(3):
+        assert_jac_close(batchjac.jacobian(single, x, mode="reverse"), ref)
+    kernel = bound_of(single).kernel("reverse", 64, False)
+    assert kernel.variant == "quick"
+    assert not kernel._pending

@@ -51,7 +51,7 @@ def inputs(rows: int, seed: int = 0) -> np.ndarray:
 def model(square: bool = False) -> Any:
     """``tanh(x W) V`` (+ ``sum_k x_k^2`` on every output): a new function object each time,
     so that each test binds its own model."""
-    w, v = jnp.asarray(W), jnp.asarray(V)
+    w, v = W.copy(), V.copy()  # (numpy copies: another model each, not a twin, see _twins)
 
     def f(x: Any) -> Any:
         y = jnp.tanh(x @ w) @ v

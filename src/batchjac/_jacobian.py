@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends, _twins
+from . import _backends
 from ._arrays import OutputArg, deliver, in_memory, native_options, on_host, resolve
 from ._bind import BackendName, beside_probes, plan_for, prepare
 from ._compute import Derivative, check_out, compute, context
@@ -111,7 +111,7 @@ def jacobian(
                                      "return_outputs": return_outputs, "nan_policy": nan_policy,
                                      "backend": backend, "backend_options": backend_options,
                                      "explain": explain, "progress": progress})
-    model = _twins.canonical(model)  # a new function object that computes what one bound did
+    model = _backends.canonical(model)  # a new function object that computes what one did
     fast = None
     if out is None and not explain and not progress and backend_options is None and \
             output in ("auto", "numpy"):

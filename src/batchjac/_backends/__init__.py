@@ -173,13 +173,23 @@ _bound_strong: dict[int, tuple[Any, dict[tuple[Any, ...], BoundModel]]] = {}
 _bind_lock = threading.RLock()
 
 
+def canonical(model: Any) -> Any:
+    """``model``, or the function bound before that computes the same (:mod:`batchjac._twins`),
+    whose bound models ``model`` then shares."""
+    twin = _twins.canonical(model)
+    if twin is not model:
+        with _bind_lock:
+            _bound[model] = _bound.setdefault(twin, {})
+    return twin
+
+
 def bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> BoundModel:
     with _bind_lock:
         return _bind(backend, model, signature, **options)
 
 
 def _bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> BoundModel:
-    model = _twins.canonical(model)  # a new function object that computes what one bound did
+    model = canonical(model)
     key = (backend.name, signature, backend.options_key(options))
     try:
         per_model = _bound.setdefault(model, {})

@@ -3,6 +3,8 @@ compiled ahead of time in the builds :class:`JaxKernel` chooses between."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -45,6 +47,26 @@ _CAUSES: dict[Mode, str] = {
 }
 
 
+#: the thread that compiles a kernel's steady build beside its quick first one (one at a
+#: time: the other cores run the user's calls). Its work is joined at exit, as the native
+#: code's compilation would have been waited for
+_TIER_UP = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix="batchjac-tier-up")
+
+
+def tiered_up(timeout: float | None = None) -> None:
+    """Wait until the steady builds queued so far are compiled (tests)."""
+    _TIER_UP.submit(lambda: None).result(timeout)
+
+
+def _idle_core() -> bool:
+    """Whether this process may use more than one core (a second one compiles beside)."""
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except AttributeError:  # (not on Linux)
+        return (os.cpu_count() or 1) > 1
+
+
 class JaxKernel(Kernel):
     """The compiled chunk kernel, in one of several builds of the same computation.
 
@@ -74,8 +96,14 @@ class JaxKernel(Kernel):
     it compiles in a fraction of the time and runs XLA's own loops slower (matrix products
     are library calls either way), so it pays while the call's elementwise work is small
     (measured: docs/thresholds.md, ``JaxKernel.QUICK_ELEMENTS``). It is never raced and never a store's
-    build: the race the first call skipped, once the work repays it (:mod:`batchjac._tune.policy`),
-    replaces it with the fastest of the others. Chunks with wide matrix products
+    build. Where a second core is free, the build that would otherwise have come first (the
+    steady one: "default", or "no-ynnpack" for wide products) is compiled beside it from the
+    start, on a thread (XLA compiles outside Python's lock), and replaces it at the first call
+    after it is ready: the quick build answers the first call early, and the later calls run
+    as fast as the native code's soon after its one compilation would have finished (the
+    tier-up; measured: BENCHMARKS.md, time to the K-th answer). Then, or without a free core, the race
+    the first call skipped, once the work repays it (:mod:`batchjac._tune.policy`), replaces it
+    with the fastest of the others. Chunks with wide matrix products
     (:data:`WIDE_PRODUCTS`) take "no-ynnpack" as their first build, untimed, for the same
     reason: the cost model's choice beats a race the first call cannot repay.
     """
@@ -113,6 +141,10 @@ class JaxKernel(Kernel):
         #: the variant compiled first: "quick" for a small chunk on the CPU, else "default",
         #: or the one an earlier race chose, loaded from the disk (:meth:`_load_recalled`)
         self._first = "default"
+        #: builds being compiled on the tier-up thread: their futures
+        self._pending: dict[str, concurrent.futures.Future[Any]] = {}
+        #: the build the quick one gives way to (the tier-up), where it has one
+        self._steady: str | None = None
         self._compile_default(budget)
         self._builds: tuple[str, ...] = ("default",)
         if jax.default_backend() == "cpu":
@@ -177,6 +209,8 @@ class JaxKernel(Kernel):
                             raise
                         self._first = "default"
                         compiled = self._load_or_compile(lowered, {})
+                    # (after the quick build: compiling both at once slowed the first call)
+                    self._tier_up(budget)
                 self._compiled[self._first] = compiled
             except InputError:
                 raise
@@ -248,9 +282,39 @@ class JaxKernel(Kernel):
         # a mode race, which times full builds (provisional): a quick one would be compiled
         # for nothing
         chunks = max(1, -(-budget.rows // self.chunk_size))
+        steady = "no-ynnpack" if self.work.products >= self.WIDE_PRODUCTS else "default"
         if self.work.elements * chunks <= self.QUICK_ELEMENTS and not budget.mode_race:
+            self._steady = steady
             return "quick"
-        return "no-ynnpack" if self.work.products >= self.WIDE_PRODUCTS else "default"
+        return steady
+
+    def _tier_up(self, budget: CallBudget) -> None:
+        """For a quick first build, with a core free: compile the steady build beside it."""
+        steady = self._steady
+        if self._first != "quick" or steady is None or budget.variant is not None or \
+                not _idle_core():
+            self._steady = None
+            return
+        lowered = self._lowered[self.chunk_size]
+        self._pending[steady] = _TIER_UP.submit(self._load_or_compile, lowered,
+                                                self._OPTIONS[steady])
+
+    def _tiered(self) -> None:
+        """At a call on the quick build: take the steady one if it is ready."""
+        steady = self._steady
+        future = self._pending.get(steady) if steady is not None else None
+        if steady is None or future is None or not future.done() or self.variant != "quick":
+            return
+        with self.building:
+            if self.variant != "quick":
+                return
+            try:
+                self._compile(steady, strict=True)  # (the future's result)
+            except Exception:  # an XLA that refuses its options: the quick build stays
+                self._steady = None
+                return
+            self._select(steady, f"{steady} (compiled beside the quick first build, which it "
+                                 f"replaces; not timed)")
 
     #: the chunk's estimated work, where counted
     work: Any = None
@@ -325,7 +389,9 @@ class JaxKernel(Kernel):
             build, _, rows = variant.partition("/")
             lowered = self._lowering(int(rows) if rows else self.chunk_size)
             try:
-                compiled = self._load_or_compile(lowered, self._OPTIONS[build])
+                pending = self._pending.pop(variant, None)  # compiling on the tier-up thread
+                compiled = pending.result() if pending is not None else \
+                    self._load_or_compile(lowered, self._OPTIONS[build])
             except Exception:
                 if strict or not self._OPTIONS[build]:  # (the defaults: the model's failure)
                     raise
@@ -382,6 +448,8 @@ class JaxKernel(Kernel):
             with self.building:  # (threads sharing the kernel: one chooses its build)
                 if self.variant is None:
                     self.choose(u, ctx, budget)
+        elif self._pending:
+            self._tiered()
         used()
         return self._result(self._fn(self._bound.args, u, tuple(ctx)),  # runs in the background
                             isinstance(u, jax.Array))
