@@ -202,3 +202,67 @@ def test_no_kernel_holds_a_state_machine_or_a_race() -> None:
                     path.name != "_base.py":
                 found.append(f"{path.relative_to(SRC)}:{node.lineno}: def retune")
     assert not found, found
+
+
+class CallRacing(Fake):
+    """The fake kernel whose later race rides on the calls; "slow" is made beside the calls
+    and is ready only once ``made`` says so."""
+
+    races_on_calls = True
+    race_options = {"prune": 1.3}  # noqa: RUF012 - read only
+
+    def __init__(self, times: dict[str, float]) -> None:
+        super().__init__(times)
+        self.made: set[str] = set()
+
+    def contenders_beside(self, u, ctx):  # type: ignore[no-untyped-def]
+        return self.variants
+
+    def ready(self, name: str) -> bool:
+        return name != "slow" or "slow" in self.made
+
+
+def _calls(k: CallRacing, n: int) -> list[str]:
+    """``n`` user calls through the chooser's call race, each taking its build's time; the
+    builds that computed them."""
+    ran = []
+    for _ in range(n):
+        name = chooser.before_call(k)
+        ran.append(k.variant)
+        chooser.after_call(k, name, k.times[k.variant])
+    return ran
+
+
+def test_a_race_on_the_calls_keeps_every_result_and_decides_on_their_times() -> None:
+    """Each call runs one contender (its result the call's: nothing is computed twice), a
+    contender's first call is not counted, the medians decide by the margin, a build not made
+    yet waits, and one far slower than the fastest leaves after its first counted call."""
+    k = CallRacing({"a": 1.0, "b": 0.5, "c": 0.97, "slow": 5.0})
+    _first(k, CallBudget(rows=10))
+    assert (k.variant, k.untimed) == ("c", True)
+    k.retune(None, ())
+    assert k.call_race is not None
+    assert k.runs == []  # nothing was run for the race alone
+    ran = _calls(k, 6)
+    assert "slow" not in ran  # not made yet
+    assert k.call_race is not None
+    k.made.add("slow")
+    ran += _calls(k, 40)
+    assert k.call_race is None
+    assert k.raced
+    assert k.variant == "b"
+    assert k.note.startswith("b (timed one chunk: a 1000.00 ms")
+    assert ran.count("slow") == 2  # its first call (not counted) and one more: pruned
+    # the incumbent and the winner timed fully; the race ended, then "b" ran every call
+    assert all(ran.count(name) >= 1 + chooser.CallRace.SAMPLES for name in "ab")
+    assert ran[-5:] == ["b"] * 5
+    assert k.runs == []
+    assert chooser.before_call(k) is None  # the race is over: calls run "b" untouched
+
+
+def test_a_call_race_keeps_the_incumbent_within_the_margin() -> None:
+    k = CallRacing({"a": 1.0, "b": 0.97})
+    _first(k, CallBudget(rows=10))
+    k.retune(None, ())
+    _calls(k, 40)
+    assert (k.variant, k.call_race) == ("a", None)

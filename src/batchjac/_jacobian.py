@@ -159,6 +159,8 @@ def _fast(entry: _fastpath.Entry, inputs: tuple[Any, ...], return_outputs: bool)
     kernel at once, inside the runner's error boundary. None when a check fails: the full path
     then raises the detailed error (or retraces for a changed model)."""
     kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
+    if kernel.call_race is not None:  # a race rides on the calls: the full path times them
+        return None
     n = entry.template.n
     if entry.direct and _fastpath.same_layout(entry, inputs):
         u, ctx = inputs[0], tuple(inputs[1:])

@@ -297,6 +297,11 @@ class Kernel(ABC):
     untimed: bool = False
     #: whether the implementation in use was chosen by a race here (the decision to remember)
     raced: bool = False
+    #: whether the later race rides on the user's calls (:class:`batchjac._tune.chooser.CallRace`)
+    #: rather than timing rows whose results are thrown away
+    races_on_calls: bool = False
+    #: that race, while it runs
+    call_race: chooser.CallRace | None = None
     @property
     def cheap_first(self) -> str | None:
         """The build a first call takes untimed because it is the cheapest to make, if there
@@ -364,6 +369,16 @@ class Kernel(ABC):
         model left out; with fewer than two, the kernel selects the one left (or its only
         working build) and says why."""
         return self.variants
+
+    def contenders_beside(self, u: Any, ctx: tuple[Any, ...]) -> tuple[str, ...] | None:
+        """For a race on the calls: the builds to race, made beside the calls (each races
+        once :meth:`ready`); None where the kernel makes them now (:meth:`contenders`)."""
+        return None
+
+    def ready(self, name: str) -> bool:
+        """Whether build ``name`` is made (a kernel that makes its contenders beside the calls
+        races a build from its first call after it is ready)."""
+        return True
 
     def run_build(self, name: str, u: Any, ctx: tuple[Any, ...]) -> None:
         """Run build ``name`` on ``(u, ctx)`` once, for the race: returns when it is done."""
@@ -592,6 +607,11 @@ class BoundModel(ABC):
         """The framework settings of the calling thread, entered in another thread that works
         for it (the probes beside the first kernel): JAX's x64 mode may be a thread's own."""
         return contextlib.nullcontext()
+
+    def kernels(self) -> list[Kernel]:
+        """Every kernel made for this model so far, first and second order."""
+        with self._kernels_lock:
+            return [*self._kernels.values(), *self.__dict__.get("_second_kernels", {}).values()]
 
     def has_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> bool:
         """Whether that kernel exists already (using it costs no compilation)."""

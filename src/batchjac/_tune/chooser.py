@@ -21,6 +21,12 @@ A kernel's first call (:func:`first_call`) takes the first of:
 
 A build remembered by an earlier process enters as *fixed* (``policy.recall_variant``), or,
 where it costs more to make than the cheap first one, replaces it once the work repays that.
+
+The later race of a kernel that declares ``races_on_calls`` runs on the user's calls, not on
+rows whose results are thrown away (:class:`CallRace`): once the work repays making its
+contenders, :func:`retune` makes them, and each of the next calls runs one contender, in turn,
+its result kept; the call's time is the contender's timing. The race costs the contenders'
+making and whatever a slower contender's calls lose, never a computation nobody uses.
 """
 
 from __future__ import annotations
@@ -87,12 +93,107 @@ def first_call(kernel: Any, u: Any, ctx: tuple[Any, ...], budget: Any) -> None:
 
 
 def retune(kernel: Any, u: Any, ctx: tuple[Any, ...]) -> None:
-    """The race an untimed first call skipped, on ``(u, ctx)``, once the work repays it."""
+    """The race an untimed first call skipped, on ``(u, ctx)``, once the work repays it: timed
+    now, or, for a kernel that ``races_on_calls``, its contenders made now and timed on the
+    next calls (:class:`CallRace`)."""
     if not kernel.untimed or kernel.fixed is not None or not kernel.retunable:
         return
     kernel.untimed = False
     with kernel.timing(u, ctx) as (u, ctx):
-        race_builds(kernel, u, ctx)
+        if not getattr(kernel, "races_on_calls", False):
+            race_builds(kernel, u, ctx)
+            return
+        u, ctx = kernel.race_inputs(u, ctx)
+        names = kernel.contenders_beside(u, ctx) or kernel.contenders(u, ctx)
+        if len(names) >= 2:
+            kernel.call_race = CallRace([kernel.build(name) for name in names],
+                                        kernel.incumbent(names),
+                                        prune=kernel.race_options.get("prune"))
+
+
+@dataclass
+class CallRace:
+    """A race whose rounds are the user's calls (:func:`before_call`, :func:`after_call`):
+    each call runs one contender, in turn, and its result is the call's. A contender's first
+    call is not counted (a new executable's first run pays for its page faults); then each is
+    timed at least :attr:`SAMPLES` times, and the calls go on, in turn, until they add up to
+    :attr:`SECONDS` or :attr:`MAX_SAMPLES` a contender. The medians decide, by the stages of
+    :func:`pick`. With ``prune``, a contender slower than ``prune`` times the fastest at its
+    first counted call leaves the race."""
+
+    builds: list[Build]
+    incumbent: str
+    prune: float | None = None
+    SAMPLES = 3
+    MAX_SAMPLES = 15
+    SECONDS = 0.1
+
+    def __post_init__(self) -> None:
+        self.samples: dict[str, list[float]] = {b.name: [] for b in self.builds}
+        self.warm: set[str] = set()
+        self.out: set[str] = set()  # pruned
+        self.spent = 0.0
+
+    def next(self, ready: Callable[[str], bool] = lambda name: True) -> str:
+        """The contender the next call runs, of those ``ready`` (made: a kernel may make its
+        contenders beside the calls; the incumbent is always ready)."""
+        live = [name for name in self.samples if name not in self.out
+                and (name == self.incumbent or ready(name))]
+        cold = [name for name in live if name not in self.warm]
+        if cold:
+            return cold[0]
+        return min(live, key=lambda name: len(self.samples[name]))
+
+    def record(self, name: str, seconds: float) -> None:
+        self.spent += seconds
+        if name not in self.warm:
+            self.warm.add(name)
+            return
+        self.samples[name].append(seconds)
+        if self.prune is not None and all(self.samples[n] for n in self.samples
+                                          if n not in self.out):
+            first = {n: t[0] for n, t in self.samples.items() if n not in self.out}
+            best = min(first.values())
+            self.out |= {n for n, t in first.items() if t > self.prune * best and n != self.incumbent}
+
+    @property
+    def done(self) -> bool:
+        counts = [len(t) for n, t in self.samples.items() if n not in self.out]
+        return min(counts) >= self.SAMPLES and (self.spent >= self.SECONDS
+                                                or min(counts) >= self.MAX_SAMPLES)
+
+    def times(self) -> dict[str, float]:
+        """The median call of each contender timed (pruned ones: their first timing)."""
+        return {n: float(np.median(t)) for n, t in self.samples.items() if t}
+
+    def result(self) -> str:
+        return pick({n: t for n, t in self.times().items() if n not in self.out},
+                    self.builds, self.incumbent)
+
+
+def before_call(kernel: Any) -> str | None:
+    """Before a call of ``kernel``: the contender it runs, selected, where a race rides on its
+    calls; else None."""
+    race_ = getattr(kernel, "call_race", None)
+    if race_ is None:
+        return None
+    with kernel.building:
+        name = race_.next(kernel.ready)
+        kernel._select(name, f"{name} (racing on the calls)")
+    return name
+
+
+def after_call(kernel: Any, name: str | None, seconds: float) -> None:
+    """After that call, its time: the race decides once it has seen enough."""
+    race_ = getattr(kernel, "call_race", None)
+    if name is None or race_ is None:
+        return
+    race_.record(name, seconds)
+    if race_.done:
+        with kernel.building:
+            kernel.call_race = None
+            kernel.raced_to(race_.result(), race_.times(), None)
+            kernel.raced = True
 
 
 def race_builds(kernel: Any, u: Any, ctx: tuple[Any, ...]) -> None:

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 from .._backends._base import CallBudget
 from .._config import autotune_enabled
 from .._plan import Plan
+from . import chooser
 from .state import Ledger as Ledger
 
 T = TypeVar("T")
@@ -218,7 +219,8 @@ def pending(bound: Any) -> bool:
     """Whether a race is still to come for ``bound`` as its work grows, one its last call
     skipped (the benchmark's steady state is measured once none is), in the ledger of its
     Jacobian calls or of its second-order calls."""
-    return any(book.next_check < math.inf for book in (bound.tuning.ledger, bound.tuning.second))
+    return any(book.next_check < math.inf for book in (bound.tuning.ledger, bound.tuning.second)) \
+        or any(getattr(k, "call_race", None) is not None for k in bound.kernels())
 
 
 def _persisted(bound: Any) -> set[Any]:
@@ -308,8 +310,10 @@ def timed(bound: Any, kernel: Any, rows: int, run: Callable[[CallBudget], T], *,
     builds = max(0, len(kernel.variants) - 1)
     race = kernel.variant is None and builds > 0 and kernel.fixed is None and \
         worth(bound, rows, builds)
+    racing = chooser.before_call(kernel)  # (a race riding on the calls: this one's contender)
     with Stopwatch() as watch:
         out = run(CallBudget(rows=rows, race=race))
+    chooser.after_call(kernel, racing, watch.seconds)
     record(bound, rows, watch.seconds + (built_seconds if new else 0.0), new_kernel=new)
     if race and not kernel.untimed:
         kernel.raced = True
@@ -332,7 +336,8 @@ def settle(bound: Any, kernel: Any, args: Callable[[], tuple[Any, Any]]) -> None
         with kernel.building:  # (another thread's settle may have raced it meanwhile)
             if kernel.untimed:
                 kernel.retune(*args())
-                kernel.raced = not kernel.untimed
+                # (a race on the next calls decides later: chooser.after_call)
+                kernel.raced = not kernel.untimed and kernel.call_race is None
 
 
 class Stopwatch:

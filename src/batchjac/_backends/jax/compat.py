@@ -70,7 +70,9 @@ def xla_accepts(options: Mapping[str, str | bool]) -> bool:
     """Whether this JAX's XLA compiles with ``options`` (a tiny function, once per option set):
     an XLA that does not know one refuses it ("No such compile option"; jaxlib 0.4.36 knows
     neither YNNPACK's fusion type nor the fusion emitters), and the kernels then compile the
-    next option set or XLA's defaults. Kernels never ask: they try, and fall back."""
+    next option set or XLA's defaults. Kernels try, and fall back; only a race whose builds
+    compile beside the calls asks first (a refusal found there would race a copy of the
+    default build)."""
     return not options or _accepts(tuple(sorted(options.items())))
 
 
