@@ -303,8 +303,9 @@ class JaxKernel(Kernel):
     def _tiered(self) -> None:
         """At a call on the quick build: take the steady one, waiting for it where it is
         still compiling. The quick build answers the first call only: a call on it while the
-        steady one compiles took 1.5-2x its own time (the two share the cores) and 4-7x the
-        steady one's, so the calls it ran cost more than the wait they spared (W1)."""
+        steady one compiles is slowed by it (the two share the cores) and is several times
+        the steady one's, so such calls cost more than the wait they spare (measured:
+        docs/thresholds.md, "JAX's tier-up")."""
         steady = self._steady
         future = self._pending.get(steady) if steady is not None else None
         if steady is None or future is None or self.variant != "quick":
