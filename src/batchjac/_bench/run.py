@@ -279,9 +279,11 @@ def write_chart(path: Path, results: list[dict[str, Any]],
     colors = _COLORS
     labels = [f"{w}\nN={n:,}" for w, n in groups]
     width = 0.8 / max(1, len(backends))
+    curves = [(key, s["kth"]) for key, s in cold_summaries.items() if s.get("kth")]
     if cold_summaries:
-        fig = plt.figure(figsize=(18, 11))
-        grid = fig.add_gridspec(2, 3)
+        rows = 3 if curves else 2
+        fig = plt.figure(figsize=(18, 5.5 * rows))
+        grid = fig.add_gridspec(rows, 3)
         axes = [fig.add_subplot(grid[0, i]) for i in range(3)]
         ax_cold = fig.add_subplot(grid[1, :])
     else:
@@ -339,10 +341,31 @@ def write_chart(path: Path, results: list[dict[str, Any]],
             Patch(facecolor="white", edgecolor="black", hatch=_KINDS[k][1], label=_KINDS[k][0])
             for k in kinds]
         ax_cold.legend(handles=handles, fontsize=8, ncol=4, loc="upper center")
+    if cold_summaries and curves:
+        _kth_panels(fig, grid, curves)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _kth_panels(fig: Any, grid: Any, curves: list[tuple[tuple[str, int, str], dict[int, float]]]
+                ) -> None:
+    """The third row: time to the K-th answer / native's, one panel per backend, a line per
+    workload (fresh cache), log-log."""
+    backends = list(dict.fromkeys(b for (_, _, b), _ in curves))
+    for i, backend in enumerate(backends[:3]):
+        ax = fig.add_subplot(grid[2, i])
+        for (w, n, b), ratios in curves:
+            if b == backend:
+                ks = sorted(ratios)
+                ax.plot(ks, [ratios[k] for k in ks], marker="o", ms=3, label=f"{w} N={n:,}")
+        ax.axhline(1.0, color="black", lw=1, ls="--")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("K (calls in one process)")
+        ax.set_title(f"{backend}: time to the K-th answer / native's (goal <= 1)")
+        ax.legend(fontsize=7)
 
 
 def cold_jobs(quick: bool, workloads: list[str] | None) -> dict[str, int]:
