@@ -46,9 +46,11 @@ FULL_ROUNDS, QUICK_ROUNDS = 3, 1
 LOOP_CALLS = 5
 #: the time to the K-th answer is reported for these K (where both sides reached them)
 KTH = (1, 2, 3, 5, 10, 20, 50, 100, 1000)
-#: repeated calls per process for it: at most this many, or this many seconds in all (full
-#: run, quick run): the slow workloads reach fewer K
+#: repeated calls per process for it: at most this many, or until the calls after the first
+#: take this many seconds (full run, quick run): the slow workloads reach fewer K
 KTH_CALLS, KTH_SECONDS, KTH_QUICK_SECONDS = 1000, 3.0, 1.5
+#: ... and at least this many (K = 10 for every case)
+KTH_MIN_CALLS = 10
 #: rows of each side's Jacobian saved for the cross-check of the two sides
 CHECK_ROWS = 16
 MODULE = "batchjac._bench.cold"
@@ -128,8 +130,9 @@ def first_call(side: str, workload: str, backend: str, n: int, *, variant: str |
 
     ``first_s`` is the first call, timed from the moment the model and data exist;
     ``second_s`` a second call of the same function (how much of the first was one-off);
-    ``calls_s`` every call's time (``batchjac`` and ``native``: up to ``calls`` calls, or
-    ``seconds`` in all; the loops: ``loop`` calls); ``setup_s`` the framework's import, the model and
+    ``calls_s`` every call's time (``batchjac`` and ``native``: up to ``calls`` calls, at
+    least :data:`KTH_MIN_CALLS`, until the calls after the first take ``seconds``; the loops:
+    ``loop`` calls); ``setup_s`` the framework's import, the model and
     the data (untimed by the rest). ``check`` names a .npy file to save the first
     ``CHECK_ROWS`` rows of the Jacobian to."""
     t0 = time.perf_counter()
@@ -181,9 +184,11 @@ def first_call(side: str, workload: str, backend: str, n: int, *, variant: str |
             prof.disable()
         out["calls_s"] = times = [time.perf_counter() - start]
         # then the same model (batchjac) or the same built function (native) again: the
-        # user's repeated calls, for the time to the K-th answer, at least two calls and
-        # at most ``calls``, stopping once ``seconds`` have passed
-        while len(times) < max(2, calls) and (len(times) < 2 or sum(times) < seconds):
+        # user's repeated calls, for the time to the K-th answer, at most ``calls``, at
+        # least KTH_MIN_CALLS (or ``calls``), then until the calls after the first add up to
+        # ``seconds`` (a native first call of seconds left the repeated ones no time)
+        least = min(max(2, calls), KTH_MIN_CALLS)
+        while len(times) < max(2, calls) and (len(times) < least or sum(times[1:]) < seconds):
             start = time.perf_counter()
             call()
             times.append(time.perf_counter() - start)
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calls", type=int, default=2,
                    help="batchjac and native: calls of the same function (at least 2)")
     p.add_argument("--seconds", type=float, default=0.0,
-                   help="... stopping once this many seconds have passed (after two calls)")
+                   help="... stopping once the calls after the first add up to this many seconds")
     p.add_argument("--check", default=None, help=f"save the first {CHECK_ROWS} rows of J here (.npy)")
     p.add_argument("--profile", type=int, default=0, metavar="LINES",
                    help="print a cProfile of the first call to stderr, top LINES by cumtime")
