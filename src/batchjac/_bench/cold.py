@@ -43,7 +43,7 @@ from . import second as _second
 #: fresh processes per case (full run, quick run): the report gives medians over rounds
 FULL_ROUNDS, QUICK_ROUNDS = 3, 1
 #: calls per process in the JAX fresh-closure loop
-LOOP_CALLS = 5
+LOOP_CALLS = 20
 #: the time to the K-th answer is reported for these K (where both sides reached them)
 KTH = (1, 2, 3, 5, 10, 20, 50, 100, 1000)
 #: repeated calls per process for it: at most this many, or until the calls after the first
