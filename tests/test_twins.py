@@ -171,3 +171,35 @@ def test_torch_fresh_closures_share_the_bound_model_and_see_new_weights() -> Non
     with torch.no_grad():
         net[0].weight.mul_(-2.0)  # the module changed in place: the twin computes it anew
     np.testing.assert_allclose(batchjac.jacobian(fns[3], z), native(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_twin_whose_own_cell_changes_later_is_computed_anew() -> None:
+    """A closure taken for a twin, whose own captured variable its scope rebinds afterwards
+    (the twin's stays): the next call computes the new value, not the twin's Jacobians."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    w = jnp.asarray(RNG.normal(size=(3, 4)).astype(np.float32))
+    z = RNG.normal(size=(16, 3)).astype(np.float32)
+
+    def factory(arr: Any) -> tuple[Any, Any]:
+        def f(v: Any) -> Any:
+            return jnp.sin(v @ arr)
+
+        def rebind(new: Any) -> None:
+            nonlocal arr
+            arr = new
+
+        return f, rebind
+
+    def ref(wn: Any) -> np.ndarray:
+        wn = np.asarray(wn, dtype=np.float64)
+        return np.cos(z.astype(np.float64) @ wn)[:, :, None] * wn.T[None]
+
+    first, _ = factory(w)
+    second, rebind = factory(w)
+    batchjac.jacobian(first, z)
+    np.testing.assert_allclose(batchjac.jacobian(second, z), ref(w), rtol=2e-4, atol=2e-5)
+    w_new = w * -1.5
+    rebind(w_new)  # only the second closure's cell
+    np.testing.assert_allclose(batchjac.jacobian(second, z), ref(w_new), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(batchjac.jacobian(first, z), ref(w), rtol=2e-4, atol=2e-5)

@@ -173,13 +173,27 @@ _bound_strong: dict[int, tuple[Any, dict[tuple[Any, ...], BoundModel]]] = {}
 _bind_lock = threading.RLock()
 
 
+#: function objects that share a twin's bound models now (see :func:`canonical`)
+_sharing: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def canonical(model: Any) -> Any:
     """``model``, or the function bound before that computes the same (:mod:`batchjac._twins`),
-    whose bound models ``model`` then shares."""
+    whose bound models ``model`` then shares. Asked at every call: a function that no longer
+    computes what its twin does (its own captured variable rebound since) stops sharing, and
+    is bound as itself."""
     twin = _twins.canonical(model)
-    if twin is not model:
-        with _bind_lock:
+    with _bind_lock:
+        if twin is not model:
             _bound[model] = _bound.setdefault(twin, {})
+            _sharing[model] = True
+        else:
+            try:
+                shared = _sharing.pop(model, False)
+            except TypeError:  # (not weak-referenceable: never shared)
+                shared = False
+            if shared:
+                _bound.pop(model, None)
     return twin
 
 
