@@ -195,7 +195,7 @@ def test_time_to_the_kth_answer_against_the_faster_native_variant_at_each_k() ->
     lines = cold.kth_lines(cold.by_key([case]))
     fresh = next(line for line in lines if "| fresh |" in line)
     assert fresh == "| W3 | 1,000 | jax | fresh | 0.67 | 0.67 | 0.62 | 0.68 | 0.68 |"  # K=10: not reached
-    slow = cold.kth(case["rounds"], "native", None)  # (no side of that name: nothing)
+    slow = cold.kth(case["rounds"], "native")  # (no side of that name: nothing)
     assert slow == {}
     case["rounds"][0]["batchjac"]["calls_s"] = [3.0, 0.1, 0.1]
     assert cold.summarise(case)["kth"][1] == pytest.approx(2.0 / 1.5)  # median of 3.0 and 1.0

@@ -461,8 +461,8 @@ def summarise(c: dict[str, Any]) -> dict[str, Any]:
         "err": max(errs) if errs else None, "errors": _errors(rounds),
         "rounds": len(rounds), "loop": None,
     }
-    s["kth"] = kth(rounds, "batchjac", best)
-    s["kth_warm"] = kth(rounds, "batchjac_warm", best)
+    s["kth"] = kth(rounds, "batchjac")
+    s["kth_warm"] = kth(rounds, "batchjac_warm")
     loops_bj = [r["loop_batchjac"]["calls_s"] for r in rounds
                 if "loop_batchjac" in r and "error" not in r["loop_batchjac"]]
     # against the native function built once (the loop's variant), called again
@@ -493,8 +493,7 @@ def _cumulative(rounds: list[dict[str, Any]], *path: str) -> list[float]:
     return [float(np.median([c[k] for c in runs])) for k in range(reached)]
 
 
-def kth(rounds: list[dict[str, Any]], side: str, best: str | None = None
-        ) -> dict[int, float]:
+def kth(rounds: list[dict[str, Any]], side: str) -> dict[int, float]:
     """batchjac's time to the K-th answer over the native code's, for each K of :data:`KTH`
     both reached: the native code is, at each K, the faster of its variants (the mode an
     expert who knew would choose)."""

@@ -296,9 +296,17 @@ class JaxKernel(Kernel):
                 not _idle_core():
             self._steady = None
             return
-        lowered = self._lowered[self.chunk_size]
-        self._pending[steady] = _TIER_UP.submit(self._load_or_compile, lowered,
-                                                self._OPTIONS[steady])
+        self._beside(steady)
+
+    def _beside(self, variant: str) -> None:
+        """Compile ``variant`` on the tier-up thread (traced here, where not yet), unless it
+        is compiled or compiling: :meth:`_compile` takes the result."""
+        if variant in self._compiled or variant in self._pending:
+            return
+        build, _, rows = variant.partition("/")
+        lowered = self._lowering(int(rows) if rows else self.chunk_size)
+        self._pending[variant] = _TIER_UP.submit(self._load_or_compile, lowered,
+                                                 self._OPTIONS[build])
 
     def _tiered(self) -> None:
         """At a call on the quick build: take the steady one, waiting for it where it is
@@ -509,11 +517,7 @@ class JaxKernel(Kernel):
         if not _idle_core() or not compat.xla_accepts(self._OPTIONS["no-ynnpack"]):
             return None
         for v in self.variants:
-            if v not in self._compiled and v not in self._pending:
-                build, _, rows = v.partition("/")
-                lowered = self._lowering(int(rows) if rows else self.chunk_size)
-                self._pending[v] = _TIER_UP.submit(self._load_or_compile, lowered,
-                                                   self._OPTIONS[build])
+            self._beside(v)
         return self.variants
 
     def contenders(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[str, ...]:
