@@ -170,13 +170,22 @@ def _write_then_load(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, np.ndarray]:
     x = inputs(20, seed=2)
     want = closed_forms(x)["jacobian"]
     close(batchjac.jacobian(model(), x, mode="reverse"), want)
+    jax_executables.compiled_beside()  # (the steady build compiled beside the quick first one)
     jax_executables.flush()
     monkeypatch.setattr(jax_executables, "_SEEN", set())
     again = model()
     jac = batchjac.jacobian(again, x, mode="reverse")
     close(jac, want)
+    jax_executables.compiled_beside()
     jax_executables.flush()
     return bound_of(again), jac
+
+
+def _all_compiled(bound: Any) -> bool:
+    """Whether every build of the model's kernels was compiled here, none loaded (the quick
+    first build, and the steady one where the tier-up found a core free)."""
+    builds = sum(len({*k._compiled, *k._pending}) for k in bound.kernels())
+    return bound.compile_count == builds > 0
 
 
 def test_a_module_text_without_debug_info_keeps_the_disk_cache(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,7 +206,7 @@ def test_no_module_text_means_no_disk_cache_and_right_numbers(monkeypatch: pytes
     monkeypatch.setattr(compat, "module_text", lambda lowered: None)
     bound, _ = _write_then_load(monkeypatch)
     assert not _written()
-    assert bound.compile_count == 1
+    assert _all_compiled(bound)
 
 
 def test_a_jax_without_the_serializer_compiles_every_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,6 +219,7 @@ def test_a_jax_without_the_serializer_compiles_every_kernel(monkeypatch: pytest.
     x = inputs(20, seed=3)
     want = closed_forms(x)["jacobian"]
     close(batchjac.jacobian(model(), x, mode="reverse"), want)
+    jax_executables.compiled_beside()  # (the steady build compiled beside the quick first one)
     jax_executables.flush()
     assert _written()  # by a JAX with the serializer
     import jax.experimental
@@ -220,7 +230,8 @@ def test_a_jax_without_the_serializer_compiles_every_kernel(monkeypatch: pytest.
     monkeypatch.setattr(jax_executables, "_SEEN", set())
     again = model()
     close(batchjac.jacobian(again, x, mode="reverse"), want)
-    assert bound_of(again).compile_count == 1
+    jax_executables.compiled_beside()
+    assert _all_compiled(bound_of(again))
     jax_executables.flush()
 
 
@@ -230,7 +241,7 @@ def test_pickles_of_unknown_classes_are_neither_written_nor_loaded(
     monkeypatch.setattr(compat, "EXECUTABLE_CLASSES", frozenset())
     bound, _ = _write_then_load(monkeypatch)
     assert not _written()
-    assert bound.compile_count == 1
+    assert _all_compiled(bound)
 
 
 def test_the_version_guards_of_the_disk_cache_read_old_and_broken_objects() -> None:

@@ -250,9 +250,9 @@ def test_a_sequence_of_batch_sizes_compiles_once(framework: str) -> None:
         np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-5)
         (bound,) = [b for b in _backends._bound[model].values() if b.signature.dtype == np.float32]
         if traces is None and framework == "jax":  # (its steady build, compiled beside the
-            from batchjac._backends.jax import builds  # quick first one: the first call's)
+            from batchjac._backends.jax import executables  # quick first one: the first call's)
 
-            builds.tiered_up()
+            executables.compiled_beside()
         if traces is None:
             traces, kernels = bound.trace_count, set(bound._kernels)
             compiles = getattr(bound, "compile_count", None)  # JAX: XLA compilations

@@ -124,9 +124,9 @@ def test_jax_fresh_closures_do_not_retrace() -> None:
     z = RNG.normal(size=(32, 3)).astype(np.float32)
     fns = [(lambda v: jnp.tanh(v @ w)) for _ in range(5)]  # one code, five objects
     batchjac.jacobian(fns[0], z)
-    from batchjac._backends.jax import builds
+    from batchjac._backends.jax import executables as jax_executables
 
-    builds.tiered_up()  # (the steady build, compiled beside the first one's quick build)
+    jax_executables.compiled_beside()  # (the steady build, beside the first one's quick build)
     (bound,) = _backends._bound[fns[0]].values()
     traces, compiles = bound.trace_count, bound.compile_count
     for fn in fns[1:]:

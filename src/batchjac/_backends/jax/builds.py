@@ -47,18 +47,6 @@ _CAUSES: dict[Mode, str] = {
 }
 
 
-#: the thread that compiles a kernel's steady build beside its quick first one (one at a
-#: time: the other cores run the user's calls). Its work is joined at exit, as the native
-#: code's compilation would have been waited for
-_TIER_UP = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                 thread_name_prefix="batchjac-tier-up")
-
-
-def tiered_up(timeout: float | None = None) -> None:
-    """Wait until the steady builds queued so far are compiled (tests)."""
-    _TIER_UP.submit(lambda: None).result(timeout)
-
-
 def _idle_core() -> bool:
     """Whether this process may use more than one core (a second one compiles beside)."""
     try:
@@ -305,8 +293,10 @@ class JaxKernel(Kernel):
             return
         build, _, rows = variant.partition("/")
         lowered = self._lowering(int(rows) if rows else self.chunk_size)
-        self._pending[variant] = _TIER_UP.submit(self._load_or_compile, lowered,
-                                                 self._OPTIONS[build])
+        from . import executables as jax_executables
+
+        self._pending[variant] = jax_executables.BESIDE.submit(
+            self._load_or_compile, lowered, self._OPTIONS[build], True)
 
     def _tiered(self) -> None:
         """At a call on the quick build: take the steady one, waiting for it where it is
@@ -412,14 +402,16 @@ class JaxKernel(Kernel):
             self._compiled[variant] = compiled
         return self._compiled[variant]
 
-    def _load_or_compile(self, lowered: Any, options: Options) -> Any:
+    def _load_or_compile(self, lowered: Any, options: Options, beside: bool = False) -> Any:
         """XLA's compilation, or the executable an earlier process compiled for the same
-        lowered module (:mod:`batchjac._backends.jax.executables`)."""
+        lowered module (:mod:`batchjac._backends.jax.executables`); ``beside``: on the
+        tier-up thread."""
         from . import executables as jax_executables
 
         # the probes beside this first kernel may trace once XLA holds the CPU, not Python
         compiled, loaded = jax_executables.compile(lowered, options,
-                                                   starting=self._bound.compiling.set)
+                                                   starting=self._bound.compiling.set,
+                                                   beside=beside)
         self._bound.compile_count += not loaded
         return compiled
 

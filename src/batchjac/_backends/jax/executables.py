@@ -89,6 +89,10 @@ def _quiet(queued: float) -> None:
 
 _WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="batchjac-executables")
+#: the thread that compiles builds beside the calls (a kernel's steady build beside its quick
+#: first one, a race's contenders), one at a time: the other cores run the user's calls. Its
+#: work is joined at exit, as the native code's compilation would have been waited for
+BESIDE = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjac-tier-up")
 #: executables written or loaded by this process, by key digest (written once, not again)
 _SEEN: set[str] = set()
 #: executables compiled by calls that have not returned yet: written by :func:`release`
@@ -114,11 +118,15 @@ def _key(lowered: Any, options: Options) -> TuneKey | None:
 
 
 def compile(lowered: Any, options: Options | None = None, *,
-            starting: Callable[[], object] = lambda: None) -> tuple[Any, bool]:
+            starting: Callable[[], object] = lambda: None,
+            beside: bool = False) -> tuple[Any, bool]:
     """``lowered.compile(compiler_options=options)``, or the executable an earlier process
     compiled for the same module, options, versions and machine; and whether it was loaded.
     ``starting`` is called just before XLA compiles, or once the executable is loaded (the
-    probes beside a first kernel start then: XLA compiles outside Python's lock)."""
+    probes beside a first kernel start then: XLA compiles outside Python's lock). A build
+    compiled ``beside`` the calls (the tier-up thread) is queued for writing at once: no
+    call returns its result, and a process whose only call ran the quick build would
+    otherwise exit without it."""
 
     options = dict(options or {})
     cache = default_cache()
@@ -131,6 +139,9 @@ def compile(lowered: Any, options: Options | None = None, *,
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
     if cache.enabled and (key is not None or not searched) \
             and time.perf_counter() - start >= MIN_COMPILE_SECONDS:
+        if beside:
+            _WRITER.submit(_store, cache, key, compiled, lowered, options, time.monotonic())
+            return compiled, False
         with _PENDING_LOCK:
             _PENDING.append((cache, key, compiled, lowered, options))
         _WRITER.submit(_started)  # the writer's thread made now, not when the call returns
@@ -264,8 +275,14 @@ def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
             cache.put_bytes(key, blob)  # refuse is not written)
 
 
+def compiled_beside(timeout: float | None = None) -> None:
+    """Wait until the builds queued on :data:`BESIDE` so far are compiled (tests)."""
+    BESIDE.submit(lambda: None).result(timeout)
+
+
 def flush(timeout: float | None = None) -> None:
-    """Write the executables compiled so far and wait for them (tests, and processes about
-    to exit)."""
+    """Wait for the builds compiling beside the calls, write the executables compiled so far
+    and wait for them (tests, and processes about to exit)."""
+    compiled_beside(timeout)
     release()
     _WRITER.submit(lambda: None).result(timeout)
