@@ -261,3 +261,16 @@ def test_private_framework_names_only_in_compat_modules() -> None:
         if uses:
             wrong[module] = uses
     assert not wrong, f"private framework names outside the compat modules: {wrong}"
+
+
+def test_no_context_variables_carry_call_state() -> None:
+    """What a call says (its rows, its race, the mode it asked for) reaches the kernels as an
+    explicit argument (``CallBudget``), never through a ``contextvars.ContextVar`` set around
+    them: a thread the call starts (a compilation beside it, a Dask worker) would not see it."""
+    users = []
+    for module, path in _modules().items():
+        for node in _imports(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            if "contextvars" in names:
+                users.append(module)
+    assert not users, f"modules importing contextvars: {users}"

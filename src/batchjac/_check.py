@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends
 from ._bind import prepare
 from ._errors import BatchJacError, InputError, add_context
 from ._evaluate import (
@@ -201,10 +200,10 @@ def check(
     name, bound = bind(model, sub, backend, backend_options)
     try:
         # the mode asked for is the one checked: refused if it fails, never swapped
-        with _backends.mode_asked(mode != "auto"):
-            return _run(model, sub, instances, name, bound, rtol=rtol, mode=mode,
-                        rel_step=rel_step, chunk_size=chunk_size, max_memory=max_memory,
-                        options=backend_options or {}, top=top, n_total=spec.n)
+        # (jacobian_chunks)
+        return _run(model, sub, instances, name, bound, rtol=rtol, mode=mode,
+                    rel_step=rel_step, chunk_size=chunk_size, max_memory=max_memory,
+                    options=backend_options or {}, top=top, n_total=spec.n)
     except BatchJacError as e:
         raise add_context(e, context(sub, name)) from e
 

@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from . import _backends
-from ._backends._base import SECOND_RESULT, UNTUNED, CallBudget
+from ._backends._base import SECOND_RESULT, UNTUNED, CallBudget, under
 from ._errors import InputError
 from ._plan import Plan, SecondPlan, fit_cache, hessian_passes
 from ._runner import pad_chunk
@@ -98,15 +98,17 @@ class Derivative:
 
 def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan: P, *,
             backend: str, rows_free: bool, run: Callable[[Any, P], Any],
-            explain: bool, on_kernel: Callable[[P], object] | None = None) -> Any:
+            explain: bool, on_kernel: Callable[[P], object] | None = None,
+            mode_asked: bool = False) -> Any:
     """``run(kernel, plan)`` on the kernel the tuning policy chooses for ``plan`` (as this
     call sees it: :meth:`~batchjac._backends.Kernel.under` its budget), timed into
     the ledger of ``what``; ``rows_free`` where the chunk size is the planner's to choose (no
     ``chunk_size=``, no ``out=`` array). ``on_kernel(plan)`` is told the plan taken, before the
-    run (the fast path of repeated calls starts there)."""
+    run (the fast path of repeated calls starts there). ``mode_asked``: the user asked for the
+    plan's mode (:attr:`~batchjac._backends.CallBudget.mode_asked`): computed or refused."""
     book = what.ledger(bound)
     # what a kernel's first build weighs its cost against: this call's rows
-    budget = CallBudget(rows=spec.n)
+    budget = CallBudget(rows=spec.n, mode_asked=mode_asked)
     plan = _choose(bound, spec, what, plan, book, budget, backend=backend, rows_free=rows_free)
     if explain:
         sys.stderr.write(f"batchjac: {plan.reason}\n")
@@ -122,7 +124,7 @@ def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
     if on_kernel is not None:
         on_kernel(plan)
     result = tuning.timed(book, kernel, spec.n, lambda called: run(kernel.under(called), plan),
-                          new=new, built_seconds=build.seconds)
+                          new=new, built_seconds=build.seconds, budget=budget)
     tuning.settle(book, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
                                                    kernel.chunk_size))
     tuning.persist(bound, backend, kernel)
@@ -157,8 +159,11 @@ def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
         if tuned_rows(bound, plan, wo, mode=name) or tuning.worth(book, spec.n,
                                                                   compilations=ROWS_COMPILATIONS):
             chosen = plan
-            plan = tune_rows(bound, spec, plan, wo, mode=name,
-                             kernel_for=lambda size: what.kernel(bound, chosen, size, budget=budget))
+            # (the sizes' kernels are called as the call's: a mode asked for is refused there
+            # too, never swapped)
+            calls = CallBudget(mode_asked=budget.mode_asked)
+            plan = tune_rows(bound, spec, plan, wo, mode=name, kernel_for=lambda size: under(
+                what.kernel(bound, chosen, size, budget=budget), calls))
     return plan
 
 

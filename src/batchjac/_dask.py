@@ -215,10 +215,10 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
     record) with the one function that saves a unit (``_stores.save_chunk``): the same steps,
     hashes and records as the local path. ``asked``: the call asked for ``mode`` (the
     worker's kernel refuses it if it fails, as the local path does, rather than computing the
-    other mode: a context variable of the calling process does not travel to a worker).
+    other mode).
     ``second``: ``(kind, with_jacobian)`` of a second-order store (``mode`` is then its order),
     whose kernel runs its first build, as the local store's does."""
-    from ._backends import mode_asked
+    from ._backends import CallBudget, under
     from ._bind import prepare
     from ._runner import Chunk, call, pad_args
     from ._spec import BatchSpec
@@ -228,29 +228,31 @@ def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: An
                      names=names)
     bound = prepare(ref.load(), spec, backend, options)
     u, ctx = spec.chunk(0, hi - lo)
+    budget = CallBudget(mode_asked=asked)
     if second is None:
-        kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant)  # type: ignore[arg-type]
+        kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant,  # type: ignore[arg-type]
+                              budget=budget)
     else:
         kind, with_jacobian = second
         kernel = bound.second_kernel(kind, mode, chunk_size, with_outputs,  # type: ignore[arg-type]
                                      with_jacobian)
         kernel.use(kernel.variants[0], "a store's kernel")  # same command, same bytes
-    with mode_asked(asked):
-        out_ = call(kernel, *pad_args(u, ctx, chunk_size), Chunk(index, lo, hi), rows=hi - lo)
+    out_ = call(under(kernel, budget), *pad_args(u, ctx, chunk_size),
+                Chunk(index, lo, hi), rows=hi - lo)
     return save_chunk_at(fmt, out, arrays, index, lo, hi, Unit(out_, hash_arrays([u, *ctx])))
 
 
 def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict[str, Any],
                             bound: Any, spec: Any, with_outputs: bool, pending: Any, *,
-                            second: tuple[str, bool] | None = None) -> None:
+                            second: tuple[str, bool] | None = None, asked: bool = False) -> None:
     """The store's chunk loop on a Dask cluster (``pending``: the store's chunks still to do,
     ``_stores.Pending``): workers compute and save the chunks; this process reads input rows,
     keeps a bounded number of tasks in flight, and collects the records (which the workers
     have already written durably). ``second``: ``(kind, with_jacobian)`` of a second-order
-    store (Hessians, their diagonal, the Laplacian)."""
+    store (Hessians, their diagonal, the Laplacian); ``asked``: the call asked for its mode,
+    which the workers then compute or refuse, never swap."""
     from dask.distributed import as_completed
 
-    from ._backends._base import fallback_allowed
     from ._errors import ModelError
 
     del bound  # workers bind their own copy
@@ -260,7 +262,6 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
     window = 2 * workers  # enough to keep every worker busy, bounded input memory
     queue = list(pending.todo)
     index_of: dict[Any, int] = {}
-    asked = not fallback_allowed()  # the call asked for its mode: so do the workers
 
     def submit(index: int) -> Any:
         lo, hi = pending.bounds(index)

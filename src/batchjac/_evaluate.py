@@ -63,6 +63,7 @@ def jacobian_chunks(
 
     ``extra_bytes_per_row`` is what the caller keeps per instance beside the Jacobian (a finite
     difference reference, a covariance); the memory budget is shrunk to leave room for it.
+    A ``mode`` asked for (not "auto") is computed or refused, never swapped for the other.
     """
     total = budget(max_memory)
     if chunk_size is None and extra_bytes_per_row:
@@ -74,7 +75,9 @@ def jacobian_chunks(
     if plan.uncertain and spec.n and ((plan.chunk_size, with_outputs) in bound.tuned
                                       or tuning.worth(bound, spec.n, compilations=1)):
         plan = tune(bound, spec, plan, with_outputs)
-    kernel = bound.kernel(plan.mode, plan.chunk_size, with_outputs)
+    asked = _backends.asking(mode)
+    kernel = _backends.under(bound.kernel(plan.mode, plan.chunk_size, with_outputs, budget=asked),
+                             asked)
 
     def chunks() -> Iterator[tuple[int, int, np.ndarray | None, np.ndarray]]:
         for chunk, out, _ in iter_results(kernel, spec):

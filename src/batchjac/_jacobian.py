@@ -121,8 +121,7 @@ def jacobian(
         if entry is not None:
             start = time.perf_counter()
             try:
-                with _backends.mode_asked(mode != "auto"):
-                    done = _fast(entry, inputs, return_outputs)
+                done = _fast(entry, inputs, return_outputs, _backends.asking(mode))
             except BatchJacError as e:
                 raise add_context(e, context(entry.template, entry.backend)) from e
             if done is not None:
@@ -135,32 +134,35 @@ def jacobian(
     name = backend or _backends.detect(model)
     check_options(mode, chunk_size, max_memory)  # before a store exists: nothing left behind
     try:
-        # a mode asked for is computed or refused, never swapped for the other (see _backends)
-        with _backends.mode_asked(mode != "auto"):
-            if is_store_target(out):
-                return compute_to_store(model, spec, name, store=as_store(out), mode=mode,
-                                        chunk_size=chunk_size, max_memory=max_memory,
-                                        return_outputs=return_outputs, nan_policy=nan_policy,
-                                        options=backend_options or {}, explain=explain,
-                                        progress=progress)
-            options = native_options(delivery, name, model, backend_options or {})
-            return deliver(_compute(model, spec, name, mode=mode, chunk_size=chunk_size,
-                                    max_memory=max_memory, return_outputs=return_outputs,
-                                    out=out, options=options, explain=explain,
-                                    progress=progress, fast_key=fast), delivery)
+        # a mode asked for is computed or refused, never swapped for the other
+        # (CallBudget.mode_asked)
+        if is_store_target(out):
+            return compute_to_store(model, spec, name, store=as_store(out), mode=mode,
+                                    chunk_size=chunk_size, max_memory=max_memory,
+                                    return_outputs=return_outputs, nan_policy=nan_policy,
+                                    options=backend_options or {}, explain=explain,
+                                    progress=progress)
+        options = native_options(delivery, name, model, backend_options or {})
+        return deliver(_compute(model, spec, name, mode=mode, chunk_size=chunk_size,
+                                max_memory=max_memory, return_outputs=return_outputs,
+                                out=out, options=options, explain=explain,
+                                progress=progress, fast_key=fast), delivery)
     except StoreError:  # about the output, not the model or inputs: no context to add
         raise
     except BatchJacError as e:
         raise add_context(e, context(spec, name)) from e
 
 
-def _fast(entry: _fastpath.Entry, inputs: tuple[Any, ...], return_outputs: bool) -> Any:
+def _fast(entry: _fastpath.Entry, inputs: tuple[Any, ...], return_outputs: bool,
+          budget: _backends.CallBudget) -> Any:
     """A repeated call with the shapes, model and options of a remembered one: the compiled
-    kernel at once, inside the runner's error boundary. None when a check fails: the full path
-    then raises the detailed error (or retraces for a changed model)."""
-    kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
-    if kernel.call_race is not None:  # a race rides on the calls: the full path times them
+    kernel at once, inside the runner's error boundary (its calls carry ``budget``: the mode
+    asked for). None when a check fails: the full path then raises the detailed error (or
+    retraces for a changed model)."""
+    made = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
+    if made.call_race is not None:  # a race rides on the calls: the full path times them
         return None
+    kernel = made.under(budget)
     n = entry.template.n
     if entry.direct and _fastpath.same_layout(entry, inputs):
         u, ctx = inputs[0], tuple(inputs[1:])
@@ -181,7 +183,7 @@ def _fast(entry: _fastpath.Entry, inputs: tuple[Any, ...], return_outputs: bool)
     if spec is None:
         return None
     entry.bound.refresh()
-    kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
+    kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs).under(budget)
     if entry.plan.n_chunks == 1:
         return _unpack(run_single(kernel, spec), return_outputs)
     return _run_in_memory(kernel, spec, entry.bound, return_outputs, None, False)
@@ -212,15 +214,15 @@ def _on_dask(model: Any, inputs: tuple[Any, ...], *, client: Any, scheduler: str
         spec = normalize(inputs, wrt=kw["wrt"], dtype=kw["dtype"], nan_policy=kw["nan_policy"])
         name = kw["backend"] or _backends.detect(model)
         options = kw["backend_options"] or {}
-        on_cluster = functools.partial(_dask.store_chunks_on_cluster, client, model, name, options)
         # a mode asked for is computed or refused on the workers too, never swapped
-        with _backends.mode_asked(kw["mode"] != "auto"):
-            return compute_to_store(
-                model, spec, name, store=as_store(out), mode=kw["mode"],
-                chunk_size=kw["chunk_size"], max_memory=kw["max_memory"],
-                return_outputs=kw["return_outputs"], nan_policy=kw["nan_policy"],
-                options=options, explain=kw["explain"], progress=kw["progress"],
-                compute_chunks=on_cluster)
+        on_cluster = functools.partial(_dask.store_chunks_on_cluster, client, model, name, options,
+                                       asked=kw["mode"] != "auto")
+        return compute_to_store(
+            model, spec, name, store=as_store(out), mode=kw["mode"],
+            chunk_size=kw["chunk_size"], max_memory=kw["max_memory"],
+            return_outputs=kw["return_outputs"], nan_policy=kw["nan_policy"],
+            options=options, explain=kw["explain"], progress=kw["progress"],
+            compute_chunks=on_cluster)
 
 
 def _compute(model: Any, spec: BatchSpec, backend: str, *, mode: ModeArg,
@@ -260,7 +262,7 @@ def _compute_bound(model: Any, bound: _backends.BoundModel, spec: BatchSpec, bac
 
     return compute(bound, spec, Derivative("jacobian", return_outputs), plan, backend=backend,
                    rows_free=chunk_size is None and out is None, run=run, explain=explain,
-                   on_kernel=remember)
+                   on_kernel=remember, mode_asked=mode != "auto")
 
 
 def _run_in_memory(kernel: Any, spec: BatchSpec, bound: _backends.BoundModel,

@@ -22,7 +22,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _backends
 from ._arrays import OutputArg, deliver, like, on_host
 from ._errors import BatchJacError, CovarianceClippedWarning, InputError, add_context
 from ._evaluate import (
@@ -334,9 +333,9 @@ def propagate(
     clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
         if method == "linear":
-            with _backends.mode_asked(mode != "auto"):  # a mode asked for: computed or refused
-                _linear(bound, spec, unc, sink, m, mode=mode, chunk_size=chunk_size,
-                        max_memory=max_memory)
+            # (a mode asked for: computed or refused, jacobian_chunks)
+            _linear(bound, spec, unc, sink, m, mode=mode, chunk_size=chunk_size,
+                    max_memory=max_memory)
         else:
             evaluator = Evaluator(bound, _block(spec, m, method, n_samples, max_memory))
             for lo, hi in _instance_chunks(spec, m, chunk_size, max_memory):

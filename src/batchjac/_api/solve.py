@@ -7,7 +7,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .. import _backends
 from .._arrays import OutputArg, deliver, on_host
 from .._bind import BackendName
 from .._errors import InputError
@@ -144,18 +143,17 @@ def solve(
             raise InputError("`block_size` sizes the blocks of a resumable output; it goes with "
                              "`out=`. For an in-memory solve, use `chunk_size` or `max_memory`.")
         # a mode asked for is computed or refused (a ModelError naming the other), never
-        # swapped for the other with a warning, as in jacobian(); a store's mode comes from
-        # the cost model and falls back
-        with _backends.mode_asked(mode != "auto"):
-            found = _in_memory(model, targets, known, x0=x0, bounds=bounds, method=method,
-                               max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
-                               weights=weights, sigma=sigma, n_starts=n_starts, seed=seed,
-                               fit_tol=fit_tol, n_unknowns=n_unknowns,
-                               return_jacobian=return_jacobian,
-                               return_covariance=return_covariance, dtype=dtype, mode=mode,
-                               chunk_size=chunk_size, max_memory=max_memory, backend=backend,
-                               backend_options=backend_options, callback=callback,
-                               reproducible=reproducible)
+        # swapped for the other with a warning, as in jacobian() (the solver's kernels'
+        # calls say so); a store's mode comes from the cost model and falls back
+        found = _in_memory(model, targets, known, x0=x0, bounds=bounds, method=method,
+                           max_iter=max_iter, xtol=xtol, ftol=ftol, gtol=gtol,
+                           weights=weights, sigma=sigma, n_starts=n_starts, seed=seed,
+                           fit_tol=fit_tol, n_unknowns=n_unknowns,
+                           return_jacobian=return_jacobian,
+                           return_covariance=return_covariance, dtype=dtype, mode=mode,
+                           chunk_size=chunk_size, max_memory=max_memory, backend=backend,
+                           backend_options=backend_options, callback=callback,
+                           reproducible=reproducible)
         return _delivered(found, delivery)
     return _to_store(model, targets, known, x0=x0, bounds=bounds, method=method, max_iter=max_iter,
                      xtol=xtol, ftol=ftol, gtol=gtol, weights=weights, sigma=sigma, n_starts=n_starts,

@@ -23,13 +23,13 @@ from ._base import (
     Kernel,
     Mode,
     Signature,
-    mode_asked,
+    asking,
     under,
 )
 
 __all__ = ["FIRST_VARIANT", "UNTUNED", "Backend", "BoundModel", "CallBudget", "Kernel", "Mode",
-           "Signature", "array_framework", "array_ops", "bind", "detect", "get_backend",
-           "mode_asked", "under"]
+           "Signature", "array_framework", "array_ops", "asking", "bind", "detect", "get_backend",
+           "under"]
 
 # name -> (module implementing it, framework module it needs, install hint)
 REGISTRY: dict[str, tuple[str, str, str]] = {

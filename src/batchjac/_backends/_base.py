@@ -10,7 +10,6 @@ Nothing outside ``batchjac._backends`` imports a framework.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import os
 import re
@@ -20,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -40,18 +39,6 @@ Order = Literal["forward-over-reverse", "forward-over-forward"]
 SECOND_RESULT: dict[str, str] = {"hessian": "hessians", "diagonal": "diagonals",
                                  "laplacian": "laplacians", "hvp": "hvps"}
 
-V = TypeVar("V")
-
-
-@contextlib.contextmanager
-def _scoped(var: contextvars.ContextVar[V], value: V) -> Iterator[None]:
-    """``var`` set to ``value`` within the block (this thread's and task's context only): the
-    one shape of the call-scoped settings below."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
 
 
 @dataclass(frozen=True)
@@ -79,6 +66,11 @@ class CallBudget:
     #: a constraint. A kernel that keeps its builds on disk (JAX's executables) loads that
     #: build first where it finds it there, instead of compiling its cheap first build
     recalled: str | None = None
+    #: whether the call asked for the kernel's mode (``mode="forward"`` or ``"reverse"``): a
+    #: kernel whose mode fails for the model then says so (a ModelError naming the other
+    #: mode), instead of computing the other mode with a warning as it does for
+    #: ``mode="auto"`` (and for callers that do not say: stores' recorded plans, probes)
+    mode_asked: bool = False
 
     @property
     def may_race(self) -> bool:
@@ -90,27 +82,17 @@ class CallBudget:
 UNTUNED = CallBudget()
 
 
+def asking(mode: str) -> CallBudget:
+    """The budget of a call that says nothing of tuning, with ``mode`` as the user gave it:
+    :attr:`CallBudget.mode_asked` unless it is "auto"."""
+    return CallBudget(mode_asked=mode != "auto") if mode != "auto" else UNTUNED
+
+
 def untimed_note() -> str:
     """Why a kernel's build was not timed, for ``explain=True``."""
     if not autotune_enabled():
         return "BATCHJAC_AUTOTUNE=off: not timed"
     return "not timed: the work seen so far does not repay a race"
-
-
-#: whether the call at hand asked for its mode (``mode="forward"`` or ``"reverse"``): a kernel
-#: whose mode fails for the model then says so, instead of computing the other mode as it does
-#: for ``mode="auto"`` (and for callers that do not say, e.g. the CLI and stores)
-_ASKED: contextvars.ContextVar[bool] = contextvars.ContextVar("batchjac_mode_asked", default=False)
-
-
-def mode_asked(flag: bool) -> contextlib.AbstractContextManager[None]:
-    """Within this block, the mode of the kernels called was asked for (``flag``)."""
-    return _scoped(_ASKED, flag)
-
-
-def fallback_allowed() -> bool:
-    """Asked by a kernel whose mode fails for the model: may it compute the other mode?"""
-    return not _ASKED.get()
 
 
 #: ``BoundModel.kernel(..., variant=FIRST_VARIANT)``: fixed to the kernel's first variant

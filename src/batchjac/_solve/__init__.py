@@ -128,7 +128,7 @@ def solve(
         callback=callback,
         ctx=fitted.spec.chunk(0, data.n)[1],  # known inputs in the compute dtype
         evaluator=_Evaluator(fitted.bound, plan.mode, plan.chunk_size, adaptive=not reproducible,
-                             tune_modes=timed),
+                             tune_modes=timed, asked=mode != "auto"),
         target=data.targets.reshape(data.n, fitted.m).astype(np.float64),
         sqrt_w=sqrt_w, absolute=absolute, starts=_drawn_starts(data, n_starts, seed),
         fit_tol=fit_tol,

@@ -35,8 +35,11 @@ class _Evaluator:
     """
 
     def __init__(self, bound: Any, mode: Any, chunk_size: int, adaptive: bool = True,
-                 tune_modes: bool = False) -> None:
+                 tune_modes: bool = False, asked: bool = False) -> None:
         self.bound, self.mode, self.adaptive, self.tune_modes = bound, mode, adaptive, tune_modes
+        #: what the kernels' calls carry: the user asked for ``mode`` (computed or refused,
+        #: never swapped for the other)
+        self.budget = _backends.CallBudget(mode_asked=asked)
         sizes = [chunk_size]
         while sizes[-1] // _BUCKET_FACTOR >= _MIN_BUCKET:
             sizes.append(sizes[-1] // _BUCKET_FACTOR)
@@ -95,8 +98,9 @@ class _Evaluator:
             mode = time_modes(self.bound, u_pad, ctx_pad, True, self.mode)[0]
         self.modes[size] = mode
         # not adaptive: the first build, no timing-based choice of implementation either
-        kernel = self.bound.kernel(mode, size, True,
-                                   variant=None if self.adaptive else _backends.FIRST_VARIANT)
+        kernel = _backends.under(self.bound.kernel(
+            mode, size, True, variant=None if self.adaptive else _backends.FIRST_VARIANT,
+            budget=self.budget), self.budget)
         out = call(kernel, u_pad, ctx_pad, f"a solver step ({rows} active instances)", rows=rows,
                    zero_check=False)  # a zero Jacobian stalls its instance: the status says so
         y, jac = out["outputs"], out["jacobians"]

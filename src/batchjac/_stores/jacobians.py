@@ -88,7 +88,8 @@ def _job(bound: Any, model: Any, spec: BatchSpec, backend: str, store: Store, *,
         planned = plan_for(spec, bound, mode=mode, chunk_size=chunk_size, max_memory=max_memory)
         return {"mode": planned.mode, "chunk_size": planned.chunk_size,
                 "chunks": planned.n_chunks, "rows": spec.n, "reason": planned.reason,
-                "variant": _settle_variant(bound, planned.mode, planned.chunk_size, with_outputs)}
+                "variant": _settle_variant(bound, planned.mode, planned.chunk_size, with_outputs,
+                                           asked=mode != "auto")}
 
     def announce(manifest: dict[str, Any]) -> None:
         if explain:
@@ -98,7 +99,8 @@ def _job(bound: Any, model: Any, spec: BatchSpec, backend: str, store: Store, *,
         description=description, probe=probe(bound, spec),
         arrays=_arrays(meta, spec, with_outputs),
         input_hash=lambda lo, hi: hash_arrays(_rows(spec, lo, hi)),
-        plan=plan, compute=lambda manifest: _chunks(bound, spec, manifest["plan"], with_outputs),
+        plan=plan, compute=lambda manifest: _chunks(bound, spec, manifest["plan"], with_outputs,
+                                                   asked=mode != "auto"),
         extras=lambda _: {"metadata": meta}, announce=announce,
         shared_chunks=True, chunk_rows=True)
 
@@ -109,12 +111,17 @@ def _rows(spec: BatchSpec, lo: int, hi: int) -> list[np.ndarray]:
     return [u, *ctx]
 
 
-def _chunks(bound: Any, spec: BatchSpec, plan: dict[str, Any], with_outputs: bool) -> UnitFunction:
+def _chunks(bound: Any, spec: BatchSpec, plan: dict[str, Any], with_outputs: bool, *,
+            asked: bool) -> UnitFunction:
     """The function computing one chunk, with the store's kernel (mode, chunk size and
-    implementation recorded in its plan)."""
+    implementation recorded in its plan); ``asked``: the call asked for that mode (computed or
+    refused, never swapped)."""
+    from .._backends import CallBudget, under
     from .._runner import iter_results
 
-    kernel = bound.kernel(plan["mode"], plan["chunk_size"], with_outputs, variant=plan.get("variant"))
+    budget = CallBudget(mode_asked=asked)
+    kernel = under(bound.kernel(plan["mode"], plan["chunk_size"], with_outputs,
+                                variant=plan.get("variant"), budget=budget), budget)
 
     def chunk(index: int, lo: int, hi: int) -> Unit:
         for _, results, rows in iter_results(kernel, spec, [index], keep_rows=True):
@@ -159,14 +166,17 @@ def describe_job(spec: BatchSpec, backend: str, output_shape: tuple[int, ...], s
     return job, arrays_meta
 
 
-def _settle_variant(bound: Any, mode: str, chunk_size: int, with_outputs: bool) -> str | None:
+def _settle_variant(bound: Any, mode: str, chunk_size: int, with_outputs: bool, *,
+                    asked: bool) -> str | None:
     """The kernel implementation every chunk of the store is computed with, recorded in the
     plan so that resumed chunks and chunks computed on Dask workers use it too: the backend's
     first variant (XLA for TensorFlow), never a timed choice, because two uninterrupted runs
-    of the same command must write the same bytes as well."""
-    from .._backends import FIRST_VARIANT
+    of the same command must write the same bytes as well. ``asked``: the call asked for
+    ``mode`` (a kernel that compiles when made refuses it there if it fails)."""
+    from .._backends import FIRST_VARIANT, CallBudget
 
-    kernel = bound.kernel(mode, chunk_size, with_outputs, variant=FIRST_VARIANT)
+    kernel = bound.kernel(mode, chunk_size, with_outputs, variant=FIRST_VARIANT,
+                          budget=CallBudget(mode_asked=asked))
     first: str = kernel.variants[0]  # (what it is fixed to: ``variant`` is set by its first call)
     return first
 

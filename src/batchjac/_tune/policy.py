@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .._backends._base import CallBudget
+from .._backends._base import UNTUNED, CallBudget
 from .._config import autotune_enabled
 from .._plan import Plan
 from . import chooser
@@ -298,11 +298,12 @@ def reuse(bound: Any, plan: Plan, n: int, with_outputs: bool) -> Plan:
 
 
 def timed(bound: Any, kernel: Any, rows: int, run: Callable[[CallBudget], T], *, new: bool,
-          built_seconds: float = 0.0) -> T:
+          built_seconds: float = 0.0, budget: CallBudget = UNTUNED) -> T:
     """Run the computation of ``rows`` rows on ``kernel`` (``run(budget)``, the kernel called
     with that budget) and record its time (with the ``built_seconds`` its construction took,
     for a ``new`` kernel: JAX compiles there); its first call may race the kernel's builds
-    only when the work seen repays it."""
+    only when the work seen repays it. ``budget``: what the call says (its mode asked for),
+    which the kernel's calls carry."""
     remembered = getattr(kernel, "remembered", None)
     if remembered is not None and kernel.variant is None and worth(bound, rows, 1):
         kernel.remembered = None  # this call repays the build an earlier race chose
@@ -312,7 +313,7 @@ def timed(bound: Any, kernel: Any, rows: int, run: Callable[[CallBudget], T], *,
         worth(bound, rows, builds)
     racing = chooser.before_call(kernel)  # (a race riding on the calls: this one's contender)
     with Stopwatch() as watch:
-        out = run(CallBudget(rows=rows, race=race))
+        out = run(dataclasses.replace(budget, rows=rows, race=race))
     chooser.after_call(kernel, racing, watch.seconds)
     record(bound, rows, watch.seconds + (built_seconds if new else 0.0), new_kernel=new)
     if race and not kernel.untimed:

@@ -27,7 +27,6 @@ from .._base import (
     Kernel,
     Mode,
     asked_mode_failed,
-    fallback_allowed,
     fallback_message,
     first_line,
     other_mode,
@@ -175,7 +174,7 @@ class JaxKernel(Kernel):
         warning, unless the call asked for the mode: that call gets a ModelError naming the
         other mode. Where both fail, the model's error for ``mode`` is raised."""
         bound = self._bound
-        if not fallback_allowed() and self.mode in bound.failed:  # a kernel of another size
+        if budget.mode_asked and self.mode in bound.failed:  # a kernel of another size
             raise asked_mode_failed(self.mode, bound.failed[self.mode], _CAUSES[self.mode])
         failed: Exception | None = None
         for mode in (self.mode, other_mode(self.mode)):
@@ -214,7 +213,7 @@ class JaxKernel(Kernel):
             if mode != self.mode:  # the failure is the mode's, not the model's
                 if failed is not None:
                     self.failure = bound.failed[self.mode] = first_line(failed)
-                if not fallback_allowed():
+                if budget.mode_asked:
                     raise asked_mode_failed(self.mode, self.failure, _CAUSES[self.mode]) from failed
                 self._warn_fallback(budget)
             return
@@ -335,9 +334,9 @@ class JaxKernel(Kernel):
             warnings.warn(fallback_message(self.mode, self.failure, _CAUSES[self.mode]), kind,
                           stacklevel=user_stacklevel())
 
-    def _check_asked(self) -> None:
+    def _check_asked(self, budget: CallBudget) -> None:
         """A kernel that fell back, called by a call that asks for its mode: refuse."""
-        if self._computes != self.mode and not fallback_allowed():
+        if self._computes != self.mode and budget.mode_asked:
             raise asked_mode_failed(self.mode, self.failure, _CAUSES[self.mode])
 
     def _block_sizes(self) -> list[int]:
@@ -437,7 +436,7 @@ class JaxKernel(Kernel):
         the quick build: the races that call this (the modes, the chunk sizes) compare full
         builds, since the quick one's slow loops favour whichever mode has fewer of them
         (docs/thresholds.md, "JAX's builds")."""
-        self._check_asked()
+        self._check_asked(budget)
         fn = self._fn
         if self.variant is None or self.variant == "quick":
             first = "default" if self._first == "quick" else self._first
@@ -448,7 +447,7 @@ class JaxKernel(Kernel):
                ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
         from .executables import used
 
-        self._check_asked()
+        self._check_asked(budget)
         if self.variant is None:
             with self.building:  # (threads sharing the kernel: one chooses its build)
                 if self.variant is None:

@@ -26,7 +26,6 @@ from .._base import (
     Kernel,
     Mode,
     asked_mode_failed,
-    fallback_allowed,
     fallback_message,
     first_line,
     other_mode,
@@ -257,7 +256,7 @@ class TFKernel(Kernel):
             out = established[0]
         else:
             if self.path is not None and _path_mode(self.path) != self.mode and \
-                    not fallback_allowed():  # an earlier call fell back; this one asks the mode
+                    budget.mode_asked:  # an earlier call fell back; this one asks the mode
                 raise self._asked_failed()
             out = self._call_selected(u, ctx)
         if _is_tensor(u):  # tensors in, tensors out, where TensorFlow computed them
@@ -296,7 +295,7 @@ class TFKernel(Kernel):
         is not (it may depend on the rows, e.g. an assertion in the model)."""
         bound = self._bound
         own = [self.mode, f"{self.mode}-loop"]
-        if not fallback_allowed() and all(p in bound.failed for p in own):
+        if budget.mode_asked and all(p in bound.failed for p in own):
             self.failures = [(p, bound.failed[p]) for p in own]
             raise self._asked_failed()
         failures: list[tuple[str, str]] = []
@@ -323,7 +322,7 @@ class TFKernel(Kernel):
                 if not _at_run_time(error):
                     bound.failed[failed] = first_line(error)
             self.failures = failures
-            if _path_mode(path) != self.mode and not fallback_allowed():
+            if _path_mode(path) != self.mode and budget.mode_asked:
                 self._reset()  # (the other mode only showed that the failure is the mode's)
                 raise self._asked_failed() from (errors[0][1] if errors else None)
             self._warn_fallback(budget)

@@ -31,7 +31,6 @@ from .._base import (
     Kernel,
     Mode,
     asked_mode_failed,
-    fallback_allowed,
     user_stacklevel,
 )
 from . import compat
@@ -239,7 +238,7 @@ class TorchKernel(Kernel):
                 y, jac = first
             else:
                 assert path is not None
-                if path[0] != self.planned and not fallback_allowed():
+                if path[0] != self.planned and budget.mode_asked:
                     raise asked_mode_failed(self.planned, str(bound.forward_failure), _FORWARD_CAUSE)
                 y, jac = self._run(path, ut, ct)
         if isinstance(u, torch.Tensor):  # tensors in, tensors out, on the device
@@ -374,7 +373,7 @@ class TorchKernel(Kernel):
                 continue
             if path[0] == "reverse":
                 bound.reverse_engine = path[1]
-                if self.mode == "forward" and not fallback_allowed():
+                if self.mode == "forward" and budget.mode_asked:
                     # asked for (as TensorFlow and JAX do): refuse, the failure being the mode's
                     raise asked_mode_failed("forward", str(bound.forward_failure),
                                             _FORWARD_CAUSE) from first
