@@ -593,21 +593,53 @@ class CubeOldStyle(torch.autograd.Function):
         return 3 * x**2 * grad
 
 
-@pytest.mark.parametrize("op", [CubeNoJvp, CubeVmapNoJvp, CubeOldStyle])
-def test_forward_mode_falls_back_to_reverse_once(op: Any) -> None:
-    """mode="auto" (which picks forward mode: 3 unknowns, 15 outputs) falls back with one
-    warning; mode="forward", asked for, is refused as in TensorFlow and JAX, before and after."""
+def _once(op: Any) -> Any:
+    """``op`` whose backward is ``once_differentiable``: reverse mode transposed (a backward
+    pass differentiated again) fails as well as torch.func's jvp, so forward mode fails."""
+    from torch.autograd.function import once_differentiable
+
+    backward = op.backward
+
+    class Once(op):  # type: ignore[misc, valid-type]
+        @staticmethod
+        @once_differentiable
+        def backward(ctx: Any, grad: Any) -> Any:
+            return backward(ctx, grad)
+
+    return Once
+
+
+def _cube_model(op: Any) -> tuple[Any, np.ndarray, np.ndarray]:
+    """``[2 op(sin x), x, 2x, 3x, 4x]`` (3 unknowns, 15 outputs: mode="auto" is forward mode),
+    inputs and the Jacobians (float64)."""
 
     class Model(nn.Module):
-        def forward(self, x: Any) -> Any:  # [2 op(sin x), x, 2x, 3x, 4x]
+        def forward(self, x: Any) -> Any:
             return torch.cat([op.apply(torch.sin(x)) * 2, *(c * x for c in (1, 2, 3, 4))], dim=1)
 
-    model = Model()
     x = data((23, 3), seed=31)
     x64 = x.astype(np.float64)
     eye = np.broadcast_to(np.eye(3), (23, 3, 3))
     ref = np.concatenate([np.einsum("ni,ij->nij", 6 * np.sin(x64) ** 2 * np.cos(x64), np.eye(3)),
                           *(c * eye for c in (1, 2, 3, 4))], axis=1)
+    return Model(), x, ref
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+@pytest.mark.parametrize("op", [CubeNoJvp, CubeVmapNoJvp, CubeOldStyle, _once(CubeNoJvp)])
+def test_forward_mode_falls_back_to_reverse_once(op: Any, dynamo: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A custom Function with a backward rule and no jvp: forward mode fails. mode="auto"
+    (which picks forward mode: 3 unknowns, 15 outputs) falls back with one warning;
+    mode="forward", asked for, is refused as in TensorFlow and JAX, before and after; the same
+    whether torch._dynamo is loaded or not. Before, a process that had not loaded it ran
+    reverse mode transposed for a first call instead (forward mode without a refusal), which
+    for a ``@once_differentiable`` backward gave zero Jacobians, silently: its batched second
+    pass skips the error."""
+    from batchjac._backends.torch import compat as torch_compat
+
+    monkeypatch.setattr(torch_compat, "dynamo_loaded", lambda: dynamo)
+    model, x, ref = _cube_model(op)
     with pytest.raises(batchjac.ModelError, match=r"Forward mode failed.*mode='reverse'"):
         batchjac.jacobian(model, x, mode="forward", chunk_size=10)
     with pytest.warns(ForwardModeFallbackWarning, match="Forward mode failed for this model"):

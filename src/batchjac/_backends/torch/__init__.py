@@ -201,6 +201,9 @@ class TorchBound(BoundModel):
         self.forward_failure: str | None = None
         self.fallback_warned = False
         self.reverse_engine: Engine | None = None
+        self.forward_engine: Engine | None = None
+        #: why reverse mode transposed cannot run this model ("": it can; None: not read yet)
+        self.transposed_failure: str | None = None
         self.refresh()
 
     # -- state -------------------------------------------------------------------------------

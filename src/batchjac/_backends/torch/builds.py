@@ -73,6 +73,7 @@ def jac_transposed(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, 
         y = bound.apply(x, ctx)
         jt = None
         if y.requires_grad:
+            _check_transposable(bound, y, x)
             w = torch.zeros_like(y, requires_grad=True)
             (g,) = torch.autograd.grad(y, x, w, create_graph=True, allow_unused=True,
                                        materialize_grads=True)
@@ -83,6 +84,24 @@ def jac_transposed(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, 
             jt = y.new_zeros((basis.shape[0], *y.shape))
     jac = jt.detach().movedim(0, -1)  # (rows, *out, k)
     return y.detach(), jac.reshape(*jac.shape[:-1], *ushape)
+
+
+def _check_transposable(bound: TorchBound, y: torch.Tensor, x: torch.Tensor) -> None:
+    """Raise where the graph from ``x`` to ``y`` holds a custom ``autograd.Function``: reverse
+    mode transposed differentiates its backward pass in the cotangent, and nothing promises
+    that a user's backward is differentiable there. One marked ``@once_differentiable`` (or one
+    that detaches the cotangent, or leaves torch for numpy) gives zeros for its part, silently:
+    a batched second pass (``is_grads_batched``) does not even raise the error a single one
+    would. Read once per bound model (the first transposed call's graph)."""
+    if bound.transposed_failure is None:
+        from .second import _custom_functions
+
+        found = _custom_functions(y, x)
+        bound.transposed_failure = "" if not found else (
+            f"reverse mode transposed would differentiate the backward of the custom "
+            f"autograd.Function {', '.join(sorted(found))} again, which it may not support")
+    if bound.transposed_failure:
+        raise RuntimeError(bound.transposed_failure)
 
 
 def jac_reverse(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
@@ -357,7 +376,14 @@ class TorchKernel(Kernel):
         if bound.reverse_engine is not None:  # another kernel found what works
             paths = [("reverse", bound.reverse_engine)]
         if self.mode == "forward" and bound.forward_failure is None:
-            paths.insert(0, ("forward", "func"))
+            # forward mode fails only where both of its builds fail: torch.func's jvp and
+            # reverse mode transposed (a custom Function without a jvp rule runs the second)
+            forward: list[tuple[Mode, Engine]] = [("forward", "func")]
+            if "transposed" in self.variants:
+                forward.append(("forward", "transposed"))
+            if bound.forward_engine is not None:  # another kernel found what works
+                forward = [("forward", bound.forward_engine)]
+            paths[:0] = forward
         first: Exception | None = None
         for path in paths:
             try:
@@ -368,8 +394,9 @@ class TorchKernel(Kernel):
                 if _out_of_memory(e):
                     raise _explain_model_failure(e, bound.signature) from e
                 first = first or e
-                if path[0] == "forward":
-                    bound.forward_failure = f"{type(e).__name__}: {_first_line(e)}"
+                if path[0] == "forward" and bound.forward_failure is None and \
+                        all(p[0] == "reverse" for p in paths[paths.index(path) + 1:]):
+                    bound.forward_failure = f"{type(first).__name__}: {_first_line(first)}"
                 continue
             if path[0] == "reverse":
                 bound.reverse_engine = path[1]
@@ -379,7 +406,13 @@ class TorchKernel(Kernel):
                                             _FORWARD_CAUSE) from first
                 if self.mode == "forward":
                     self._warn_fallback(budget)
+            else:
+                bound.forward_engine = path[1]
             self._path = path
+            if path == ("forward", "transposed"):  # torch.func's jvp failed: the one build
+                self.variant, self.variants = "transposed", ("transposed",)
+                self.note = "transposed (torch.func's forward mode fails for this model)"
+                return out
             self.variant = "vmap"
             if (path == ("reverse", "func") and "replicated" in self.variants) or \
                     (path == ("forward", "func") and "transposed" in self.variants):
