@@ -7,6 +7,7 @@ central finite differences of the model's own forward pass, and the same weights
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 from typing import Any, ClassVar
 
@@ -652,6 +653,43 @@ def test_forward_mode_falls_back_to_reverse_once(op: Any, dynamo: bool,
         for size in (10, 8):  # the kernels that fell back refuse a call that asks the mode
             with pytest.raises(batchjac.ModelError, match="mode='reverse'"):
                 batchjac.jacobian(model, x, mode="forward", chunk_size=size)
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="torch.library.custom_op")
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_a_custom_op_with_only_a_backward_is_not_computed_in_forward_mode(
+        dynamo: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator of ``torch.library.custom_op`` with ``register_autograd`` only: torch.func's
+    forward mode gives zero tangents through it, without an error (mode="forward" and "auto"
+    returned zero Jacobians for its outputs). Now forward mode is refused when asked for and
+    falls back with a warning for "auto", with the right Jacobians."""
+    from batchjac._backends.torch import compat as torch_compat
+
+    monkeypatch.setattr(torch_compat, "dynamo_loaded", lambda: dynamo)
+    name = f"batchjac_test::cube_{int(dynamo)}"
+
+    @torch.library.custom_op(name, mutates_args=())
+    def cube(x: torch.Tensor) -> torch.Tensor:
+        return x**3
+
+    @cube.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad
+
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    cube.register_autograd(backward, setup_context=setup_context)
+    model, x, ref = _cube_model(types.SimpleNamespace(apply=cube))
+    with pytest.raises(batchjac.ModelError, match=r"Forward mode failed.*no forward-mode rule"):
+        batchjac.jacobian(model, x, mode="forward")
+    with pytest.warns(ForwardModeFallbackWarning, match="Forward mode failed"):
+        assert_jac_close(batchjac.jacobian(model, x), ref)
+    assert_jac_close(batchjac.jacobian(model, x, mode="reverse"), ref)
 
 
 # ---- threads --------------------------------------------------------------------------------

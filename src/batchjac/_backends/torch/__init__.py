@@ -202,8 +202,8 @@ class TorchBound(BoundModel):
         self.fallback_warned = False
         self.reverse_engine: Engine | None = None
         self.forward_engine: Engine | None = None
-        #: why reverse mode transposed cannot run this model ("": it can; None: not read yet)
-        self.transposed_failure: str | None = None
+        #: the custom autograd.Functions between unknowns and outputs (None: not read yet)
+        self.path_functions: dict[str, tuple[bool, bool]] | None = None
         self.refresh()
 
     # -- state -------------------------------------------------------------------------------

@@ -86,22 +86,46 @@ def jac_transposed(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, 
     return y.detach(), jac.reshape(*jac.shape[:-1], *ushape)
 
 
+def _path_functions(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
+                    y: torch.Tensor | None = None, x: torch.Tensor | None = None
+                    ) -> dict[str, tuple[bool, bool]]:
+    """The custom ``autograd.Function`` classes on the graph from the unknowns to the outputs
+    (``second._custom_functions``), read once per bound model: from ``y`` and ``x`` where the
+    caller has that graph, else from one plain autograd pass over ``(u, ctx)``."""
+    if bound.path_functions is None:
+        from .second import _custom_functions
+
+        if y is None or x is None:
+            with torch.enable_grad(), _unknowns_require_grad():
+                x = u.detach().requires_grad_(True)
+                y = bound.apply(x, ctx)
+        bound.path_functions = _custom_functions(y, x) if y.requires_grad else {}
+    return bound.path_functions
+
+
 def _check_transposable(bound: TorchBound, y: torch.Tensor, x: torch.Tensor) -> None:
     """Raise where the graph from ``x`` to ``y`` holds a custom ``autograd.Function``: reverse
     mode transposed differentiates its backward pass in the cotangent, and nothing promises
     that a user's backward is differentiable there. One marked ``@once_differentiable`` (or one
     that detaches the cotangent, or leaves torch for numpy) gives zeros for its part, silently:
     a batched second pass (``is_grads_batched``) does not even raise the error a single one
-    would. Read once per bound model (the first transposed call's graph)."""
-    if bound.transposed_failure is None:
-        from .second import _custom_functions
+    would."""
+    found = _path_functions(bound, x, (), y, x)
+    if found:
+        raise RuntimeError(f"reverse mode transposed would differentiate the backward of the "
+                           f"custom autograd.Function {', '.join(sorted(found))} again, which "
+                           f"it may not support")
 
-        found = _custom_functions(y, x)
-        bound.transposed_failure = "" if not found else (
-            f"reverse mode transposed would differentiate the backward of the custom "
-            f"autograd.Function {', '.join(sorted(found))} again, which it may not support")
-    if bound.transposed_failure:
-        raise RuntimeError(bound.transposed_failure)
+
+def _check_jvp(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
+    """Raise where the graph holds a custom ``autograd.Function`` without torch.func's form (a
+    ``jvp`` and ``setup_context``): most raise in forward mode, but an operator of
+    ``torch.library.custom_op`` with ``register_autograd`` only gives zero tangents, silently."""
+    found = [name for name, (_, func_form) in _path_functions(bound, u, ctx).items()
+             if not func_form]
+    if found:
+        raise RuntimeError(f"the custom autograd.Function {', '.join(sorted(found))} has no "
+                           f"forward-mode rule (jvp)")
 
 
 def jac_reverse(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
@@ -237,6 +261,7 @@ class TorchKernel(Kernel):
         if path == ("forward", "transposed"):
             return jac_transposed(self._bound, u, ctx, self._in_basis)
         if path[0] == "forward":
+            _check_jvp(self._bound, u, ctx)
             _load_forward_ad()  # (only torch.func's forward mode needs them, and they load slowly)
             with _FORWARD_AD:
                 return jac_forward(self._bound, u, ctx, self._in_basis)
