@@ -201,7 +201,7 @@ class TorchBound(BoundModel):
         self.forward_failure: str | None = None
         self.fallback_warned = False
         self.reverse_engine: Engine | None = None
-        self.forward_engine: Engine | None = None
+        self.forward_engine: Engine | None = None  # (forward mode: what another kernel found works)
         #: the custom autograd.Functions between unknowns and outputs (None: not read yet)
         self.path_functions: dict[str, tuple[bool, bool]] | None = None
         self.refresh()
