@@ -75,6 +75,13 @@ __all__ = ["ATOL", "RTOL", "assert_close", "assert_jac_close", "central_differen
            "run_in_fresh_process"]
 
 
+def all_compiled(bound: Any) -> bool:
+    """Whether every build of a JAX model's kernels was compiled here, none loaded from disk
+    (the quick first build, and the steady one where the tier-up found a core free)."""
+    builds = sum(len({*k._compiled, *k._pending}) for k in bound.kernels())
+    return bool(bound.compile_count == builds > 0)
+
+
 def race_now(monkeypatch: Any) -> None:
     """Make every call pay for its races (batchjac._tune.policy's rule answers yes), as a job large
     enough to repay them would: for tests of the races themselves."""

@@ -29,7 +29,13 @@ from batchjac.examples import (  # noqa: E402
 )
 
 from .conformance import SEED_SIZES, BackendConformance  # noqa: E402
-from .helpers import assert_jac_close, central_differences, race_now, run_in_fresh_process  # noqa: E402
+from .helpers import (  # noqa: E402
+    all_compiled,
+    assert_jac_close,
+    central_differences,
+    race_now,
+    run_in_fresh_process,
+)
 
 
 def x64() -> contextlib.AbstractContextManager[Any]:
@@ -56,13 +62,6 @@ def needs_build(build: str) -> None:
 
 def data(shape: tuple[int, ...], seed: int, dtype: str = "float32") -> np.ndarray:
     return np.random.default_rng(seed).normal(0, 1, shape).astype(dtype)
-
-
-def all_compiled(bound: Any) -> bool:
-    """Whether every build of the model's kernels was compiled here, none loaded from disk
-    (the quick first build, and the steady one where the tier-up found a core free)."""
-    builds = sum(len({*k._compiled, *k._pending}) for k in bound.kernels())
-    return bound.compile_count == builds > 0
 
 
 def bound_of(model: Any, dtype: Any = np.float32) -> Any:

@@ -34,7 +34,7 @@ from batchjac._backends.jax import (  # noqa: E402
     staleness,
 )
 
-from .helpers import race_now  # noqa: E402
+from .helpers import all_compiled, race_now  # noqa: E402
 
 K, HID, OUT = 3, 5, 2
 _r = np.random.default_rng(3434)
@@ -181,13 +181,6 @@ def _write_then_load(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, np.ndarray]:
     return bound_of(again), jac
 
 
-def _all_compiled(bound: Any) -> bool:
-    """Whether every build of the model's kernels was compiled here, none loaded (the quick
-    first build, and the steady one where the tier-up found a core free)."""
-    builds = sum(len({*k._compiled, *k._pending}) for k in bound.kernels())
-    return bound.compile_count == builds > 0
-
-
 def test_a_module_text_without_debug_info_keeps_the_disk_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """JAX 0.4.30's ``Lowered.as_text`` takes no ``debug_info``: its text without the keyword
     keys the executables, which a later kernel of the same code loads."""
@@ -206,7 +199,7 @@ def test_no_module_text_means_no_disk_cache_and_right_numbers(monkeypatch: pytes
     monkeypatch.setattr(compat, "module_text", lambda lowered: None)
     bound, _ = _write_then_load(monkeypatch)
     assert not _written()
-    assert _all_compiled(bound)
+    assert all_compiled(bound)
 
 
 def test_a_jax_without_the_serializer_compiles_every_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,7 +224,7 @@ def test_a_jax_without_the_serializer_compiles_every_kernel(monkeypatch: pytest.
     again = model()
     close(batchjac.jacobian(again, x, mode="reverse"), want)
     jax_executables.compiled_beside()
-    assert _all_compiled(bound_of(again))
+    assert all_compiled(bound_of(again))
     jax_executables.flush()
 
 
@@ -241,7 +234,7 @@ def test_pickles_of_unknown_classes_are_neither_written_nor_loaded(
     monkeypatch.setattr(compat, "EXECUTABLE_CLASSES", frozenset())
     bound, _ = _write_then_load(monkeypatch)
     assert not _written()
-    assert _all_compiled(bound)
+    assert all_compiled(bound)
 
 
 def test_the_version_guards_of_the_disk_cache_read_old_and_broken_objects() -> None:

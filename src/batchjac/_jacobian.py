@@ -162,7 +162,7 @@ def _fast(entry: _fastpath.Entry, inputs: tuple[Any, ...], return_outputs: bool,
     made = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
     if made.call_race is not None:  # a race rides on the calls: the full path times them
         return None
-    kernel: Any = made.under(budget) if budget.mode_asked else made
+    kernel = _backends.under(made, budget)
     n = entry.template.n
     if entry.direct and _fastpath.same_layout(entry, inputs):
         u, ctx = inputs[0], tuple(inputs[1:])
@@ -183,8 +183,8 @@ def _fast(entry: _fastpath.Entry, inputs: tuple[Any, ...], return_outputs: bool,
     if spec is None:
         return None
     entry.bound.refresh()
-    kernel = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
-    kernel = kernel.under(budget) if budget.mode_asked else kernel
+    kernel = _backends.under(entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size,
+                                                return_outputs), budget)
     if entry.plan.n_chunks == 1:
         return _unpack(run_single(kernel, spec), return_outputs)
     return _run_in_memory(kernel, spec, entry.bound, return_outputs, None, False)

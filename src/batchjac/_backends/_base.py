@@ -40,7 +40,6 @@ SECOND_RESULT: dict[str, str] = {"hessian": "hessians", "diagonal": "diagonals",
                                  "laplacian": "laplacians", "hvp": "hvps"}
 
 
-
 @dataclass(frozen=True)
 class CallBudget:
     """What the call at hand lets a kernel spend on choosing its build, and what it knows:
@@ -85,7 +84,7 @@ UNTUNED = CallBudget()
 def asking(mode: str) -> CallBudget:
     """The budget of a call that says nothing of tuning, with ``mode`` as the user gave it:
     :attr:`CallBudget.mode_asked` unless it is "auto"."""
-    return CallBudget(mode_asked=mode != "auto") if mode != "auto" else UNTUNED
+    return UNTUNED if mode == "auto" else CallBudget(mode_asked=True)
 
 
 def untimed_note() -> str:
@@ -418,8 +417,9 @@ class Budgeted:
 
 
 def under(kernel: Any, budget: CallBudget) -> Any:
-    """``kernel.under(budget)``, or a duck-typed kernel (a test's) as it is."""
-    return kernel.under(budget) if isinstance(kernel, Kernel) else kernel
+    """``kernel.under(budget)``; the kernel as it is for :data:`UNTUNED` (what its calls carry
+    anyway) and for a duck-typed kernel (a test's)."""
+    return kernel.under(budget) if isinstance(kernel, Kernel) and budget != UNTUNED else kernel
 
 
 class BoundModel(ABC):

@@ -86,19 +86,13 @@ def jac_transposed(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, 
     return y.detach(), jac.reshape(*jac.shape[:-1], *ushape)
 
 
-def _path_functions(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
-                    y: torch.Tensor | None = None, x: torch.Tensor | None = None
+def _path_functions(bound: TorchBound, y: torch.Tensor, x: torch.Tensor
                     ) -> dict[str, tuple[bool, bool]]:
-    """The custom ``autograd.Function`` classes on the graph from the unknowns to the outputs
-    (``second._custom_functions``), read once per bound model: from ``y`` and ``x`` where the
-    caller has that graph, else from one plain autograd pass over ``(u, ctx)``."""
+    """The custom ``autograd.Function`` classes on the graph from ``x`` (the unknowns) to
+    ``y`` (``second._custom_functions``), read once per bound model."""
     if bound.path_functions is None:
         from .second import _custom_functions
 
-        if y is None or x is None:
-            with torch.enable_grad(), _unknowns_require_grad():
-                x = u.detach().requires_grad_(True)
-                y = bound.apply(x, ctx)
         bound.path_functions = _custom_functions(y, x) if y.requires_grad else {}
     return bound.path_functions
 
@@ -110,7 +104,7 @@ def _check_transposable(bound: TorchBound, y: torch.Tensor, x: torch.Tensor) -> 
     that detaches the cotangent, or leaves torch for numpy) gives zeros for its part, silently:
     a batched second pass (``is_grads_batched``) does not even raise the error a single one
     would."""
-    found = _path_functions(bound, x, (), y, x)
+    found = _path_functions(bound, y, x)
     if found:
         raise RuntimeError(f"reverse mode transposed would differentiate the backward of the "
                            f"custom autograd.Function {', '.join(sorted(found))} again, which "
@@ -120,8 +114,13 @@ def _check_transposable(bound: TorchBound, y: torch.Tensor, x: torch.Tensor) -> 
 def _check_jvp(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> None:
     """Raise where the graph holds a custom ``autograd.Function`` without torch.func's form (a
     ``jvp`` and ``setup_context``): most raise in forward mode, but an operator of
-    ``torch.library.custom_op`` with ``register_autograd`` only gives zero tangents, silently."""
-    found = [name for name, (_, func_form) in _path_functions(bound, u, ctx).items()
+    ``torch.library.custom_op`` with ``register_autograd`` only gives zero tangents, silently.
+    The first time, the graph comes from one plain autograd pass over ``(u, ctx)``."""
+    if bound.path_functions is None:
+        with torch.enable_grad(), _unknowns_require_grad():
+            x = u.detach().requires_grad_(True)
+            _path_functions(bound, bound.apply(x, ctx), x)
+    found = [name for name, (_, func_form) in (bound.path_functions or {}).items()
              if not func_form]
     if found:
         raise RuntimeError(f"the custom autograd.Function {', '.join(sorted(found))} has no "
@@ -402,13 +401,15 @@ class TorchKernel(Kernel):
             paths = [("reverse", bound.reverse_engine)]
         if self.mode == "forward" and bound.forward_failure is None:
             # forward mode fails only where both of its builds fail: torch.func's jvp and
-            # reverse mode transposed (a custom Function without a jvp rule runs the second)
+            # reverse mode transposed (an operator without a forward-mode formula may run
+            # the second)
             forward: list[tuple[Mode, Engine]] = [("forward", "func")]
             if "transposed" in self.variants:
                 forward.append(("forward", "transposed"))
             if bound.forward_engine is not None:  # another kernel found what works
                 forward = [("forward", bound.forward_engine)]
             paths[:0] = forward
+        last_forward = next((p for p in reversed(paths) if p[0] == "forward"), None)
         first: Exception | None = None
         for path in paths:
             try:
@@ -419,8 +420,7 @@ class TorchKernel(Kernel):
                 if _out_of_memory(e):
                     raise _explain_model_failure(e, bound.signature) from e
                 first = first or e
-                if path[0] == "forward" and bound.forward_failure is None and \
-                        all(p[0] == "reverse" for p in paths[paths.index(path) + 1:]):
+                if path == last_forward:  # (both forward-mode builds failed)
                     bound.forward_failure = f"{type(first).__name__}: {_first_line(first)}"
                 continue
             if path[0] == "reverse":
