@@ -235,8 +235,8 @@ def _calls(k: CallRacing, n: int) -> list[str]:
 
 def test_a_race_on_the_calls_keeps_every_result_and_decides_on_their_times() -> None:
     """Each call runs one contender (its result the call's: nothing is computed twice), a
-    contender's first call is not counted, the medians decide by the margin, a build not made
-    yet waits, and one far slower than the fastest leaves after its first counted call."""
+    contender's first call is not counted, the medians decide by the margin, the race waits
+    for a build not made yet, and one far slower than the fastest leaves after its first counted call."""
     k = CallRacing({"a": 1.0, "b": 0.5, "c": 0.97, "slow": 5.0})
     _first(k, CallBudget(rows=10))
     assert (k.variant, k.untimed) == ("c", True)
@@ -246,6 +246,10 @@ def test_a_race_on_the_calls_keeps_every_result_and_decides_on_their_times() -> 
     ran = _calls(k, 6)
     assert "slow" not in ran  # not made yet
     assert k.call_race is not None
+    # nothing is timed while a contender is still being made beside the calls (its making
+    # shares the cores with the call): the build in use answers them
+    assert ran == ["c"] * 6
+    assert not any(k.call_race.samples.values())
     k.made.add("slow")
     ran += _calls(k, 40)
     assert k.call_race is None

@@ -352,13 +352,14 @@ class Kernel(ABC):
         return self.variants
 
     def contenders_beside(self, u: Any, ctx: tuple[Any, ...]) -> tuple[str, ...] | None:
-        """For a race on the calls: the builds to race, made beside the calls (each races
-        once :meth:`ready`); None where the kernel makes them now (:meth:`contenders`)."""
+        """For a race on the calls: the builds to race, made beside the calls (the race
+        starts once each is :meth:`ready`); None where the kernel makes them now
+        (:meth:`contenders`)."""
         return None
 
     def ready(self, name: str) -> bool:
         """Whether build ``name`` is made (a kernel that makes its contenders beside the calls
-        races a build from its first call after it is ready)."""
+        starts their race once all are)."""
         return True
 
     def run_build(self, name: str, u: Any, ctx: tuple[Any, ...]) -> None:

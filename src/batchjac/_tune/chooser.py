@@ -134,11 +134,14 @@ class CallRace:
         self.out: set[str] = set()  # pruned
         self.spent = 0.0
 
-    def next(self, ready: Callable[[str], bool] = lambda name: True) -> str:
-        """The contender the next call runs, of those ``ready`` (made: a kernel may make its
-        contenders beside the calls; the incumbent is always ready)."""
-        live = [name for name in self.samples if name not in self.out
-                and (name == self.incumbent or ready(name))]
+    def next(self, ready: Callable[[str], bool] = lambda name: True) -> str | None:
+        """The contender the next call runs, once every contender left is ``ready`` (made: a
+        kernel may make its contenders beside the calls; the incumbent is always ready); None
+        before: a call timed while another build compiles beside it shares the cores with
+        that compilation, and the builds timed first would lose to those timed after."""
+        live = [name for name in self.samples if name not in self.out]
+        if not all(name == self.incumbent or ready(name) for name in live):
+            return None
         cold = [name for name in live if name not in self.warm]
         if cold:
             return cold[0]
@@ -173,13 +176,14 @@ class CallRace:
 
 def before_call(kernel: Any) -> str | None:
     """Before a call of ``kernel``: the contender it runs, selected, where a race rides on its
-    calls; else None."""
+    calls and its contenders are made; else None."""
     race_ = getattr(kernel, "call_race", None)
     if race_ is None:
         return None
     with kernel.building:
         name = race_.next(kernel.ready)
-        kernel._select(name, f"{name} (racing on the calls)")
+        if name is not None:  # (else the build in use runs, untimed)
+            kernel._select(name, f"{name} (racing on the calls)")
     return name
 
 

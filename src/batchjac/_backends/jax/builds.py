@@ -502,7 +502,7 @@ class JaxKernel(Kernel):
     def contenders_beside(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
                           ) -> tuple[str, ...] | None:
         """With a core free: the builds traced here and compiled on the tier-up thread while
-        the calls go on, each entering the race on the calls once it is ready. (XLA is asked
+        the calls go on; the race on the calls starts once all are ready. (XLA is asked
         first whether it knows the options: a refusal found beside the calls would leave a
         copy of the default build in the race.)"""
         if not _idle_core() or not compat.xla_accepts(self._OPTIONS["no-ynnpack"]):
