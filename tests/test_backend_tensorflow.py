@@ -271,6 +271,27 @@ def test_100k_rows_trace_once_per_mode_and_dtype() -> None:
     assert_jac_close(jac[-500:], ref[:, :, :5])
 
 
+def test_the_races_xla_build_compiles_the_traced_graph() -> None:
+    """The later race's XLA build is XLA of a call of the plain graph the first call traced:
+    the model and its Jacobian are not traced again, and XLA's Jacobians are the graph's."""
+    from batchjac import _backends
+
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 64, seed=15)
+    graph_jac = batchjac.jacobian(model, unknown, known, mode="reverse")  # untimed: the graph
+    bound = next(iter(_backends._bound[model].values()))
+    (kernel,) = [k for k in bound.kernels() if k.mode == "reverse"]
+    assert kernel.variant == "graph"
+    traces = bound.trace_count
+    kernel.use("xla")
+    _, xla_jac = kernel(unknown, (known,))
+    assert bound.trace_count == traces
+    assert kernel.variant == "xla"
+    assert_jac_close(np.asarray(xla_jac), np.asarray(graph_jac))
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))
+    assert_jac_close(np.asarray(xla_jac), ref[:, :, :5])
+
+
 @pytest.mark.parametrize("autotune", ["on", "off"])
 def test_the_first_call_computes_the_jacobians_once(monkeypatch: pytest.MonkeyPatch,
                                                      autotune: str) -> None:

@@ -220,9 +220,16 @@ class TFKernel(Kernel):
 
     def _fn(self, variant: str) -> Any:
         if variant not in self._fns:
-            traced = self._in_blocks() if variant == "xla/blocks" else self._traced
-            self._fns[variant] = tf.function(traced, jit_compile=variant.startswith("xla"),
-                                             autograph=False).get_concrete_function(*self._specs)
+            graph = self._fns.get("graph")
+            if variant == "xla" and graph is not None:
+                # XLA of a call of the plain graph traced already: the model and its Jacobian
+                # are not traced again, XLA compiles the called graph whole (the race's XLA
+                # build costs its compilation only: docs/thresholds.md, "TensorFlow's builds")
+                fn = tf.function(lambda *args: graph(*args), jit_compile=True, autograph=False)
+            else:
+                traced = self._in_blocks() if variant == "xla/blocks" else self._traced
+                fn = tf.function(traced, jit_compile=variant.startswith("xla"), autograph=False)
+            self._fns[variant] = fn.get_concrete_function(*self._specs)
         return self._fns[variant]
 
     def _in_blocks(self) -> Callable[..., Any]:
