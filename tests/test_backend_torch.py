@@ -236,6 +236,37 @@ def test_both_reverse_implementations_agree_with_finite_differences(
     assert forward.variants == ("vmap", "transposed")
 
 
+def test_the_later_race_runs_on_the_users_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first call too small to repay a race runs plain autograd untimed; the race it skipped
+    then rides on the next calls (each answered by one contender, its result the call's): no
+    chunk is computed to be timed only, and every call's Jacobians are right."""
+    model = _smooth_module(torch.float64)
+    x = data((12, 4), seed=23, dtype="float64")
+    ref = central_differences(float64_forward(model), x)[..., :3]
+    with monkeypatch.context() as patch:
+        patch.setattr(TorchKernel, "REPLICATED_BELOW", 60.0)  # (a loaded machine: see above)
+        assert_jac_close(batchjac.jacobian(model, x[:, :3], x[:, 3:], mode="reverse"), ref)
+        kernel = bound_of(model, np.float64).kernel("reverse", 12, False)
+        assert kernel.untimed
+        race_now(patch)
+        timed: list[str] = []
+        real = TorchKernel.run_build
+        patch.setattr(TorchKernel, "run_build", lambda self, name, *a: (
+            timed.append(name), real(self, name, *a))[1])
+        answered = []
+        for _ in range(100):  # (15 samples a contender at most)
+            assert_jac_close(batchjac.jacobian(model, x[:, :3], x[:, 3:], mode="reverse"), ref)
+            answered.append(kernel.variant)
+            if kernel.raced:
+                break
+    assert kernel.raced
+    assert kernel.call_race is None
+    assert set(kernel.variants) <= set(answered)  # every contender answered calls
+    # each contender ran once beside the calls, to see that it works; none was timed there
+    assert sorted(timed) == sorted(v for v in kernel.variants if v != "vmap")
+    assert "timed one chunk" in kernel.note
+
+
 def test_both_forward_implementations_agree_with_finite_differences(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.func's vmap of jvp and the transposed reverse pass (a double-backward pass over

@@ -296,6 +296,8 @@ class TorchKernel(Kernel):
     #: frameworks': an eager build costs nothing to make, so a race is mostly timing)
     RACE_SECONDS = 0.1
     race_options = {"timing_seconds": RACE_SECONDS}  # noqa: RUF012 - read only
+    #: the later race runs on the user's calls, its results theirs (:class:`~batchjac._tune.chooser.CallRace`)
+    races_on_calls = True
 
     def build(self, name: str) -> Build:
         return Build(name, int(name != "vmap"))
