@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends
+from . import _backends, _differentiable
 from ._arrays import OutputArg, deliver, named_results, native_options, resolve
 from ._backends._base import SECOND_RESULT
 from ._bind import BackendName, beside_probes, memory_budget, prepare
@@ -82,6 +82,7 @@ def hessian(
     scheduler: str | None = None,
     rows_per_task: int | None = None,
     output: OutputArg = "auto",
+    differentiable: bool = False,
 ) -> Any:
     """Per-instance Hessians ``H[i] = d^2 model(inputs_i) / d unknown_i^2``.
 
@@ -118,6 +119,12 @@ def hessian(
     through the same resume protocol (:func:`batchjac._dask.store_chunks_on_cluster`). Not yet
     on Dask: ``return_jacobian`` in memory, ``out=`` arrays, and ``hvp``.
 
+    ``differentiable=True`` (here, in :func:`laplacian` and in :func:`hvp`): the result inside
+    the framework's graph, as :func:`batchjac.jacobian`'s (a physics-informed loss on the
+    Laplacian trains the model): the order is chosen from the shapes, the forward Laplacian's
+    rule set carries gradients too, and under ``max_memory`` each chunk is recomputed in the
+    backward pass.
+
     >>> import numpy as np, batchjac
     >>> from batchjac.examples import seed_model
     >>> model = seed_model("torch")               # 5 unknown + 3 known inputs -> 4 outputs
@@ -130,6 +137,13 @@ def hessian(
         raise InputError("`diagonal=True` and `laplacian=True` ask for two results; pass one "
                          "(the Laplacian is the sum of the diagonal over the unknowns).")
     kind: SecondKindArg = "laplacian" if laplacian else "diagonal" if diagonal else "hessian"
+    if differentiable is not False:  # in the framework's graph, for a training loss
+        _differentiable.refuse(out=out, client=client, scheduler=scheduler, progress=progress)
+        return _differentiable.derivatives(
+            model, inputs, kind, wrt=wrt, mode=mode, chunk_size=chunk_size,
+            max_memory=max_memory, dtype=dtype, return_outputs=return_outputs,
+            return_jacobian=return_jacobian, nan_policy=nan_policy, backend=backend,
+            backend_options=backend_options, explain=explain, output=output)
     if client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in inputs) and uses_dask(inputs)):
         from . import _dask
@@ -196,6 +210,17 @@ def hvp(model: Any, *inputs: Any, v: Any, wrt: Any = None, mode: OrderArg = "aut
     as :func:`hessian`'s (``out=`` a store is not offered for products)."""
     client, scheduler = options.pop("client", None), options.pop("scheduler", None)
     rows_per_task = options.pop("rows_per_task", None)
+    if options.pop("differentiable", False) is not False:
+        _differentiable.refuse(out=options.pop("out", None), client=client, scheduler=scheduler,
+                               progress=options.pop("progress", False))
+        unknown = sorted(set(options) - _HVP_DIFFERENTIABLE)
+        if unknown:
+            raise InputError(f"hvp() got unexpected keyword argument(s) {unknown}.")
+        return _differentiable.derivatives(
+            model, inputs, "hvp", wrt=wrt, mode=mode, tangents=v,
+            **{"chunk_size": None, "max_memory": None, "dtype": None, "return_outputs": False,
+               "return_jacobian": False, "nan_policy": "raise", "backend": None,
+               "backend_options": None, "explain": False, "output": "auto", **options})
     if client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in (*inputs, v)) and uses_dask((*inputs, v))):
         from . import _dask
@@ -210,6 +235,11 @@ def hvp(model: Any, *inputs: Any, v: Any, wrt: Any = None, mode: OrderArg = "aut
             return _dask.run(_hvp_task, model, inputs, client=own, rows_per_task=rows_per_task,
                              out=None, kw=kw, output=output, rows_kw={"v": v})
     return second_order(model, inputs, "hvp", wrt=wrt, mode=mode, tangents=v, **options)
+
+
+#: the options of a differentiable hvp()
+_HVP_DIFFERENTIABLE = {"chunk_size", "max_memory", "dtype", "return_outputs", "return_jacobian",
+                       "nan_policy", "backend", "backend_options", "explain", "output"}
 
 
 def _hvp_task(model: Any, *inputs: Any, v: Any, **options: Any) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backends
+from . import _backends, _differentiable
 from ._arrays import OutputArg, deliver, in_memory, native_options, on_host, resolve
 from ._bind import BackendName, beside_probes, plan_for, prepare
 from ._compute import Derivative, check_out, compute, context
@@ -44,6 +44,7 @@ def jacobian(
     scheduler: str | None = None,
     rows_per_task: int | None = None,
     output: OutputArg = "auto",
+    differentiable: bool = False,
 ) -> Any:
     """Per-instance Jacobians ``J[i] = d model(inputs_i) / d unknown_i``.
 
@@ -93,6 +94,14 @@ def jacobian(
     split into ``rows_per_task`` blocks and computed on the cluster; with ``out=`` a store,
     the workers write their chunks into it directly, with the same resume guarantees.
 
+    ``differentiable=True``: the Jacobians inside the framework's graph, for a training loss
+    (a Jacobian penalty, a physics-informed residual): its gradient reaches the model's
+    parameters and the inputs that require it (torch tensors, JAX arrays and tracers inside
+    ``jax.jit``/``jax.grad``, TensorFlow tensors under a ``tf.GradientTape``). The mode is
+    chosen from the shapes, never timed; under ``max_memory`` the rows are cut into chunks,
+    each recomputed in the backward pass (:mod:`batchjac._differentiable`). Not with
+    ``out=``, Dask or ``progress``.
+
     >>> import numpy as np, batchjac
     >>> from batchjac.examples import seed_model
     >>> model = seed_model("tensorflow")          # 5 unknown + 3 known inputs -> 4 outputs
@@ -102,6 +111,13 @@ def jacobian(
     >>> J.shape
     (1000, 4, 5)
     """
+    if differentiable is not False:
+        _differentiable.refuse(out=out, client=client, scheduler=scheduler, progress=progress)
+        return _differentiable.derivatives(
+            model, inputs, "jacobian", wrt=wrt, mode=mode, chunk_size=chunk_size,
+            max_memory=max_memory, dtype=dtype, return_outputs=return_outputs,
+            return_jacobian=False, nan_policy=nan_policy, backend=backend,
+            backend_options=backend_options, explain=explain, output=output)
     model = as_model(model)  # an ONNX file or ModelProto: its PyTorch module
     if client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in inputs) and uses_dask(inputs)):

@@ -70,6 +70,10 @@ class ArrayOps(Protocol):
     def any_nonzero(self, a: Any) -> bool:
         """Some entry of ``a`` is not zero."""
 
+    def is_traced(self, a: Any) -> bool:
+        """Whether ``a`` is a symbolic value inside a trace (a JAX tracer, a tensor of a
+        ``tf.function``'s graph), whose numbers are not known yet."""
+
     def to_numpy(self, a: Any) -> np.ndarray:
         """``a`` on the host, as numpy (a copy where it lives on another device)."""
 
@@ -123,6 +127,9 @@ class NumpyOps:
 
     def any_nonzero(self, a: Any) -> bool:
         return bool(np.any(a))
+
+    def is_traced(self, a: Any) -> bool:
+        return False
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a)

@@ -76,6 +76,15 @@ def array_ops(name: str) -> Any:
     return importlib.import_module(REGISTRY[name][0]).OPS
 
 
+def graph_ops(name: str) -> Any:
+    """The array namespace of a differentiable call (:mod:`batchjac._differentiable`): backend
+    ``name``'s ``GRAPH_OPS`` where its :func:`array_ops` would cut the caller's graph (torch's
+    detach), else those."""
+    ops = array_ops(name)
+    return getattr(importlib.import_module(REGISTRY[name][0]), "GRAPH_OPS", ops) \
+        if name != "numpy" else ops
+
+
 def array_framework(a: Any) -> str | None:
     """The framework whose array ``a`` is (by its type's module; imports nothing), or None."""
     return _framework_of_module(type(a).__module__ or "")
@@ -200,6 +209,18 @@ def canonical(model: Any) -> Any:
 def bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> BoundModel:
     with _bind_lock:
         return _bind(backend, model, signature, **options)
+
+
+def bind_differentiable(backend: Backend, model: Any, signature: Signature,
+                        options: dict[str, Any]) -> BoundModel:
+    """The bound model of a differentiable call (:mod:`batchjac._differentiable`): the cached
+    one with its state refreshed, or a new one where the backend's may hold a trace's values
+    (:attr:`Backend.caches_differentiable_binds`)."""
+    if not backend.caches_differentiable_binds:
+        return backend.bind(model, signature, **options)
+    bound = bind(backend, model, signature, **options)
+    bound.refresh()
+    return bound
 
 
 def _bind(backend: Backend, model: Any, signature: Signature, **options: Any) -> BoundModel:

@@ -557,6 +557,38 @@ class BoundModel(ABC):
         return (kind, order, chunk_size, with_outputs, with_jacobian) in \
             self.__dict__.get("_second_kernels", {})
 
+    # -- derivatives that carry gradients (batchjac._differentiable) ---------------------------
+    #: whether :meth:`rematerialized` recomputes reverse-mode builds too (PyTorch's
+    #: torch.func reverse transforms refuse the checkpoint's saved-tensor hooks: forward only)
+    rematerializes_reverse: ClassVar[bool] = True
+
+    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool
+                       ) -> Callable[[Any, tuple[Any, ...], Any], dict[str, Any]]:
+        """``(u, ctx, v) -> {name: array}``: the result of ``kind`` ("jacobian", or a
+        :data:`SecondKind` with ``v`` the tangents of ``hvp``) computed by ``how`` (a mode, or
+        an order), as framework operations on the framework's arrays, in its graph: a loss on
+        the result has a gradient for the model's parameters and for the inputs. Named as a
+        kernel's results are ("jacobians", the kind's, "outputs"). Backends that can override
+        this."""
+        from .._errors import InputError
+
+        raise InputError(
+            f"The {type(self).__name__} backend cannot compute derivatives that carry gradients; "
+            f"differentiable=True needs a TensorFlow, PyTorch or JAX model.")
+
+    def rematerialized(self, fn: Callable[[Any, tuple[Any, ...], Any], dict[str, Any]]
+                       ) -> Callable[[Any, tuple[Any, ...], Any], dict[str, Any]]:
+        """``fn`` (of :meth:`differentiable`) with its intermediates recomputed in the backward
+        pass instead of kept (``torch.utils.checkpoint``, ``jax.checkpoint``,
+        ``tf.recompute_grad``): each chunk of a budgeted call holds its own only while it is
+        computed."""
+        return fn
+
+    def differentiable_output_shape(self, u: Any, ctx: tuple[Any, ...]) -> tuple[int, ...]:
+        """The per-instance output shape for the framework's arrays ``u``/``ctx`` (a few rows),
+        inside a trace too (no numbers read)."""
+        raise NotImplementedError
+
     def kernel_sizes(self, mode: Mode, with_outputs: bool) -> list[int]:
         """The chunk sizes of the kernels built so far for ``mode`` (and outputs flag)."""
         with self._kernels_lock:
@@ -630,6 +662,11 @@ class Backend(ABC):
         (:mod:`batchjac._arrays`): where the model does not say where it computes, the
         inputs' device. By default the options as given (the framework places the work)."""
         return options
+
+    #: whether a differentiable call (:mod:`batchjac._differentiable`) may use the cached bound
+    #: model: not where the model's arrays may be a trace's values (JAX: tracers of the
+    #: caller's ``jax.grad``, which a cached bound model would keep after the trace ends)
+    caches_differentiable_binds: ClassVar[bool] = True
 
     def options_key(self, options: dict[str, Any]) -> Hashable:
         """What bound models are cached by, besides the model and the signature (hashable).

@@ -447,6 +447,19 @@ class JaxBound(BoundModel):
         return any(id(v) in dependent for v in tangents)
 
     # -- kernels -----------------------------------------------------------------------------
+    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool
+                       ) -> Any:
+        from .differentiable import derivatives
+
+        return derivatives(self, kind, how)
+
+    def rematerialized(self, fn: Any) -> Any:
+        return jax.checkpoint(fn)
+
+    def differentiable_output_shape(self, u: Any, ctx: tuple[Any, ...]) -> tuple[int, ...]:
+        y = jax.eval_shape(lambda a, c: self._batch(self.args, a, c), u, ctx)
+        return tuple(int(d) for d in y.shape[1:])
+
     def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
                      budget: CallBudget = UNTUNED) -> Kernel:
         return JaxKernel(self, mode, chunk_size, with_outputs, budget)
@@ -495,6 +508,7 @@ OPS = JaxOps()
 
 
 class JaxBackend(Backend):
+    caches_differentiable_binds = False  # (the model's arrays may be tracers of jax.grad)
     name = "jax"
 
     def bind(self, model: Any, signature: Signature, **options: Any) -> BoundModel:

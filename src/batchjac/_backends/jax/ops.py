@@ -71,6 +71,9 @@ class JaxOps:
     def any_nonzero(self, a: Any) -> bool:
         return bool(jnp.any(a))
 
+    def is_traced(self, a: Any) -> bool:
+        return isinstance(a, jax.core.Tracer)
+
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a)
 

@@ -50,16 +50,7 @@ class JaxSecondKernel(Kernel):
 
     def __init__(self, bound: JaxBound, kind: SecondKind, order: Order, chunk_size: int,
                  with_outputs: bool, with_jacobian: bool) -> None:
-        self.mode = "forward"  # the outer differentiation, in both orders
-        self.kind, self.order = kind, order
-        self.chunk_size, self.with_outputs, self.with_jacobian = chunk_size, with_outputs, with_jacobian
-        self._bound = bound
-        #: why the forward rule set (Laplacian, diagonal or Hessian) could not be used (its
-        #: primitive): ``jvp`` of ``jvp`` (the diagonal, the Laplacian) or ``jacfwd(jacfwd)``
-        #: (the Hessian) instead
-        self.forward_rules_failed = ""
-        #: rows of each call of the executable (the chunk's, or a block's: :meth:`__call__`)
-        self.block_rows = self._block_rows(kind, order, chunk_size)
+        self._configure(bound, kind, order, chunk_size, with_outputs, with_jacobian)
         u_spec, ctx_spec = bound._specs(self.block_rows)
         if kind == "hvp":
             ctx_spec = (*ctx_spec, u_spec)  # the tangents follow the model's arrays
@@ -92,6 +83,29 @@ class JaxSecondKernel(Kernel):
             other = "jacfwd of jacfwd" if kind == "hessian" else "jvp of jvp along each unknown"
             self.note += (f", {other} ({self.forward_rules_failed})" if self.forward_rules_failed
                           else f", {FORWARD_RULES[kind]} (one pass)")
+
+    def _configure(self, bound: JaxBound, kind: SecondKind, order: Order, chunk_size: int,
+                   with_outputs: bool, with_jacobian: bool) -> None:
+        self.mode = "forward"  # the outer differentiation, in both orders
+        self.kind, self.order = kind, order
+        self.chunk_size, self.with_outputs, self.with_jacobian = chunk_size, with_outputs, with_jacobian
+        self._bound = bound
+        #: why the forward rule set (Laplacian, diagonal or Hessian) could not be used (its
+        #: primitive): ``jvp`` of ``jvp`` (the diagonal, the Laplacian) or ``jacfwd(jacfwd)``
+        #: (the Hessian) instead
+        self.forward_rules_failed = ""
+        #: rows of each call of the executable (the chunk's, or a block's: :meth:`__call__`)
+        self.block_rows = self._block_rows(kind, order, chunk_size)
+
+    @classmethod
+    def body_of(cls, bound: JaxBound, kind: SecondKind, order: Order
+                ) -> Callable[[Any, Any, tuple[Any, ...]], dict[str, Any]]:
+        """The kernel's function ``(args, u, ctx) -> {name: array}`` (outputs and Jacobians
+        included), uncompiled: traced into the caller's own trace by a differentiable call
+        (:mod:`batchjac._differentiable`), whose gradient then flows through it."""
+        kernel = cls.__new__(cls)
+        kernel._configure(bound, kind, order, 1, True, True)
+        return kernel._body
 
     #: second-order kernels on the CPU compile without XLA's fusion emitters (the older
     #: loop emitter): they compile sooner and run as fast (measured: docs/thresholds.md)

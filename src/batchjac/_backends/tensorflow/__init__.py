@@ -42,6 +42,9 @@ from .builds import PATHS as PATHS, TFKernel as TFKernel
 from .keras import float64_copy, is_keras, output_shape as keras_output_shape
 from .second import TFSecondKernel as TFSecondKernel
 
+# a differentiable call inside the caller's tf.function: batchjac's Python runs as it is
+compat.not_converted(__name__.split(".")[0])
+
 #: (the float64 clone under the name tests and earlier callers use)
 _float64_copy = float64_copy
 
@@ -202,6 +205,24 @@ class TFBound(BoundModel):
         tf.function(probe, autograph=False).get_concrete_function(*self._specs(u.shape[0]))
         return found["connected"]
 
+    # -- derivatives that carry gradients ----------------------------------------------------
+    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool
+                       ) -> Any:
+        from .differentiable import derivatives
+
+        return derivatives(self, kind, how, with_outputs, with_jacobian)
+
+    def rematerialized(self, fn: Any) -> Any:
+        from .differentiable import recomputed
+
+        return recomputed(fn)
+
+    def differentiable_output_shape(self, u: Any, ctx: tuple[Any, ...]) -> tuple[int, ...]:
+        specs = [tf.TensorSpec(a.shape, a.dtype) for a in (u, *ctx)]
+        y = tf.function(lambda u, *c: self.apply(u, c), autograph=False) \
+            .get_concrete_function(*specs).structured_outputs
+        return tuple(int(d) for d in y.shape[1:])
+
     # -- kernels -----------------------------------------------------------------------------
     def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
                      budget: CallBudget = UNTUNED) -> Kernel:
@@ -297,6 +318,9 @@ class TensorFlowOps:
 
     def any_nonzero(self, a: Any) -> bool:
         return bool(tf.reduce_any(tf.not_equal(a, 0)))
+
+    def is_traced(self, a: Any) -> bool:
+        return not tf.executing_eagerly() or not hasattr(a, "numpy")
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a.numpy())

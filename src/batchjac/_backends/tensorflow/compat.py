@@ -41,6 +41,11 @@ The sites (the numbers of the fragility census in the engine review):
     missing gradient of ``XlaDynamicUpdateSlice``; a second-order XLA build that still meets
     such a gap while it is traced (:data:`XLA_GRADIENT_GAP`) falls back to the plain graph,
     with an :class:`~batchjac.XLAFallbackWarning`.
+13. :func:`not_converted`: AutoGraph's ``config.CONVERSION_RULES``, to which batchjac adds
+    itself as a library AutoGraph does not convert (as TensorFlow lists numpy and Keras), so
+    that a differentiable call inside the caller's ``tf.function`` runs batchjac's Python as
+    it is; without it, AutoGraph tries each of batchjac's functions and logs why it could not
+    convert some (cosmetic: it then calls them unconverted).
 """
 
 from __future__ import annotations
@@ -265,6 +270,20 @@ def quiet_retracing(fn: Any) -> None:
     if hasattr(fn, OMIT_RETRACING_WARNING):
         with contextlib.suppress(Exception):
             setattr(fn, OMIT_RETRACING_WARNING, True)
+
+
+#: AutoGraph's table of the modules it converts or not (a tuple of rules)
+AUTOGRAPH_CONFIG = "tensorflow.python.autograph.core.config"
+
+
+def not_converted(package: str) -> None:
+    """AutoGraph leaves ``package``'s functions unconverted (see the module's docstring, 13);
+    nothing where this TensorFlow has no such table."""
+    with contextlib.suppress(Exception):
+        config: Any = importlib.import_module(AUTOGRAPH_CONFIG)
+        rules = config.CONVERSION_RULES
+        if not any(getattr(r, "_prefix", None) == package for r in rules):
+            config.CONVERSION_RULES = (config.DoNotConvert(package), *rules)
 
 
 # -- 9: the Keras float64 clone --------------------------------------------------------------

@@ -121,6 +121,9 @@ class TorchOps:
     def any_nonzero(self, a: Any) -> bool:
         return bool(a.any())
 
+    def is_traced(self, a: Any) -> bool:
+        return False
+
     def to_numpy(self, a: Any) -> np.ndarray:
         return _to_numpy(a)
 
@@ -133,6 +136,20 @@ class TorchOps:
 
 
 OPS = TorchOps()
+
+
+class GraphOps(TorchOps):
+    """:class:`TorchOps` that keep autograd's graph: a differentiable call's chunks are cut
+    and cast from the caller's tensors, whose gradient must flow back through them."""
+
+    def cast(self, a: Any, dtype: np.dtype) -> Any:
+        return a.to(getattr(torch, np.dtype(dtype).name)).contiguous()
+
+    def contiguous(self, a: Any) -> Any:
+        return a.contiguous()
+
+
+GRAPH_OPS = GraphOps()
 
 
 def _owner_module(model: Any) -> torch.nn.Module | None:
@@ -178,6 +195,7 @@ class TorchBound(BoundModel):
     compiles_kernels = False  # eager: a kernel of another chunk size costs nothing to make
     reductions_over_forward = False  # (see BoundModel; measured: docs/thresholds.md)
     hessian_outputs_at_once = False  # (see BoundModel: plain autograd, an output at a time)
+    rematerializes_reverse = False  # (torch.func's vjp refuses torch.utils.checkpoint's hooks)
 
     def __init__(self, model: Any, signature: Signature, *, train_mode: bool = False,
                  device: Any = None) -> None:
@@ -230,9 +248,10 @@ class TorchBound(BoundModel):
         return False  # the kernels take the cast weights as arguments: none is stale
 
     @contextlib.contextmanager
-    def calling(self) -> Iterator[None]:
+    def calling(self, grad: bool = False) -> Iterator[None]:
         """Eval mode (unless training is forced) for the call, then every submodule's own
-        flag back; no autograd graph for the weights."""
+        flag back; no autograd graph for the weights, unless ``grad`` (a differentiable
+        call's: :mod:`.differentiable`)."""
         switch = self.module is not None and not self.train_mode
         if switch:
             assert self.module is not None
@@ -244,7 +263,7 @@ class TorchBound(BoundModel):
                         _set_eval(self.module, self._flags)
                 self._active += 1
         try:
-            with torch.no_grad():
+            with contextlib.nullcontext() if grad else torch.no_grad():
                 yield
         finally:
             if switch:
@@ -400,6 +419,27 @@ class TorchBound(BoundModel):
                 return False
             (grad,) = torch.autograd.grad(y.sum(), x, allow_unused=True)
         return grad is not None
+
+    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool
+                       ) -> Any:
+        from .differentiable import derivatives
+
+        return derivatives(self, kind, how, with_outputs, with_jacobian)
+
+    def rematerialized(self, fn: Any) -> Any:
+        from .differentiable import checkpointed
+
+        return checkpointed(fn)
+
+    def differentiable_output_shape(self, u: Any, ctx: tuple[Any, ...]) -> tuple[int, ...]:
+        with self.calling():
+            try:
+                y = self.apply(u, ctx)
+            except (ModelError, Warning):
+                raise
+            except Exception as e:
+                raise _explain_model_failure(e, self.signature) from e
+        return tuple(y.shape[1:])
 
     def build_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool,
                      budget: CallBudget = UNTUNED) -> Kernel:

@@ -155,7 +155,9 @@ def jac_reverse(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...
     else:  # no path from the unknowns at all (probes off): zero Jacobians
         jt = x.new_zeros((m, *x.shape))
     jac = jt.movedim(0, 1)  # (rows, m, *unknown_shape)
-    return y.detach(), jac.reshape(rows, *out_shape, *bound.signature.unknown_shape)
+    # (torch.func's output is in the caller's graph where grad is on: a differentiable call's)
+    return y if engine == "func" else y.detach(), jac.reshape(rows, *out_shape,
+                                                              *bound.signature.unknown_shape)
 
 
 def _jac_replicated(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]

@@ -480,7 +480,10 @@ class TorchSecondKernel(Kernel):
         tape, seen = self._graphs.get(key, (None, None))
         # (a version that cannot be read is taken as changed: the model is traced again)
         if tape is None or seen != weights or any(v is None for _, v in weights):
-            tape = laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
+            # (no graph while tracing: a differentiable call's checkpointed chunk saves the
+            # same tensors when it is recomputed, and the first call traces, the others not)
+            with torch.no_grad():
+                tape = laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
             self._graphs[key] = (tape, weights)
         return tape
 

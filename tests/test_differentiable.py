@@ -1,0 +1,453 @@
+"""``differentiable=True``: Jacobians, Hessians (full, diagonal), Laplacians and HVPs that
+carry gradients, in PyTorch, JAX and TensorFlow.
+
+The reference is the framework's own composition of its transforms (torch.func's
+``vmap(jacrev/jacfwd)`` nested, JAX's ``vmap(jacfwd(jacrev))`` under ``jax.grad``, nested
+``GradientTape`` s): the gradient of a scalar loss on the result, with respect to the model's
+parameters and to the inputs, must equal the reference's to 1e-10 relative in float64 and 1e-5
+in float32, chunked (each chunk recomputed for the gradient) or not.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchjac
+from batchjac import InputError
+
+KINDS = ("jacobian", "hessian", "diagonal", "laplacian", "hvp")
+RTOL = {np.float64: 1e-10, np.float32: 1e-5}
+
+
+def _call(kind: str, model: Any, x: Any, v: Any = None, **kw: Any) -> Any:
+    if kind == "jacobian":
+        return batchjac.jacobian(model, x, differentiable=True, **kw)
+    if kind == "laplacian":
+        return batchjac.laplacian(model, x, differentiable=True, **kw)
+    if kind == "hvp":
+        return batchjac.hvp(model, x, v=v, differentiable=True, **kw)
+    return batchjac.hessian(model, x, diagonal=kind == "diagonal", differentiable=True, **kw)
+
+
+def _reduce(kind: str, hess: Any, jac: Any, v: Any, xp: Any) -> Any:
+    """The kind's result from a full per-instance Hessian (n, m, k, k) and Jacobian (n, m, k)."""
+    if kind == "jacobian":
+        return jac
+    if kind == "hessian":
+        return hess
+    if kind == "diagonal":
+        return xp.einsum("nmkk->nmk", hess)
+    if kind == "laplacian":
+        return xp.einsum("nmkk->nm", hess)
+    return xp.einsum("nmkj,nj->nmk", hess, v)
+
+
+def _assert_grads(ours: list[Any], ref: list[Any], dtype: Any) -> None:
+    assert len(ours) == len(ref)
+    for a, b in zip(ours, ref):
+        b = np.asarray(b, np.float64)
+        a = np.zeros_like(b) if a is None else np.asarray(a, np.float64)
+        scale = float(np.abs(b).max()) or 1.0
+        np.testing.assert_allclose(a, b, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
+
+
+def _weights(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(0.5, 1.5, size=shape)
+
+
+# -- PyTorch ---------------------------------------------------------------------------------
+
+
+
+def _torch_case(dtype: Any, n: int = 6) -> tuple[Any, Any, Any]:
+    import torch
+
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    tdt = torch.float64 if dtype == np.float64 else torch.float32
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2),
+                              torch.nn.Tanh()).to(tdt)
+    rng = np.random.default_rng()
+    x = torch.tensor(rng.normal(size=(n, 3)), dtype=tdt, requires_grad=True)
+    v = torch.tensor(rng.normal(size=(n, 3)), dtype=tdt)
+    return net, x, v
+
+
+def _torch_native(kind: str, net: Any, x: Any, v: Any) -> Any:
+    import torch
+    from torch.func import functional_call, hessian, jacrev, vmap
+
+    params = dict(net.named_parameters())
+
+    def one(xi: Any) -> Any:
+        return functional_call(net, params, (xi,))
+
+    if kind == "jacobian":
+        return vmap(jacrev(one))(x)
+    with warnings.catch_warnings():  # (torch's first dual tensor: torch.jit.script deprecated)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        hess = vmap(hessian(one))(x)
+    return _reduce(kind, hess, None, v, torch)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_gradients_match_torch_func(kind: str, dtype: Any) -> None:
+    import torch
+
+    net, x, v = _torch_case(dtype)
+
+    def grads(result: Any) -> list[Any]:
+        loss = torch.sin(result).sum()
+        return [g.detach().numpy() for g in
+                torch.autograd.grad(loss, [*net.parameters(), x], allow_unused=False)]
+
+    ref_result = _torch_native(kind, net, x, v)
+    ref = grads(ref_result)
+    for kw in ({}, {"chunk_size": 4}):
+        ours = _call(kind, net, x, v, **kw)
+        assert ours.requires_grad
+        assert ours.shape == ref_result.shape
+        np.testing.assert_allclose(ours.detach().numpy(), ref_result.detach().numpy(),
+                                   rtol=RTOL[dtype], atol=RTOL[dtype])
+        _assert_grads(grads(ours), ref, dtype)
+
+
+def test_torch_orders_and_modes_carry_the_same_gradient() -> None:
+    import torch
+
+    net, x, v = _torch_case(np.float64)
+    ref = None
+    for mode in ("forward-over-forward", "forward-over-reverse"):
+        h = batchjac.hessian(net, x, mode=mode, differentiable=True)
+        g = torch.autograd.grad(h.square().sum(), [*net.parameters(), x])
+        ref = ref or g
+        _assert_grads([a.numpy() for a in g], [a.numpy() for a in ref], np.float64)
+    for mode in ("forward", "reverse"):
+        j = batchjac.jacobian(net, x, mode=mode, differentiable=True)
+        assert torch.allclose(j, _torch_native("jacobian", net, x, v))
+
+
+def test_torch_outputs_and_jacobian_beside_the_hessian_carry_gradients() -> None:
+    import torch
+
+    net, x, _ = _torch_case(np.float64)
+    y, jac, lap = batchjac.laplacian(net, x, differentiable=True, return_outputs=True,
+                                     return_jacobian=True)
+    assert torch.allclose(y, net(x))
+    assert torch.allclose(jac, _torch_native("jacobian", net, x, None))
+    for part in (y, jac, lap):
+        (g,) = torch.autograd.grad(part.sum(), [net[0].weight], retain_graph=True)
+        assert g.abs().sum() > 0
+
+
+def test_torch_training_step_lowers_the_loss() -> None:
+    """A physics-informed step as a user writes it: Laplacian in the loss, optimiser step."""
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    x = torch.rand(64, 2)
+    f = torch.ones(64, 1)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        opt.zero_grad()
+        loss = (batchjac.laplacian(net, x, differentiable=True) - f).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_torch_budget_recomputes_chunks_with_the_same_gradient() -> None:
+    import torch
+
+    net, x, _ = _torch_case(np.float64, n=40)
+    ref = torch.autograd.grad(batchjac.laplacian(net, x, differentiable=True).sum(),
+                              [*net.parameters()])
+    lap = batchjac.laplacian(net, x, differentiable=True, max_memory=6_000)
+    got = torch.autograd.grad(lap.sum(), [*net.parameters()])
+    _assert_grads([a.numpy() for a in got], [a.numpy() for a in ref], np.float64)
+
+
+def test_torch_reverse_mode_cannot_be_recomputed_in_chunks() -> None:
+    net, x, _ = _torch_case(np.float64, n=10)
+    with pytest.raises(InputError, match="mode='reverse' cannot be recomputed"):
+        batchjac.jacobian(net, x, mode="reverse", chunk_size=4, differentiable=True)
+    # auto: forward mode, which is
+    j = batchjac.jacobian(net, x, chunk_size=4, differentiable=True)
+    assert j.requires_grad
+
+
+def test_torch_refuses_a_module_of_another_dtype() -> None:
+    import torch
+
+    net = torch.nn.Linear(3, 2)  # float32
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(InputError, match="module's own dtype"):
+        batchjac.jacobian(net, x, differentiable=True)
+
+
+def test_torch_numpy_inputs_give_parameter_gradients() -> None:
+    import torch
+
+    net, _, _ = _torch_case(np.float64)
+    x = np.random.default_rng().normal(size=(5, 3))
+    j = batchjac.jacobian(net, x, differentiable=True)
+    assert isinstance(j, torch.Tensor)
+    assert j.requires_grad
+    ref = _torch_native("jacobian", net, torch.tensor(x), None)
+    assert torch.allclose(j, ref)
+
+
+# -- JAX -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def x64() -> Iterator[None]:
+    """JAX's x64 mode for the test (float64 arrays), as tests/test_jax_laplacian.py."""
+    jax = pytest.importorskip("jax")
+    if hasattr(jax, "enable_x64"):
+        with jax.enable_x64(True):
+            yield
+        return
+    from jax.experimental import enable_x64  # pragma: no cover - older jax
+
+    with enable_x64():  # pragma: no cover
+        yield
+
+
+def _jax_case(dtype: Any, n: int = 6) -> tuple[Any, Any, Any, Any]:
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng()
+    params = {"w1": jnp.asarray(rng.normal(size=(3, 8)), dtype),
+              "b1": jnp.asarray(rng.normal(size=8), dtype),
+              "w2": jnp.asarray(rng.normal(size=(8, 2)), dtype)}
+    x = jnp.asarray(rng.normal(size=(n, 3)), dtype)
+    v = jnp.asarray(rng.normal(size=(n, 3)), dtype)
+    return params, x, v, jnp
+
+
+try:  # (module level, as a user's model refers to it: batchjac detects JAX by it)
+    import jax.numpy as jnp
+except ImportError:  # pragma: no cover - the oldest environment has JAX
+    jnp = None
+
+
+def _jax_net(p: Any, x: Any) -> Any:
+    return jnp.tanh(jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"])
+
+
+def _jax_native(kind: str, p: Any, x: Any, v: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    def one(xi: Any) -> Any:
+        return _jax_net(p, xi)
+
+    if kind == "jacobian":
+        return jax.vmap(jax.jacrev(one))(x)
+    return _reduce(kind, jax.vmap(jax.jacfwd(jax.jacrev(one)))(x), None, v, jnp)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("kind", KINDS)
+def test_jax_gradients_match_jax_transforms(kind: str, dtype: Any, x64: None) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    params, x, v, _ = _jax_case(dtype)
+
+    def loss_of(result: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        return lambda p, x: jnp.sum(jnp.sin(result(p, x)))
+
+    ref = jax.grad(loss_of(lambda p, x: _jax_native(kind, p, x, v)), argnums=(0, 1))(params, x)
+    for kw in ({}, {"chunk_size": 4}):
+        def ours(p: Any, x: Any, kw: Any = kw) -> Any:
+            return _call(kind, _jax_net, x, v, backend_options={"params": p}, **kw)
+
+        got = jax.grad(loss_of(ours), argnums=(0, 1))(params, x)
+        _assert_grads(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref), dtype)
+        if kw:  # (under the caller's jit too, chunked)
+            jitted = jax.jit(jax.grad(loss_of(ours), argnums=(0, 1)))(params, x)
+            _assert_grads(jax.tree_util.tree_leaves(jitted), jax.tree_util.tree_leaves(ref),
+                          dtype)
+
+
+def test_jax_under_vmap_of_the_callers_function(x64: None) -> None:
+    """The caller's own ``vmap`` over several parameter sets (an ensemble)."""
+    import jax
+    import jax.numpy as jnp
+
+    params, x, v, _ = _jax_case(np.float64)
+    ensemble = jax.tree_util.tree_map(lambda a: jnp.stack([a, 2 * a]), params)
+    got = jax.vmap(lambda p: batchjac.laplacian(_jax_net, x, differentiable=True,
+                                                backend_options={"params": p}))(ensemble)
+    for i in range(2):
+        one = jax.tree_util.tree_map(lambda a, i=i: a[i], ensemble)
+        want = _jax_native("laplacian", one, x, v)
+        np.testing.assert_allclose(got[i], want, rtol=1e-10, atol=1e-10 * float(abs(want).max()))
+
+
+def test_jax_custom_vjp_falls_back_to_reverse_order(x64: None) -> None:
+    """A ``jax.custom_vjp`` function has no forward rule: mode='auto' takes the other order,
+    an asked forward order says why (JAX's api_test custom_vjp cases)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def f(x: Any) -> Any:
+        return jnp.sin(x)
+
+    f.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (g * c,))
+    params, x, _, _ = _jax_case(np.float64)
+
+    def net(p: Any, x: Any) -> Any:
+        return f(x @ p["w1"]) @ p["w2"]
+
+    got = batchjac.laplacian(net, x, differentiable=True, backend_options={"params": params})
+    # (the custom rule's own second derivative: d/dx cos(x) through the rule is 0, so the
+    # reference is the same transforms over the same function)
+    ref = jax.vmap(lambda xi: jnp.trace(jax.jacrev(jax.jacrev(lambda z: net(params, z)))(xi),
+                                        axis1=-2, axis2=-1))(x)
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
+    with pytest.raises(batchjac.ModelError, match="custom_vjp"):
+        batchjac.laplacian(net, x, differentiable=True, mode="forward-over-forward",
+                           backend_options={"params": params})
+
+
+def test_jax_empty_batch(x64: None) -> None:
+    params, x, _, _ = _jax_case(np.float64)
+    got = batchjac.hessian(_jax_net, x[:0], differentiable=True,
+                           backend_options={"params": params})
+    assert got.shape == (0, 2, 3, 3)
+
+
+# -- TensorFlow ------------------------------------------------------------------------------
+
+def _tf_case(dtype: Any, n: int = 6) -> tuple[Any, Any, Any]:
+    tf = pytest.importorskip("tensorflow")
+    keras = tf.keras
+    rng = np.random.default_rng()
+    name = np.dtype(dtype).name
+    model = keras.Sequential([keras.Input((3,), dtype=name),
+                              keras.layers.Dense(8, activation="tanh", dtype=name),
+                              keras.layers.Dense(2, activation="tanh", dtype=name)])
+    x = tf.constant(rng.normal(size=(n, 3)).astype(dtype))
+    v = tf.constant(rng.normal(size=(n, 3)).astype(dtype))
+    return model, x, v
+
+
+def _tf_native(kind: str, model: Any, x: Any, v: Any) -> Any:
+    """Nested tapes inside the caller's tape (the expert's composition)."""
+    import tensorflow as tf
+
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            y = model(x)
+        jac = inner.batch_jacobian(y, x)
+    if kind == "jacobian":
+        return jac
+    hess = outer.batch_jacobian(jac, x)  # (n, m, k, k)
+    if kind == "hessian":
+        return hess
+    if kind == "diagonal":
+        return tf.linalg.diag_part(hess)
+    if kind == "laplacian":
+        return tf.linalg.trace(hess)
+    return tf.einsum("nmkj,nj->nmk", hess, v)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("kind", KINDS)
+def test_tensorflow_gradients_match_nested_tapes(kind: str, dtype: Any) -> None:
+    import tensorflow as tf
+
+    model, x, v = _tf_case(dtype)
+
+    def grads(result: Callable[[], Any]) -> list[Any]:
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.sin(result()))
+        return [None if g is None else g.numpy()
+                for g in tape.gradient(loss, [*model.trainable_variables, x])]
+
+    ref = grads(lambda: _tf_native(kind, model, x, v))
+    for kw in ({}, {"chunk_size": 4}):
+        _assert_grads(grads(lambda kw=kw: _call(kind, model, x, v, **kw)), ref, dtype)
+
+
+def test_tensorflow_inside_the_callers_tf_function_and_optimizer_step() -> None:
+    import tensorflow as tf
+
+    model, x, _ = _tf_case(np.float32, n=32)
+    opt = tf.keras.optimizers.Adam(1e-2)
+    f = tf.ones((32, 2))
+
+    def loss_of(lap: Any) -> Any:
+        return tf.reduce_mean((lap - f) ** 2)
+
+    @tf.function
+    def step(x: Any) -> Any:
+        with tf.GradientTape() as tape:
+            loss = loss_of(batchjac.laplacian(model, x, differentiable=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss, grads
+
+    with tf.GradientTape() as tape:
+        ref_loss = loss_of(_tf_native("laplacian", model, x, None))
+    ref = tape.gradient(ref_loss, model.trainable_variables)
+    loss, grads = step(x)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _assert_grads([g.numpy() for g in grads], [r.numpy() for r in ref], np.float32)
+    losses = [float(step(x)[0]) for _ in range(15)]
+    assert losses[-1] < losses[0]
+
+
+def test_tensorflow_unknown_batch_size_is_refused_with_the_fix() -> None:
+    import tensorflow as tf
+
+    model, x, _ = _tf_case(np.float32)
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 3), tf.float32)])
+    def f(x: Any) -> Any:
+        return batchjac.laplacian(model, x, differentiable=True)
+
+    with pytest.raises(Exception, match="drop_remainder=True"):
+        f(x)
+
+
+def test_tensorflow_refuses_a_float64_copy_of_a_float32_model() -> None:
+    model, x, _ = _tf_case(np.float32)
+    with pytest.raises(InputError, match="model's own dtype"):
+        batchjac.jacobian(model, np.asarray(x, np.float64), dtype="float64",
+                          differentiable=True)
+
+
+# -- every backend: the options a differentiable call cannot take ----------------------------
+
+@pytest.mark.parametrize("option", [{"out": np.zeros((4, 2, 3))}, {"client": object()},
+                                    {"progress": True}, {"output": "numpy"}])
+def test_refused_options_name_themselves(option: dict[str, Any]) -> None:
+    net, x, _ = _torch_case(np.float64, n=4)
+    name = next(iter(option))
+    with pytest.raises(InputError, match=f"`{name}"):
+        batchjac.jacobian(net, x, differentiable=True, **option)
+
+
+def test_arrays_of_another_framework_are_refused() -> None:
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    net, _, _ = _torch_case(np.float64, n=4)
+    with pytest.raises(InputError, match="cannot cross frameworks"):
+        batchjac.jacobian(net, jnp.ones((4, 3)), differentiable=True)
