@@ -193,6 +193,21 @@ def test_torch_refuses_a_module_of_another_dtype() -> None:
         batchjac.jacobian(net, x, differentiable=True)
 
 
+def test_torch_random_layers_forced_into_training_mode_are_refused() -> None:
+    import torch
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.5), torch.nn.Tanh(),
+                              torch.nn.Linear(8, 1)).train()
+    x = torch.randn(5, 3)
+    with pytest.raises(batchjac.ModelError, match=r"Dropout.*Drop train_mode"):
+        batchjac.jacobian(net, x, differentiable=True, backend_options={"train_mode": True})
+    # by default eval mode, as the compiled path: no mask, the module's mode kept
+    with pytest.warns(batchjac.TrainingModeWarning):
+        j = batchjac.jacobian(net, x, differentiable=True)
+    assert net.training
+    assert torch.allclose(j, _torch_native("jacobian", net.eval(), x, None))
+
+
 def test_torch_numpy_inputs_give_parameter_gradients() -> None:
     import torch
 

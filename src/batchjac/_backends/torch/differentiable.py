@@ -20,6 +20,7 @@ import torch
 
 from ..._errors import BatchJacError, InputError, ModelError
 from .._base import SECOND_RESULT
+from . import compat
 from .builds import jac_forward, jac_reverse
 from .errors import _explain_model_failure
 from .state import _FORWARD_AD, _load_forward_ad
@@ -41,6 +42,18 @@ def derivatives(bound: TorchBound, kind: str, how: str, with_outputs: bool,
             f"reaches its parameters; the inputs ask for {bound.dtype} but the module holds "
             f"other dtypes (e.g. `{theirs}`). Pass dtype= the module's dtype, or convert the "
             f"module (module.to(torch.{str(bound.dtype).split('.')[-1]})).")
+    if bound.train_mode and bound.module is not None:
+        layers = compat.mode_dependent_layers()
+        found = sorted({type(m).__name__ for m in bound.module.modules()
+                        if m.training and isinstance(m, layers)})
+        if found:
+            raise ModelError(
+                f"backend_options={{'train_mode': True}} keeps the module's {', '.join(found)} "
+                f"layers in training mode, whose random masks or batch statistics make each "
+                f"call differentiate another draw (or mix the rows): a loss on these "
+                f"derivatives would train on noise. Drop train_mode (batchjac then evaluates "
+                f"them in eval mode, the module's own mode restored after the call), or "
+                f"compute the derivatives of a module without them.")
     _load_forward_ad()  # (before any dual tensor: see the function)
     second: Any = None
     if kind != "jacobian":
