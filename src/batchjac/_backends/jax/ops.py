@@ -72,7 +72,9 @@ class JaxOps:
         return bool(jnp.any(a))
 
     def is_traced(self, a: Any) -> bool:
-        return isinstance(a, jax.core.Tracer)
+        # a tracer, or any array inside the caller's trace: jit stages every operation, on
+        # concrete arrays too, whose results are then tracers (numbers known only later)
+        return isinstance(a, jax.core.Tracer) or isinstance(jnp.zeros(()), jax.core.Tracer)
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a)
