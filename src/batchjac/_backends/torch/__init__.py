@@ -211,6 +211,9 @@ class TorchBound(BoundModel):
         self._cast: dict[str, torch.Tensor] = {}
         self._cast_src: dict[str, tuple[torch.Tensor, int | None]] = {}
         self._mode_warned = False
+        #: the second-order kernels of differentiable calls, by (kind, order): kept, so that
+        #: their traced tapes serve the next training step (:mod:`.differentiable`)
+        self.differentiable_kernels: dict[tuple[str, str], Any] = {}
         self._mode_lock = threading.Lock()
         self._active = 0  # calls in progress: the first switches to eval, the last restores
         self._flags: list[tuple[torch.nn.Module, bool]] = []

@@ -54,14 +54,21 @@ def derivatives(bound: TorchBound, kind: str, how: str, with_outputs: bool,
                 f"derivatives would train on noise. Drop train_mode (batchjac then evaluates "
                 f"them in eval mode, the module's own mode restored after the call), or "
                 f"compute the derivatives of a module without them.")
-    _load_forward_ad()  # (before any dual tensor: see the function)
     second: Any = None
     if kind != "jacobian":
         from .second import TorchSecondKernel
 
-        # (a kernel of its own: the builds a race chose for the compiled calls stay theirs)
-        second = TorchSecondKernel(bound, kind, how, 1, with_outputs, with_jacobian)  # type: ignore[arg-type]
-        second.variant = "forward-laplacian" if "forward-laplacian" in second.variants else "plain"
+        # (a kernel of its own: the builds a race chose for the compiled calls stay theirs;
+        # kept on the bound model, whose next training step reuses its traced tapes)
+        second = bound.differentiable_kernels.get((kind, how))
+        if second is None:
+            second = TorchSecondKernel(bound, kind, how, 1, True, True)  # type: ignore[arg-type]
+            second.variant = "forward-laplacian" if "forward-laplacian" in second.variants \
+                else "plain"
+            # (its tapes hold the parameters themselves: an optimizer's step needs no trace)
+            second.tapes_by_identity = True
+            second.in_blocks = False  # (see the attribute)
+            bound.differentiable_kernels[(kind, how)] = second
 
     def run(u: torch.Tensor, ctx: tuple[torch.Tensor, ...], v: Any) -> dict[str, torch.Tensor]:
         if second is not None:
@@ -99,6 +106,7 @@ def derivatives(bound: TorchBound, kind: str, how: str, with_outputs: bool,
 def _jacobian(bound: TorchBound, how: str, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
               ) -> dict[str, torch.Tensor]:
     if how == "forward":
+        _load_forward_ad()  # (torch.func's forward mode only: they load slowly)
         ushape = tuple(u.shape[1:])
         y, jac = jac_forward(bound, u, ctx, _basis(math.prod(ushape), u.shape[0], ushape,
                                                    u.dtype, u.device))

@@ -334,6 +334,14 @@ def _fast_one(name: str, target: Any, primals: list[Any], at: int, c: Carried,
         derivs = _unary(name, c.x, y)
         if derivs is not None:
             d1, d2 = derivs
+            if torch.is_grad_enabled() and c.d.requires_grad:
+                # (in autograd's graph, a differentiable call's: out of place, where the
+                # in-place sums below would each copy the whole carried value backwards)
+                d = c.d * d1
+                if isinstance(d2, float) and d2 == 0.0:
+                    return Carried(y, d)
+                lap = d[-1] + d2 * c.d[:-1].square().sum(0)
+                return Carried(y, torch.cat([d[:-1], lap[None]]))
             d = c.d * d1
             if not (isinstance(d2, float) and d2 == 0.0):
                 # sum_j J_j^2 one tangent at a time (no (k, ...) temporary), then d2 times it

@@ -475,7 +475,8 @@ class TorchSecondKernel(Kernel):
         from . import laplacian
 
         bound = self._bound
-        weights = tuple((id(t), compat.version(t)) for t in _weights(bound))
+        by_identity = self.tapes_by_identity
+        weights = tuple((id(t), 0 if by_identity else compat.version(t)) for t in _weights(bound))
         key = (tuple(u.shape), *(tuple(c.shape) for c in ctx))
         tape, seen = self._graphs.get(key, (None, None))
         # (a version that cannot be read is taken as changed: the model is traced again)
@@ -487,13 +488,21 @@ class TorchSecondKernel(Kernel):
             self._graphs[key] = (tape, weights)
         return tape
 
+    #: whether the forward Laplacian runs a chunk in blocks; not in a differentiable call,
+    #: whose gradient keeps every block's values anyway (the probe's trace is then saved)
+    in_blocks = True
+    #: whether a tape stays valid while its weights keep their identities (a differentiable
+    #: call's: the tape holds the module's own parameters, not cast copies, so an optimizer's
+    #: in-place update is what the next run reads); else their versions count too
+    tapes_by_identity = False
+
     def _block_rows(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], k: int) -> int:
         """Rows a block of the forward Laplacian (:data:`LAPLACIAN_LIVE_VALUES`), evened over
         the chunk; the whole chunk on an accelerator, or where it is small."""
         from ..._config import cache_bytes
 
         rows = u.shape[0]
-        if u.device.type != "cpu" or rows <= 2 * self.MIN_BLOCK_ROWS:
+        if u.device.type != "cpu" or rows <= 2 * self.MIN_BLOCK_ROWS or not self.in_blocks:
             return rows
         probe = self.PROBE_ROWS
         tape = self._tape(u[:probe], tuple(c[:probe] for c in ctx))
