@@ -4,6 +4,7 @@
 that kind is first used.
 """
 
+from . import _backends
 from ._api.solve import solve as solve
 from ._backends.numpy import ClosedForm as ClosedForm
 from ._check import CheckReport as CheckReport, check as check
@@ -51,6 +52,9 @@ from ._stores import (
     read_manifest as read_manifest,
 )
 from ._version import __version__ as __version__
+
+# (the verbs a training step calls inside a tf.function: run as written, not AutoGraph-converted)
+_backends.not_converted(jacobian, hessian, laplacian, hvp)
 
 __all__ = [
     "jacobian",

@@ -76,6 +76,22 @@ def array_ops(name: str) -> Any:
     return importlib.import_module(REGISTRY[name][0]).OPS
 
 
+#: the attribute by which TensorFlow's AutoGraph knows its own artifacts, which it calls as
+#: they are instead of converting them (its ``is_autograph_artifact``): batchjac's verbs carry
+#: it, so that a differentiable call inside the caller's ``tf.function`` runs batchjac's Python
+#: unconverted, whichever of batchjac and TensorFlow was imported first (unconverted, then
+#: converted anew on each first trace: seconds). Only a name, read by TensorFlow: nothing is
+#: imported. (The backend, once loaded, also lists batchjac among the libraries AutoGraph does
+#: not convert: tensorflow/compat.py, 13.)
+AUTOGRAPH_ARTIFACT = "autograph_info__"
+
+
+def not_converted(*functions: Any) -> None:
+    """Mark batchjac's public ``functions`` as AutoGraph leaves them (see above)."""
+    for fn in functions:
+        setattr(fn, AUTOGRAPH_ARTIFACT, frozenset())
+
+
 def graph_ops(name: str) -> Any:
     """The array namespace of a differentiable call (:mod:`batchjac._differentiable`): backend
     ``name``'s ``GRAPH_OPS`` where its :func:`array_ops` would cut the caller's graph (torch's

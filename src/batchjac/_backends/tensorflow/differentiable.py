@@ -90,6 +90,7 @@ def _second(bound: TFBound, kind: str, how: str, rows: int, u: tf.Tensor,
     from .second import TFSecondKernel
 
     kernel = TFSecondKernel(bound, kind, how, rows, True, True)  # type: ignore[arg-type]
+    kernel.in_blocks = False  # (see the attribute)
     kernel._seed_inputs = {key: tf.constant(a) for key, a in
                            zip(kernel._seed_keys(), kernel._seed_values())}
     args = (*ctx, v) if v is not None else ctx

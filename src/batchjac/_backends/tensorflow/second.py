@@ -398,6 +398,10 @@ class TFSecondKernel(Kernel):
         hess = outer.batch_jacobian(jac, flat_u, unconnected_gradients=zero)
         return y, jac, hess
 
+    #: whether the forward rules run a large chunk in blocks (below); not in a differentiable
+    #: call, whose gradient keeps every block's values anyway and whose while loop's gradient
+    #: TensorFlow builds and runs slowly
+    in_blocks = True
     #: rows of a block of the forward Laplacian, for chunks at least twice as large: the chunk
     #: in a ``tf.map_fn`` of blocks under XLA, whose temporaries ((k + 2) values per activation)
     #: stay in cache (measured: docs/thresholds.md)
@@ -425,7 +429,7 @@ class TFSecondKernel(Kernel):
         flat = tf.reshape(u, (rows, k))
         hessian = self.kind == "hessian"
         limit = self.HESSIAN_BLOCK_ROWS if hessian else self.LAPLACIAN_BLOCK_ROWS
-        block = _evened(rows, limit) if rows >= 2 * limit else rows
+        block = _evened(rows, limit) if rows >= 2 * limit and self.in_blocks else rows
         specs = [tf.TensorSpec((block, k), bound.tf_dtype),
                  *(tf.TensorSpec((block, *s.shape[1:]), s.dtype) for s in self._specs[1:1 + len(ctx)])]
 
