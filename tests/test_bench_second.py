@@ -4,6 +4,8 @@ involved), and its reports render from synthetic results."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -72,3 +74,38 @@ def test_w8_report_states_memory_growth_and_the_crash_test() -> None:
                                        "resume_seconds": 6.0, "identical": False}))
     assert "mid-run: NO" in bad
     assert "**DIFFERENT**" in bad
+
+
+def test_w10_report_states_ratios_and_whether_the_budget_held() -> None:
+    from batchjac._bench import w10
+
+    native = {"impl": "autograd", "first_s": 0.2, "steady_s": 0.1, "step_mb": 100.0,
+              "first_mb": 120.0, "grad_err": 0.0}
+    ours = {"impl": "batchjac", "first_s": 0.1, "steady_s": 0.12, "step_mb": 90.0,
+            "first_mb": 100.0, "grad_err": 1e-7}
+    budget = {"impl": "batchjac, max_memory", "first_s": 0.3, "steady_s": 0.2, "step_mb": 60.0,
+              "first_mb": 70.0, "budget_mb": 50.0, "grad_err": 2e-7}
+    md = "\n".join(w10.markdown([{"backend": "torch", "cases": [native, ours, budget],
+                                  "best": "autograd"}]))
+    assert "| torch | batchjac | 100 ms | **0.50** | 120.0 ms | **1.20** |" in md
+    assert "(budget 50 MB: **OVER**)" in md
+    budget["step_mb"] = 40.0
+    md = "\n".join(w10.markdown([{"backend": "torch", "cases": [native, ours, budget],
+                                  "best": "autograd"}]))
+    assert "(budget 50 MB: **fits**)" in md
+
+
+def test_w10_step_runs_and_matches_the_native_gradients(tmp_path: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's own step, small: batchjac's first gradients equal nested autograd's."""
+    pytest.importorskip("torch")
+    from batchjac._bench import w10
+
+    monkeypatch.setattr(w10, "N", 64)
+    monkeypatch.setattr(w10, "STEPS", 2)
+    monkeypatch.setattr(w10, "MEMORY_STEPS", 1)
+    for impl in ("autograd", "batchjac"):
+        res = w10.run_step("torch", impl, None, str(tmp_path / f"{impl}.npz"))
+        assert res["steady_s"] > 0
+        assert res["step_mb"] >= 0
+    assert w10._grad_error(str(tmp_path / "batchjac.npz"), str(tmp_path / "autograd.npz")) < 1e-4

@@ -164,6 +164,24 @@ def test_torch_training_step_lowers_the_loss() -> None:
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_torch_weights_updated_in_place_or_replaced_are_seen() -> None:
+    """The forward Laplacian's tape is kept between training steps: an optimizer's in-place
+    step and a replaced parameter must both reach the next call's values."""
+    import torch
+
+    net, x, _ = _torch_case(np.float64)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        lap = batchjac.laplacian(net, x, differentiable=True)
+        assert torch.allclose(lap, _torch_native("laplacian", net, x, None), rtol=1e-10)
+        lap.sum().backward()
+        opt.step()
+    net[0].weight = torch.nn.Parameter(torch.randn_like(net[0].weight))
+    lap = batchjac.laplacian(net, x, differentiable=True)
+    assert torch.allclose(lap, _torch_native("laplacian", net, x, None), rtol=1e-10)
+
+
 def test_torch_budget_recomputes_chunks_with_the_same_gradient() -> None:
     import torch
 
@@ -337,6 +355,23 @@ def test_jax_custom_vjp_falls_back_to_reverse_order(x64: None) -> None:
                            backend_options={"params": params})
 
 
+def test_jax_concrete_inputs_inside_the_callers_jit(x64: None) -> None:
+    """Points closed over by the caller's jitted loss are concrete arrays, but every operation
+    on them inside the trace is traced: the NaN check must not read them there."""
+    import jax
+
+    params, x, _, _ = _jax_case(np.float64)
+
+    @jax.jit
+    def loss(p: Any) -> Any:
+        return jnp.sum(batchjac.laplacian(_jax_net, x, differentiable=True,
+                                          backend_options={"params": p}) ** 2)
+
+    want = jax.grad(lambda p: jnp.sum(_jax_native("laplacian", p, x, None) ** 2))(params)
+    got = jax.grad(loss)(params)
+    _assert_grads(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), np.float64)
+
+
 def test_jax_empty_batch(x64: None) -> None:
     params, x, _, _ = _jax_case(np.float64)
     got = batchjac.hessian(_jax_net, x[:0], differentiable=True,
@@ -426,6 +461,52 @@ def test_tensorflow_inside_the_callers_tf_function_and_optimizer_step() -> None:
     _assert_grads([g.numpy() for g in grads], [r.numpy() for r in ref], np.float32)
     losses = [float(step(x)[0]) for _ in range(15)]
     assert losses[-1] < losses[0]
+
+
+def test_tensorflow_large_chunk_laplacian_gradient() -> None:
+    """More rows than the compiled forward Laplacian's blocks: one block here (the gradient of
+    a loop of blocks is slow to build), the same gradients as nested tapes."""
+    import tensorflow as tf
+
+    model, _, _ = _tf_case(np.float64)
+    x = tf.constant(np.random.default_rng().normal(size=(4200, 3)))
+
+    def grads(result: Callable[[], Any]) -> list[Any]:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sin(result()))
+        return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+
+    _assert_grads(grads(lambda: batchjac.laplacian(model, x, differentiable=True)),
+                  grads(lambda: _tf_native("laplacian", model, x, None)), np.float64)
+
+
+def test_tensorflow_autograph_leaves_batchjac_unconverted() -> None:
+    """Inside the caller's tf.function (AutoGraph on), batchjac's Python is not converted,
+    whichever of batchjac and TensorFlow is imported first: no conversion log line."""
+    from tests.helpers import run_in_fresh_process
+
+    out = run_in_fresh_process("""
+        import os, sys
+        os.environ["AUTOGRAPH_VERBOSITY"] = "1"
+        import batchjac, numpy as np, tensorflow as tf
+        from tensorflow.python.autograph.impl import api
+        converted = []
+        original = api._convert_actual
+        def spy(entity, program_ctx):
+            converted.append(getattr(entity, "__module__", ""))
+            return original(entity, program_ctx)
+        api._convert_actual = spy
+        model = tf.keras.Sequential([tf.keras.Input((2,)), tf.keras.layers.Dense(4, activation="tanh"),
+                                     tf.keras.layers.Dense(1)])
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(batchjac.laplacian(model, x, differentiable=True))
+            return tape.gradient(loss, model.trainable_variables)
+        step(tf.constant(np.random.default_rng().normal(size=(8, 2)), tf.float32))
+        print(sorted({m for m in converted if m.startswith("batchjac")}))
+    """)
+    assert out.strip().splitlines()[-1] == "[]"
 
 
 def test_tensorflow_unknown_batch_size_is_refused_with_the_fix() -> None:

@@ -21,7 +21,7 @@ __all__ = ["WORKLOADS", "Workload", "cnn_weights", "mlp_forward", "mlp_jacobian"
 
 
 def workload_model(name: str, backend: Framework | str = "tensorflow", *, dtype: str = "float32") -> Any:
-    """The model of workload ``name`` ("W1".."W4", "W7") in ``backend``, with the shared weights."""
+    """The model of workload ``name`` ("W1".."W4", "W7", "W10") in ``backend``, with the shared weights."""
     if name not in WORKLOADS:
         raise InputError(f"Unknown workload {name!r}; choose one of {sorted(WORKLOADS)}.")
     w = WORKLOADS[name]

@@ -25,6 +25,8 @@ WORKLOADS: dict[str, Workload] = {
     "W4": Workload("W4", "cnn", (28, 28, 1), 784, "conv: 28x28x1, conv16, conv32, dense 10"),
     # the second-order workloads' own model (W6 uses W1's): a PINN-style MLP, every input unknown
     "W7": Workload("W7", "mlp", (3, 128, 128, 128, 1), 3, "PINN: MLP 3-128-128-128-1"),
+    # a physics-informed training step (differentiable=True): every input unknown
+    "W10": Workload("W10", "mlp", (2, 64, 64, 64, 1), 2, "PINN step: MLP 2-64-64-64-1"),
 }
 
 #: CNN layout shared by every framework: 3x3 'valid' convolutions with stride 2, tanh.
