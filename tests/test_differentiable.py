@@ -65,7 +65,7 @@ def _weights(shape: tuple[int, ...], seed: int) -> np.ndarray:
 
 
 def _torch_case(dtype: Any, n: int = 6) -> tuple[Any, Any, Any]:
-    import torch
+    torch = pytest.importorskip("torch")
 
     torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
     tdt = torch.float64 if dtype == np.float64 else torch.float32
@@ -78,7 +78,7 @@ def _torch_case(dtype: Any, n: int = 6) -> tuple[Any, Any, Any]:
 
 
 def _torch_native(kind: str, net: Any, x: Any, v: Any) -> Any:
-    import torch
+    torch = pytest.importorskip("torch")
     from torch.func import functional_call, hessian, jacrev, vmap
 
     params = dict(net.named_parameters())
@@ -97,7 +97,7 @@ def _torch_native(kind: str, net: Any, x: Any, v: Any) -> Any:
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("kind", KINDS)
 def test_torch_gradients_match_torch_func(kind: str, dtype: Any) -> None:
-    import torch
+    torch = pytest.importorskip("torch")
 
     net, x, v = _torch_case(dtype)
 
@@ -118,7 +118,7 @@ def test_torch_gradients_match_torch_func(kind: str, dtype: Any) -> None:
 
 
 def test_torch_orders_and_modes_carry_the_same_gradient() -> None:
-    import torch
+    torch = pytest.importorskip("torch")
 
     net, x, v = _torch_case(np.float64)
     ref = None
@@ -133,7 +133,7 @@ def test_torch_orders_and_modes_carry_the_same_gradient() -> None:
 
 
 def test_torch_outputs_and_jacobian_beside_the_hessian_carry_gradients() -> None:
-    import torch
+    torch = pytest.importorskip("torch")
 
     net, x, _ = _torch_case(np.float64)
     y, jac, lap = batchjac.laplacian(net, x, differentiable=True, return_outputs=True,
@@ -147,7 +147,7 @@ def test_torch_outputs_and_jacobian_beside_the_hessian_carry_gradients() -> None
 
 def test_torch_training_step_lowers_the_loss() -> None:
     """A physics-informed step as a user writes it: Laplacian in the loss, optimiser step."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -167,7 +167,7 @@ def test_torch_training_step_lowers_the_loss() -> None:
 def test_torch_weights_updated_in_place_or_replaced_are_seen() -> None:
     """The forward Laplacian's tape is kept between training steps: an optimizer's in-place
     step and a replaced parameter must both reach the next call's values."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     net, x, _ = _torch_case(np.float64)
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
@@ -183,7 +183,7 @@ def test_torch_weights_updated_in_place_or_replaced_are_seen() -> None:
 
 
 def test_torch_budget_recomputes_chunks_with_the_same_gradient() -> None:
-    import torch
+    torch = pytest.importorskip("torch")
 
     net, x, _ = _torch_case(np.float64, n=40)
     ref = torch.autograd.grad(batchjac.laplacian(net, x, differentiable=True).sum(),
@@ -203,7 +203,7 @@ def test_torch_reverse_mode_cannot_be_recomputed_in_chunks() -> None:
 
 
 def test_torch_refuses_a_module_of_another_dtype() -> None:
-    import torch
+    torch = pytest.importorskip("torch")
 
     net = torch.nn.Linear(3, 2)  # float32
     x = torch.randn(4, 3, dtype=torch.float64)
@@ -212,7 +212,7 @@ def test_torch_refuses_a_module_of_another_dtype() -> None:
 
 
 def test_torch_random_layers_forced_into_training_mode_are_refused() -> None:
-    import torch
+    torch = pytest.importorskip("torch")
 
     net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.5), torch.nn.Tanh(),
                               torch.nn.Linear(8, 1)).train()
@@ -227,7 +227,7 @@ def test_torch_random_layers_forced_into_training_mode_are_refused() -> None:
 
 
 def test_torch_numpy_inputs_give_parameter_gradients() -> None:
-    import torch
+    torch = pytest.importorskip("torch")
 
     net, _, _ = _torch_case(np.float64)
     x = np.random.default_rng().normal(size=(5, 3))
@@ -305,12 +305,23 @@ def test_jax_gradients_match_jax_transforms(kind: str, dtype: Any, x64: None) ->
         def ours(p: Any, x: Any, kw: Any = kw) -> Any:
             return _call(kind, _jax_net, x, v, backend_options={"params": p}, **kw)
 
-        got = jax.grad(loss_of(ours), argnums=(0, 1))(params, x)
+        # (under the caller's jit, as a training step runs: eagerly, below)
+        got = jax.jit(jax.grad(loss_of(ours), argnums=(0, 1)))(params, x)
         _assert_grads(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref), dtype)
-        if kw:  # (under the caller's jit too, chunked)
-            jitted = jax.jit(jax.grad(loss_of(ours), argnums=(0, 1)))(params, x)
-            _assert_grads(jax.tree_util.tree_leaves(jitted), jax.tree_util.tree_leaves(ref),
-                          dtype)
+
+
+def test_jax_eager_gradient_without_jit(x64: None) -> None:
+    import jax
+
+    params, x, _, _ = _jax_case(np.float64)
+
+    def loss(p: Any, lap: Callable[[Any], Any]) -> Any:
+        return jnp.sum(jnp.sin(lap(p)))
+
+    want = jax.grad(loss)(params, lambda p: _jax_native("laplacian", p, x, None))
+    got = jax.grad(loss)(params, lambda p: batchjac.laplacian(
+        _jax_net, x, differentiable=True, backend_options={"params": p}))
+    _assert_grads(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), np.float64)
 
 
 def test_jax_under_vmap_of_the_callers_function(x64: None) -> None:

@@ -77,6 +77,9 @@ class TFBound(BoundModel):
             # would; batchjac's own wrappers are built with autograph=False.
             self.model = tf.function(model)
         self._graph_forward: Any = None
+        #: the differentiable calls' functions, by (kind, order, outputs, Jacobians): kept, so
+        #: that an eager training loop traces each once (:mod:`.differentiable`)
+        self.differentiable_runs: dict[tuple[str, str, bool, bool], Any] = {}
         self._xla_warned = False
         #: paths (see PATHS) that failed to build for this model where another one worked:
         #: kernels of other chunk sizes go straight past them
@@ -210,7 +213,11 @@ class TFBound(BoundModel):
                        ) -> Any:
         from .differentiable import derivatives
 
-        return derivatives(self, kind, how, with_outputs, with_jacobian)
+        key = (kind, how, with_outputs, with_jacobian)
+        if key not in self.differentiable_runs:
+            self.differentiable_runs[key] = derivatives(self, kind, how, with_outputs,
+                                                        with_jacobian)
+        return self.differentiable_runs[key]
 
     def rematerialized(self, fn: Any) -> Any:
         from .differentiable import recomputed

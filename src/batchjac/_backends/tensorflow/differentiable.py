@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 Compute = Callable[[tf.Tensor, tuple[tf.Tensor, ...], Any], dict[str, tf.Tensor]]
 
-#: the second-order bodies tried in turn: a forward rule set where the kernel would start
-#: with it, then the tiled tapes (the nested ``batch_jacobian`` where the kernel starts there)
+#: the second-order kernel's builds of forward rules, taken first where the kernel starts with
+#: one (else, or where an operation has no rule, its tapes)
 _FORWARD = ("forward-laplacian", "forward-hessian")
 
 
