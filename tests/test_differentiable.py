@@ -188,9 +188,15 @@ def test_torch_budget_recomputes_chunks_with_the_same_gradient() -> None:
     net, x, _ = _torch_case(np.float64, n=40)
     ref = torch.autograd.grad(batchjac.laplacian(net, x, differentiable=True).sum(),
                               [*net.parameters()])
-    lap = batchjac.laplacian(net, x, differentiable=True, max_memory=6_000)
+    lap = batchjac.laplacian(net, x, differentiable=True, max_memory=600_000)  # (chunks of 3)
     got = torch.autograd.grad(lap.sum(), [*net.parameters()])
     _assert_grads([a.numpy() for a in got], [a.numpy() for a in ref], np.float64)
+
+
+def test_a_budget_below_one_row_is_refused_with_the_minimum() -> None:
+    net, x, _ = _torch_case(np.float64, n=10)
+    with pytest.raises(InputError, match=r"max_memory=100 cannot be met.*at least"):
+        batchjac.laplacian(net, x, differentiable=True, max_memory=100)
 
 
 def test_torch_reverse_mode_cannot_be_recomputed_in_chunks() -> None:

@@ -28,6 +28,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from . import _backends
 from ._arrays import OutputArg, _leaves, kind_of
 from ._backends._base import SECOND_RESULT, Signature
@@ -35,7 +37,14 @@ from ._bind import memory_budget
 from ._compute import context
 from ._errors import BatchJacError, InputError, OrderFailedError, add_context
 from ._loaders import as_model
-from ._plan import check_options, choose_order, make_plan, make_second_plan
+from ._plan import (
+    bytes_per_row,
+    check_options,
+    choose_order,
+    make_plan,
+    make_second_plan,
+    second_bytes_per_row,
+)
 from ._spec import BatchSpec, check_finite_rows
 from ._validate import DTypeLike, NanPolicy, normalize
 
@@ -175,6 +184,17 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: str, v: Any, *,
         how, size, reason = plan(forward)
         reason = reason.replace(f"mode={forward!r} was asked for", "the order this backend "
                                 "recomputes chunk by chunk for the gradient")
+    if max_memory is not None and chunk_size is None:
+        itemsize = np.dtype(spec.dtype).itemsize
+        per_row = bytes_per_row(k, m, in_elems, itemsize) if kind == "jacobian" else \
+            second_bytes_per_row(kind, how, k, m, in_elems, itemsize)  # type: ignore[arg-type]
+        if per_row > budget:  # (not one row: the budget cannot hold, so it is not pretended)
+            raise InputError(
+                f"max_memory={max_memory!r} cannot be met: a differentiable call keeps a "
+                f"chunk's derivatives until the loss's gradient is taken, so a chunk may use "
+                f"a third of the budget ({budget:,} B), and one row needs ~{per_row:,} B by the "
+                f"planner's estimate. Pass max_memory of at least "
+                f"{per_row * BACKWARD_FACTOR:,} B, or none.")
     wanted = ("outputs",) * return_outputs + ("jacobians",) * (return_jacobian and kind != "jacobian")
     def run(how: str, size: int, reason: str) -> Any:
         return _run(how, size, reason, bound=bound, spec=spec, kind=kind, v=v, wanted=wanted,
@@ -222,8 +242,6 @@ def _run(how: str, size: int, reason: str, *, bound: _backends.BoundModel, spec:
 def _empty(bound: _backends.BoundModel, spec: BatchSpec, kind: str, wanted: tuple[str, ...],
            main: str, xp: Any) -> Any:
     """The results of no rows, as the framework's arrays of the right shapes."""
-    import numpy as np
-
     assert bound.output_shape is not None
     y, unk = (0, *bound.output_shape), tuple(spec.unknown_shape)
     shapes = {"outputs": y, "jacobians": (*y, *unk), "hessians": (*y, *unk, *unk),
