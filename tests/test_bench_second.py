@@ -80,14 +80,14 @@ def test_w10_report_states_ratios_and_whether_the_budget_held() -> None:
     from batchjac._bench import w10
 
     native = {"impl": "autograd", "first_s": 0.2, "steady_s": 0.1, "step_mb": 100.0,
-              "first_mb": 120.0, "grad_err": 0.0}
+              "first_mb": 120.0, "grad_err": 0.0, "rounds": 3}
     ours = {"impl": "batchjac", "first_s": 0.1, "steady_s": 0.12, "step_mb": 90.0,
-            "first_mb": 100.0, "grad_err": 1e-7}
+            "first_mb": 100.0, "grad_err": 1e-7, "rounds": 3}
     budget = {"impl": "batchjac, max_memory", "first_s": 0.3, "steady_s": 0.2, "step_mb": 60.0,
-              "first_mb": 70.0, "budget_mb": 50.0, "grad_err": 2e-7}
+              "first_mb": 70.0, "budget_mb": 50.0, "grad_err": 2e-7, "rounds": 3}
     md = "\n".join(w10.markdown([{"backend": "torch", "cases": [native, ours, budget],
                                   "best": "autograd"}]))
-    assert "| torch | batchjac | 100 ms | **0.50** | 120.0 ms | **1.20** |" in md
+    assert "| torch | batchjac (3 processes) | 100 ms | **0.50** | 120.0 ms | **1.20** |" in md
     assert "(budget 50 MB: **OVER**)" in md
     budget["step_mb"] = 40.0
     md = "\n".join(w10.markdown([{"backend": "torch", "cases": [native, ours, budget],
