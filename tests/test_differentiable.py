@@ -526,6 +526,46 @@ def test_tensorflow_autograph_leaves_batchjac_unconverted() -> None:
     assert out.strip().splitlines()[-1] == "[]"
 
 
+def test_keras_fit_with_a_laplacian_in_its_train_step() -> None:
+    """Keras's own training loop: a model whose train_step puts batchjac's Laplacian in the
+    loss trains with fit (a dataset batched with drop_remainder=True: static shapes)."""
+    tf = pytest.importorskip("tensorflow")
+    keras = tf.keras
+
+    class PINN(keras.Model):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = keras.Sequential([keras.Input((2,)), keras.layers.Dense(16, activation="tanh"),
+                                         keras.layers.Dense(1)])
+            self.losses_seen: list[Any] = []
+
+        def call(self, x: Any) -> Any:
+            return self.net(x)
+
+        def train_step(self, data: Any) -> Any:
+            x, f = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((batchjac.laplacian(self.net, x, differentiable=True) - f) ** 2)
+            grads = tape.gradient(loss, self.net.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.net.trainable_variables))
+            return {"pinn": loss}
+
+    model = PINN()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    rng = np.random.default_rng()
+    x = rng.uniform(-1, 1, (128, 2)).astype(np.float32)
+    f = np.ones((128, 1), np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, f)).batch(32, drop_remainder=True)
+
+    def loss_now() -> float:
+        return float(tf.reduce_mean((_tf_native("laplacian", model.net, tf.constant(x), None)
+                                     - f) ** 2))
+
+    before = loss_now()
+    model.fit(data, epochs=8, verbose=0, shuffle=False)
+    assert loss_now() < 0.5 * before
+
+
 def test_tensorflow_unknown_batch_size_is_refused_with_the_fix() -> None:
     import tensorflow as tf
 
