@@ -196,6 +196,7 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: str, v: Any, *,
                 f"planner's estimate. Pass max_memory of at least "
                 f"{per_row * BACKWARD_FACTOR:,} B, or none.")
     wanted = ("outputs",) * return_outputs + ("jacobians",) * (return_jacobian and kind != "jacobian")
+
     def run(how: str, size: int, reason: str) -> Any:
         return _run(how, size, reason, bound=bound, spec=spec, kind=kind, v=v, wanted=wanted,
                     explain=explain, xp=xp)
