@@ -182,6 +182,45 @@ def test_torch_weights_updated_in_place_or_replaced_are_seen() -> None:
     assert torch.allclose(lap, _torch_native("laplacian", net, x, None), rtol=1e-10)
 
 
+def test_torch_tape_on_a_few_rows_only_where_no_operation_reads_the_row_count() -> None:
+    """The forward Laplacian's tape is traced on 2 and 3 rows and serves any chunk where both
+    are the same operations; a model that reshapes by its row count differs between the two,
+    and is traced on each chunk's rows: right Laplacians and gradients both ways."""
+    torch = pytest.importorskip("torch")
+    from batchjac._backends.torch import laplacian as torch_laplacian
+
+    class Flat(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2).double()
+
+        def forward(self, x: Any) -> Any:
+            return torch.tanh(self.lin(x.reshape(x.shape[0], -1)))
+
+    flat = Flat()
+    x = torch.randn(7, 2, 2, dtype=torch.float64)
+    trace = torch_laplacian.trace
+    two, three = (trace(lambda a: flat(a), x[:r]) for r in (2, 3))
+    assert not torch_laplacian.same_ops(two, three)
+    net, x2, _ = _torch_case(np.float64, n=7)
+    two, three = (trace(lambda a: net(a), x2[:r]) for r in (2, 3))
+    assert torch_laplacian.same_ops(two, three)
+    for model, inputs in ((flat, x), (net, x2)):
+        params = list(model.parameters())
+        lap = batchjac.laplacian(model, inputs, differentiable=True)
+        from torch.func import hessian, vmap
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            h = vmap(hessian(lambda xi, model=model: model(xi[None])[0]))(inputs)
+        k = int(np.prod(inputs.shape[1:]))
+        ref = h.reshape(*h.shape[:2], k, k).diagonal(dim1=-2, dim2=-1).sum(-1)
+        assert torch.allclose(lap, ref, rtol=1e-10, atol=1e-12)
+        got = torch.autograd.grad(lap.square().sum(), params)
+        want = torch.autograd.grad(ref.square().sum(), params)
+        _assert_grads([g.numpy() for g in got], [w.numpy() for w in want], np.float64)
+
+
 def test_torch_budget_recomputes_chunks_with_the_same_gradient() -> None:
     torch = pytest.importorskip("torch")
 

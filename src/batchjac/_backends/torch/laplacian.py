@@ -221,6 +221,30 @@ def trace(fn: Callable[..., torch.Tensor], *example: torch.Tensor) -> Tape:
     return Tape(n, new_ops, free, output, recorder.widest)
 
 
+def same_ops(a: Tape, b: Tape) -> bool:
+    """Whether two tapes run the same operations on the same values: each argument the same
+    reference, the same constant tensor (the very object: a weight), or an equal Python value.
+    Two tapes of one model traced on different row counts are the same where no operation
+    depends on the row count (no size, no fresh constant): one tape then serves every count."""
+    pytree = _tree()
+
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return x is y
+        return type(x) is type(y) and bool(x == y)
+
+    if (a.inputs, a.free, a.output) != (b.inputs, b.free, b.output) or len(a.ops) != len(b.ops):
+        return False
+    for op_a, op_b in zip(a.ops, b.ops):
+        if op_a[0] is not op_b[0]:
+            return False
+        leaves_a, spec_a = pytree.tree_flatten(op_a[1:])
+        leaves_b, spec_b = pytree.tree_flatten(op_b[1:])
+        if spec_a != spec_b or not all(same(x, y) for x, y in zip(leaves_a, leaves_b)):
+            return False
+    return True
+
+
 def run(tape: Tape, inputs: list[torch.Tensor], varying: int
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, J, L)`` of the tape's one output for ``inputs``: ``J`` ``(k, *y.shape)``, the

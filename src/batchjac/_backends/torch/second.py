@@ -477,6 +477,10 @@ class TorchSecondKernel(Kernel):
         bound = self._bound
         by_identity = self.tapes_by_identity
         weights = tuple((id(t), 0 if by_identity else compat.version(t)) for t in _weights(bound))
+        if by_identity and u.shape[0] > 3:
+            found = self._tape_for_any_rows(u, ctx, weights)
+            if found is not None:
+                return found
         key = (tuple(u.shape), *(tuple(c.shape) for c in ctx))
         tape, seen = self._graphs.get(key, (None, None))
         # (a version that cannot be read is taken as changed: the model is traced again)
@@ -487,6 +491,25 @@ class TorchSecondKernel(Kernel):
                 tape = laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
             self._graphs[key] = (tape, weights)
         return tape
+
+    def _tape_for_any_rows(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
+                           weights: tuple[Any, ...]) -> Any:
+        """A tape traced on 2 and on 3 rows, where both are the same operations (none depends
+        on the row count): it serves chunks of any size, traced on a few rows instead of the
+        chunk's (a forward pass of the chunk, under the recorder). None where they differ."""
+        from . import laplacian
+
+        bound = self._bound
+        key = ("any rows", tuple(u.shape[1:]), *(tuple(c.shape[1:]) for c in ctx))
+        tape, seen = self._graphs.get(key, (None, None))
+        if tape == "rows" or (tape is not None and seen == weights):
+            return None if tape == "rows" else tape
+        with torch.no_grad():
+            two, three = (laplacian.trace(lambda a, *c: bound.apply(a, c), u[:r],
+                                          *(c[:r] for c in ctx)) for r in (2, 3))
+        same = laplacian.same_ops(two, three)
+        self._graphs[key] = (three if same else "rows", weights)
+        return three if same else None
 
     #: whether the forward Laplacian runs a chunk in blocks; not in a differentiable call,
     #: whose gradient keeps every block's values anyway (the probe's trace is then saved)
