@@ -473,3 +473,18 @@ def _x64() -> contextlib.AbstractContextManager[Any]:
     from jax.experimental import enable_x64  # pragma: no cover - older jax
 
     return enable_x64()  # pragma: no cover
+
+
+def test_trace_values_are_told_without_jax_core_tracer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``jax.core.Tracer`` gone: a trace's values are still told from concrete arrays (by
+    their type's name), so a differentiable call inside ``jit`` reads no tracer's numbers."""
+    seen: dict[str, bool] = {}
+
+    def f(x: Any) -> Any:
+        seen["inside"] = compat.is_tracer(x)
+        return x * 2
+
+    monkeypatch.delattr(jax.core, "Tracer")
+    jax.jit(f)(jnp.ones(3))
+    assert seen["inside"]
+    assert not compat.is_tracer(jnp.ones(3))

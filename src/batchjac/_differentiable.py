@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -250,5 +249,3 @@ def _empty(bound: _backends.BoundModel, spec: BatchSpec, kind: str, wanted: tupl
     out = {n: xp.from_numpy(np.zeros(shapes[n], spec.dtype)) for n in (*wanted, main)}
     return out[main] if not wanted else (*(out[n] for n in wanted), out[main])
 
-
-Compute = Callable[[Any, tuple[Any, ...], Any], dict[str, Any]]

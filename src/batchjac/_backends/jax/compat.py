@@ -32,6 +32,10 @@ right, never wrong and never a :class:`~batchjac.ModelError`:
   also behind the traceback-filtering exception older JAX chains in between
   (:func:`unwrapped`).
 
+- ``jax.core.Tracer`` (:func:`is_tracer`): where it is gone, a value is taken as traced by its
+  type's name (JAX's tracers are all ``...Tracer`` classes): a differentiable call's NaN check
+  then skips what it cannot read.
+
 ``tests/test_compat_jax.py`` removes or renames each one and checks the numbers.
 """
 
@@ -345,3 +349,13 @@ def _forward_refusals() -> tuple[tuple[type[Exception], str], ...]:
             if lines and lines[0]:
                 found.append((type(e), lines[0]))
     return tuple(found)
+
+
+# -- a trace's values (differentiable calls) ---------------------------------------------------
+
+def is_tracer(a: Any) -> bool:
+    """Whether ``a`` is a value of a JAX trace (numbers known only when it runs)."""
+    tracer = getattr(getattr(jax, "core", None), "Tracer", None)
+    if isinstance(tracer, type):
+        return isinstance(a, tracer)
+    return type(a).__name__.endswith("Tracer")  # (a JAX without it)

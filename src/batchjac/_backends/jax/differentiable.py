@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from ..._errors import BatchJacError, ModelError, OrderFailedError
-from .._base import first_line
-from . import compat
+from .second import JaxSecondKernel, failure
 
 if TYPE_CHECKING:
     from . import JaxBound
@@ -29,8 +27,6 @@ Compute = Callable[[Any, tuple[Any, ...], Any], dict[str, Any]]
 def derivatives(bound: JaxBound, kind: str, how: str) -> Compute:
     """``(u, ctx, v) -> {name: array}`` as JAX operations (see the module's docstring)."""
     if kind != "jacobian":
-        from .second import JaxSecondKernel
-
         body = JaxSecondKernel.body_of(bound, kind, how)  # type: ignore[arg-type]
 
     def run(u: Any, ctx: tuple[Any, ...], v: Any) -> dict[str, Any]:
@@ -43,18 +39,9 @@ def derivatives(bound: JaxBound, kind: str, how: str) -> Compute:
             j, y = jax.vmap(jac(lambda u_i, c_i: (one(u_i, c_i),) * 2, has_aux=True))(u, ctx)
             return {"jacobians": j, "outputs": y}
         except Exception as e:
-            # (the model's call explains its failure: the cause is JAX's, as in the kernel)
-            cause = compat.unwrapped(e.__cause__ if isinstance(e, ModelError) else e)
-            if how in ("forward", "forward-over-forward") and isinstance(cause, Exception) \
-                    and not isinstance(cause, BatchJacError) and compat.no_forward_rule(cause):
-                other = "reverse" if how == "forward" else "forward-over-reverse"
-                raise OrderFailedError(
-                    f"{'Jacobians' if how == 'forward' else 'Second derivatives'} cannot be "
-                    f"computed with mode={how!r} for this model: it calls a jax.custom_vjp "
-                    f"function, which has no forward-mode rule ({first_line(cause)[:200]}). "
-                    f"Pass mode={other!r} (or 'auto').") from e
-            if isinstance(e, (BatchJacError, Warning)):
+            err = failure(e, how, bound)
+            if err is e:
                 raise
-            raise bound._explain(e) from e
+            raise err from e
 
     return run

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import compat
+
 
 class JaxOps:
     """JAX arrays as the pipeline's arrays (:class:`batchjac._xp.ArrayOps`), on their device:
@@ -74,7 +76,7 @@ class JaxOps:
     def is_traced(self, a: Any) -> bool:
         # a tracer, or any array inside the caller's trace: jit stages every operation, on
         # concrete arrays too, whose results are then tracers (numbers known only later)
-        return isinstance(a, jax.core.Tracer) or isinstance(jnp.zeros(()), jax.core.Tracer)
+        return compat.is_tracer(a) or compat.is_tracer(jnp.zeros(()))
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(a)

@@ -25,6 +25,28 @@ FORWARD_RULES = {"laplacian": "a forward Laplacian", "diagonal": "a forward Hess
                  "hessian": "a forward Hessian"}
 
 
+def failure(e: Exception, how: str, bound: JaxBound) -> BaseException:
+    """What a build's failure raises (the kernels', and a differentiable call's traced into
+    the caller's trace): an :class:`OrderFailedError` where JAX refused forward mode through a
+    ``jax.custom_vjp`` function (``mode="auto"`` then takes the other order), the error itself
+    where batchjac raised it, else the model's failure explained."""
+    # (the model's call: _call; older JAX chains its traceback filtering in between)
+    cause = compat.unwrapped(e.__cause__) if isinstance(e, ModelError) else e
+    if how in ("forward", "forward-over-forward") and isinstance(cause, Exception) and \
+            not isinstance(cause, BatchJacError) and compat.no_forward_rule(cause):
+        other = "reverse" if how == "forward" else "forward-over-reverse"
+        what = "Jacobians" if how == "forward" else "Second derivatives"
+        return OrderFailedError(
+            f"{what} cannot be computed with mode={how!r} for this model: it calls a "
+            f"jax.custom_vjp function, which has no forward-mode rule "
+            f"({first_line(cause)[:200]}). Pass mode={other!r} (or 'auto'), which "
+            f"differentiates its vjp rule in forward mode, or define the function with "
+            f"jax.custom_jvp.")
+    if isinstance(e, (BatchJacError, Warning)):
+        return e
+    return bound._explain(e)
+
+
 class JaxSecondKernel(Kernel):
     """A second-order kernel (:data:`~batchjac._backends._base.SecondKind`), compiled ahead of
     time for its chunk shape as :class:`JaxKernel` is (for the forward rules on the CPU, for
@@ -65,19 +87,10 @@ class JaxSecondKernel(Kernel):
             self._fn, loaded = self._compile(lowered)
             bound.compile_count += not loaded
         except Exception as e:
-            # (the model's call: _call; older JAX chains its traceback filtering in between)
-            cause = compat.unwrapped(e.__cause__) if isinstance(e, ModelError) else e
-            if order == "forward-over-forward" and isinstance(cause, Exception) and \
-                    not isinstance(cause, BatchJacError) and compat.no_forward_rule(cause):
-                raise OrderFailedError(
-                    f"Second derivatives cannot be computed with mode='forward-over-forward' "
-                    f"for this model: it calls a jax.custom_vjp function, which has no "
-                    f"forward-mode rule ({first_line(cause)[:200]}). Pass "
-                    f"mode='forward-over-reverse' (or 'auto'), which differentiates its vjp "
-                    f"rule in forward mode, or define the function with jax.custom_jvp.") from e
-            if isinstance(e, (BatchJacError, Warning)):
+            err = failure(e, order, bound)
+            if err is e:
                 raise
-            raise bound._explain(e) from e
+            raise err from e
         self.note = f"{kind}: {order}"
         if kind in FORWARD_RULES and order == "forward-over-forward":
             other = "jacfwd of jacfwd" if kind == "hessian" else "jvp of jvp along each unknown"
