@@ -43,6 +43,18 @@ def assert_close(actual: Any, desired: Any, rtol: float, atol: float = 0.0) -> N
                                rtol=rtol, atol=atol)
 
 
+def jax_x64() -> Any:
+    """JAX's x64 mode for the duration of a ``with`` block only: ``jax.enable_x64`` (>= 0.7),
+    else its experimental home (older JAX)."""
+    import jax
+
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # pragma: no cover - older jax
+
+    return enable_x64()  # pragma: no cover
+
+
 def fd_reference(forward64: Any, u: np.ndarray) -> np.ndarray:
     """Central differences of a float64 batch function."""
     return central_differences(forward64, np.asarray(u, np.float64))

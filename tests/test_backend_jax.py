@@ -33,18 +33,12 @@ from .helpers import (  # noqa: E402
     all_compiled,
     assert_jac_close,
     central_differences,
+    jax_x64,
     race_now,
     run_in_fresh_process,
 )
 
-
-def x64() -> contextlib.AbstractContextManager[Any]:
-    """JAX's x64 mode for the duration of a ``with`` block only."""
-    if hasattr(jax, "enable_x64"):  # jax >= 0.7: a config state usable as a context
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # pragma: no cover - older jax
-
-    return enable_x64()  # pragma: no cover
+x64 = jax_x64
 
 
 def needs_build(build: str) -> None:

@@ -20,6 +20,8 @@ import pytest
 import batchjac
 from batchjac import InputError
 
+from .helpers import jax_x64
+
 KINDS = ("jacobian", "hessian", "diagonal", "laplacian", "hvp")
 RTOL = {np.float64: 1e-10, np.float32: 1e-5}
 
@@ -117,19 +119,22 @@ def test_torch_gradients_match_torch_func(kind: str, dtype: Any) -> None:
         _assert_grads(grads(ours), ref, dtype)
 
 
-def test_torch_orders_and_modes_carry_the_same_gradient() -> None:
+def test_torch_every_order_and_mode_carries_torch_funcs_gradient() -> None:
     torch = pytest.importorskip("torch")
 
     net, x, v = _torch_case(np.float64)
-    ref = None
+    wrt = [*net.parameters(), x]
+    ref = torch.autograd.grad(_torch_native("hessian", net, x, v).square().sum(), wrt)
     for mode in ("forward-over-forward", "forward-over-reverse"):
         h = batchjac.hessian(net, x, mode=mode, differentiable=True)
-        g = torch.autograd.grad(h.square().sum(), [*net.parameters(), x])
-        ref = ref or g
+        g = torch.autograd.grad(h.square().sum(), wrt)
         _assert_grads([a.numpy() for a in g], [a.numpy() for a in ref], np.float64)
+    ref = torch.autograd.grad(_torch_native("jacobian", net, x, v).square().sum(), wrt)
     for mode in ("forward", "reverse"):
         j = batchjac.jacobian(net, x, mode=mode, differentiable=True)
         assert torch.allclose(j, _torch_native("jacobian", net, x, v))
+        g = torch.autograd.grad(j.square().sum(), wrt)
+        _assert_grads([a.numpy() for a in g], [a.numpy() for a in ref], np.float64)
 
 
 def test_torch_outputs_and_jacobian_beside_the_hessian_carry_gradients() -> None:
@@ -287,15 +292,9 @@ def test_torch_numpy_inputs_give_parameter_gradients() -> None:
 
 @pytest.fixture
 def x64() -> Iterator[None]:
-    """JAX's x64 mode for the test (float64 arrays), as tests/test_jax_laplacian.py."""
-    jax = pytest.importorskip("jax")
-    if hasattr(jax, "enable_x64"):
-        with jax.enable_x64(True):
-            yield
-        return
-    from jax.experimental import enable_x64  # pragma: no cover - older jax
-
-    with enable_x64():  # pragma: no cover
+    """JAX's x64 mode for the test (float64 arrays)."""
+    pytest.importorskip("jax")
+    with jax_x64():
         yield
 
 

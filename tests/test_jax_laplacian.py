@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,25 +18,14 @@ import pytest
 
 import batchjac
 
-from .helpers import assert_jac_close, central_differences, rng
+from .helpers import assert_jac_close, central_differences, jax_x64, rng
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 from batchjac._backends.jax import JaxSecondKernel, laplacian as jax_laplacian  # noqa: E402
 
-
-@contextlib.contextmanager
-def x64() -> Iterator[None]:
-    """JAX's x64 mode for the block: ``jax.enable_x64`` (>= 0.7), else its experimental home."""
-    if hasattr(jax, "enable_x64"):
-        with jax.enable_x64(True):
-            yield
-        return
-    from jax.experimental import enable_x64  # pragma: no cover - older jax
-
-    with enable_x64():  # pragma: no cover
-        yield
+x64 = jax_x64
 
 
 def native_laplacian(one: Callable[..., Any], *arrays: np.ndarray) -> np.ndarray:
