@@ -225,6 +225,12 @@ class TFBound(BoundModel):
         return recomputed(fn)
 
     def differentiable_output_shape(self, u: Any, ctx: tuple[Any, ...]) -> tuple[int, ...]:
+        """Read from a one-input Keras model's layers where they tell it (:mod:`.keras`: no
+        trace, as the probes'); else from a trace of the model on the arrays' specs."""
+        if self.is_keras and self.signature.layout.kind == "single":
+            found = keras_output_shape(self.model, tuple(int(d) for d in u.shape[1:]))
+            if found is not None:
+                return tuple(found)
         specs = [tf.TensorSpec(a.shape, a.dtype) for a in (u, *ctx)]
         y = tf.function(lambda u, *c: self.apply(u, c), autograph=False) \
             .get_concrete_function(*specs).structured_outputs

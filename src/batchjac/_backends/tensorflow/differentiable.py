@@ -90,20 +90,17 @@ def _second(bound: TFBound, kind: str, how: str, rows: int, u: tf.Tensor,
     from .second import TFSecondKernel
 
     kernel = TFSecondKernel(bound, kind, how, rows, True, True)  # type: ignore[arg-type]
-    kernel.in_blocks = False  # (see the attribute)
-    kernel._seed_inputs = {key: tf.constant(a) for key, a in
-                           zip(kernel._seed_keys(), kernel._seed_values())}
     args = (*ctx, v) if v is not None else ctx
     first = kernel.variants[0]
     if first in _FORWARD and not failed:
         try:
-            out = kernel._body(u, args, forward=True)
+            out = kernel.graph_body(u, args, forward=True)
         except NotImplementedError as e:  # (an operation without a rule: the tapes)
             failed.append(str(e))
         else:
             return out
     tapes = kernel.variants[0] == "tapes" or (first in _FORWARD and kernel.variants[1] == "tapes")
-    return kernel._body(u, args, tapes=tapes)  # type: ignore[no-any-return]
+    return kernel.graph_body(u, args, tapes=tapes)
 
 
 def recomputed(fn: Compute) -> Compute:

@@ -346,6 +346,16 @@ class TFSecondKernel(Kernel):
         self.note = f"{self.kind}: {self.order}, {self.variant} (XLA could not compile the model)"
 
     # -- the computations (traced) -----------------------------------------------------------
+    def graph_body(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], tapes: bool = False,
+                   forward: bool = False) -> dict[str, tf.Tensor]:
+        """:meth:`_body` traced into another function's graph (a differentiable call's,
+        :mod:`.differentiable`): its seeds as constants there, the forward rules' chunk whole
+        (see :attr:`in_blocks`)."""
+        self.in_blocks = False
+        self._seed_inputs = {key: tf.constant(a) for key, a in
+                             zip(self._seed_keys(), self._seed_values())}
+        return self._body(u, ctx, tapes=tapes, forward=forward)
+
     def _body(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], tapes: bool = False,
               forward: bool = False) -> dict[str, tf.Tensor]:
         bound = self._bound
