@@ -579,8 +579,9 @@ def test_tensorflow_one_output_takes_the_forward_hessian_then_the_nested_tapes(
 @pytest.mark.parametrize("name", ["torch", "jax"])
 def test_chunk_sizes_are_timed_where_the_work_repays_it(name: str, monkeypatch: Any) -> None:
     """The Jacobian's ladder of chunk sizes, on this call's second-order kernels: untimed on
-    a first call, timed (the sizes in the plan's reason) once the tuning policy says it pays,
-    with the closed form's values either way; never with an explicit chunk_size."""
+    a first call, raced on the next calls (the sizes in the plan's reason) once the tuning
+    policy says it pays, with the closed form's values on every call; never with an explicit
+    chunk_size."""
     from .helpers import race_now
 
     x = rng(33).normal(size=(2048, 3)) * 2
@@ -594,16 +595,25 @@ def test_chunk_sizes_are_timed_where_the_work_repays_it(name: str, monkeypatch: 
         assert "rows (timed per row" not in err.getvalue()
         assert "kept after timing" not in err.getvalue()
         race_now(monkeypatch)
+        said, laps = [], [first]
+        for _ in range(30):  # the ladder races on the calls: each one's result is kept
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                laps.append(batchjac.laplacian(f, x, backend=name, explain=True))
+            said.append(err.getvalue().splitlines()[0])
+            if "racing chunk sizes" not in said[-1] and any("racing" in line for line in said):
+                break  # (it starts once the planned size's kernel has settled its build)
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            tuned = batchjac.laplacian(f, x, backend=name, explain=True)
-            fixed = batchjac.laplacian(f, x, backend=name, explain=True, chunk_size=2048)
-    said = err.getvalue().splitlines()
+            laps.append(batchjac.laplacian(f, x, backend=name, explain=True, chunk_size=2048))
+        fixed = err.getvalue()
+    assert "racing chunk sizes" in said[-2], said
+    assert "chunks of 512 rows" in "".join(said), said
     timed = ("rows (timed per row: 2048 rows", "; kept after timing 2048 rows")
-    assert any(t in said[0] for t in timed), said
-    assert "512 rows" in said[0], said
-    assert not any(t in line for line in said[1:] for t in timed), said
-    for lap in (first, tuned, fixed):
+    assert any(t in said[-1] for t in timed), said
+    assert not any(t in fixed for t in timed), fixed
+    assert "racing" not in fixed, fixed
+    for lap in laps:
         assert_jac_close(lap, want, factor=0.1)
 
 

@@ -279,12 +279,16 @@ SECOND_CHILD = textwrap.dedent('''
     if sys.argv[1] == "race":
         _tuning.worth = lambda *a, **k: True  # a job large enough to repay every race
     x = np.random.default_rng(int(sys.argv[2])).normal(size=(4096, 3)).astype(np.float32)
-    lap = batchjac.laplacian(model, x)
+    bound = None
+    for _ in range(40):  # (the ladder of chunk sizes races on the calls)
+        lap = batchjac.laplacian(model, x)
+        bound = next(iter(_backends._bound[model].values()))
+        if bound.tuned_rows:
+            break
     W1, b1 = model[0].weight.detach().double().numpy(), model[0].bias.detach().double().numpy()
     v = model[2].weight.detach().double().numpy()[0]
     t = np.tanh(x.astype(np.float64) @ W1.T + b1)
     ref = ((-2 * t * (1 - t ** 2)) * v) @ (W1 ** 2).sum(1)
-    bound = next(iter(_backends._bound[model].values()))
     kernels = bound.__dict__["_second_kernels"]
     print(json.dumps({
         "error": float(np.max(np.abs(lap[:, 0] - ref)) / np.max(np.abs(ref))),

@@ -12,6 +12,7 @@ under, the passes and the bytes of a row.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -22,13 +23,13 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from . import _backends
-from ._backends._base import SECOND_RESULT, UNTUNED, CallBudget, under
+from ._backends._base import SECOND_RESULT, UNTUNED, CallBudget
 from ._errors import InputError
 from ._plan import Plan, SecondPlan, fit_cache, hessian_passes
 from ._runner import pad_chunk
 from ._spec import BatchSpec
 from ._tune import policy as tuning
-from ._tune.races import ROWS_COMPILATIONS, tune, tune_rows, tuned_rows
+from ._tune.races import ROWS_COMPILATIONS, Report, rows_plan, tune
 from ._tune.state import Ledger
 
 log = logging.getLogger("batchjac")
@@ -65,13 +66,19 @@ class Derivative:
             return plan.mode
         return f"{self.kind}:{plan.order}:{int(self.with_jacobian)}"
 
-    def kernel(self, bound: _backends.BoundModel, plan: Plan | SecondPlan, size: int | None = None,
-               recalled: str | None = None, budget: CallBudget = UNTUNED) -> _backends.Kernel:
-        size = plan.chunk_size if size is None else size
+    def kernel(self, bound: _backends.BoundModel, plan: Plan | SecondPlan, *,
+               recalled: str | None = None, budget: CallBudget = UNTUNED,
+               variant: str | None = None) -> _backends.Kernel:
+        """The plan's kernel (made if new: ``recalled``, ``budget`` and ``variant`` as for
+        :meth:`~batchjac._backends.BoundModel.kernel`)."""
         if isinstance(plan, Plan):
-            return bound.kernel(plan.mode, size, self.with_outputs, recalled=recalled, budget=budget)
-        return bound.second_kernel(self.kind, plan.order, size,  # type: ignore[arg-type]
-                                   self.with_outputs, self.with_jacobian)
+            return bound.kernel(plan.mode, plan.chunk_size, self.with_outputs, variant=variant,
+                                recalled=recalled, budget=budget)
+        kernel = bound.second_kernel(self.kind, plan.order, plan.chunk_size,  # type: ignore[arg-type]
+                                     self.with_outputs, self.with_jacobian)
+        if variant is not None and kernel.variant != variant and variant in kernel.variants:
+            kernel.use(variant)
+        return kernel
 
     def has_kernel(self, bound: _backends.BoundModel, plan: Plan | SecondPlan) -> bool:
         if isinstance(plan, Plan):
@@ -109,7 +116,13 @@ def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
     book = what.ledger(bound)
     # what a kernel's first build weighs its cost against: this call's rows
     budget = CallBudget(rows=spec.n, mode_asked=mode_asked)
-    plan = _choose(bound, spec, what, plan, book, budget, backend=backend, rows_free=rows_free)
+    plan, racing, planned = _choose(bound, spec, what, plan, book, budget, backend=backend,
+                                    rows_free=rows_free)
+    planned_build = planned.variant if planned is not None else None
+    if racing is not None:
+        # a contender of a race between plans: it builds what the race compares, and its
+        # mode falling back to the other is no news to the user
+        budget = dataclasses.replace(budget, plan_race=True)
     if explain:
         sys.stderr.write(f"batchjac: {plan.reason}\n")
     log.debug("batchjac plan: %s", plan.reason)
@@ -118,13 +131,22 @@ def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
     found = tuning.recalled(bound, backend, what.name(plan), plan.chunk_size,
                             what.with_outputs) if new else ...
     with tuning.Stopwatch() as build:
-        kernel = what.kernel(bound, plan, budget=budget,
+        # (a new size of the ladder runs the planned size's build: the race compares sizes
+        # alike, and its first call races no builds on rows it would drop)
+        kernel = what.kernel(bound, plan, budget=budget, variant=planned_build if new else None,
                              recalled=found["variant"] if isinstance(found, dict) else None)
+    if new and planned is not None and planned_build in kernel.variants:
+        # (the race that chose it, for the note and the disk: the size kept keeps it)
+        kernel.use(planned_build, why=f"as for chunks of {planned.chunk_size} rows: {planned.note}")
+        kernel.raced = planned.raced
     tuning.recall_variant(bound, backend, kernel, found)
-    if on_kernel is not None:
+    if on_kernel is not None and racing is None:  # (a race's plans are not the next call's)
         on_kernel(plan)
-    result = tuning.timed(book, kernel, spec.n, lambda called: run(kernel.under(called), plan),
-                          new=new, built_seconds=build.seconds, budget=budget)
+    with tuning.Stopwatch() as call:
+        result = tuning.timed(book, kernel, spec.n, lambda called: run(kernel.under(called), plan),
+                              new=new, built_seconds=build.seconds, budget=budget)
+    if racing is not None:
+        racing(call.seconds, new)
     tuning.settle(book, kernel, lambda: pad_chunk(spec, 0, min(kernel.chunk_size, spec.n),
                                                    kernel.chunk_size))
     tuning.persist(bound, backend, kernel)
@@ -136,11 +158,14 @@ def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
 
 
 def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan: P, book: Ledger,
-            budget: CallBudget, *, backend: str, rows_free: bool) -> P:
+            budget: CallBudget, *, backend: str, rows_free: bool
+            ) -> tuple[P, Report | None, _backends.Kernel | None]:
     """The cost model's plan, on a kernel compiled already where padding is cheaper than a new
     one, and the races that pay for themselves (:mod:`batchjac._tune.policy`): the mode (one more
-    kernel to build) and, where the chunk size is free, the ladder of chunk sizes. Each reads
-    first what an earlier process decided."""
+    kernel to build) and, where the chunk size is free, the ladder of chunk sizes, which rides
+    on the calls (its report takes this call's time; the kernel of the planned size, whose
+    build its sizes run: it starts once that kernel has settled its build). Each reads first what an
+    earlier process decided."""
     tuning.begin(book)  # the races this call skips set the next check anew
     wo = what.with_outputs
     if rows_free:  # with out= or chunk_size=, the size asked for is the constraint
@@ -152,19 +177,23 @@ def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
         if plan.uncertain and ((plan.chunk_size, wo) in bound.tuned or tuning.worth(
                 bound, spec.n, compilations=bound.mode_race_builds(plan.mode, plan.chunk_size, wo))):
             plan = cast(P, tune(bound, spec, plan, wo, rows=spec.n))
-    if rows_free:
-        name = what.name(plan)
-        tuning.recall_rows(bound, backend, plan, wo, mode=name)
-        # (the ladder's kernels are not one kernel's compilation: their time prices no race)
-        if tuned_rows(bound, plan, wo, mode=name) or tuning.worth(book, spec.n,
-                                                                  compilations=ROWS_COMPILATIONS):
-            chosen = plan
-            # (the sizes' kernels are called as the call's: a mode asked for is refused there
-            # too, never swapped)
-            calls = CallBudget(mode_asked=budget.mode_asked)
-            plan = tune_rows(bound, spec, plan, wo, mode=name, kernel_for=lambda size: under(
-                what.kernel(bound, chosen, size, budget=budget), calls))
-    return plan
+    if not rows_free:
+        return plan, None, None
+    name = what.name(plan)
+    tuning.recall_rows(bound, backend, plan, wo, mode=name)
+    planned = what.kernel(bound, plan) if what.has_kernel(bound, plan) else None
+    settled = planned is not None and planned.variant is not None and planned.call_race is None \
+        and not (planned.untimed and planned.retunable)
+
+    def start() -> bool:
+        if not tuning.worth(book, spec.n, compilations=ROWS_COMPILATIONS):
+            return False
+        if not settled:  # due, once the planned size's build is: the next call asks again
+            book.next_check = 0.0
+        return settled
+
+    sized, report = rows_plan(bound, spec, plan, wo, mode=name, start=start)
+    return sized, report, (planned if report is not None else None)
 
 
 def context(spec: BatchSpec, backend: str) -> str:

@@ -52,10 +52,12 @@ class CallBudget:
     rows: int = 0
     #: whether a kernel meeting its first call may race its builds now
     race: bool = False
-    #: whether the kernels are being timed mode against mode (:func:`batchjac._tune.races.time_modes`):
-    #: a mode that fails there loses the race without a warning, which is for calls that
-    #: compute with the kernel, and a kernel builds what such a race compares (no quick build)
-    mode_race: bool = False
+    #: whether the call runs a contender of a race between plans (the modes timed against each
+    #: other, :func:`batchjac._tune.races.time_modes`; the chunk sizes of the ladder racing on
+    #: the calls, :class:`batchjac._tune.races.RowsRace`): a kernel builds what such a race
+    #: compares (no quick build), and a mode that fails there falls back or loses the race
+    #: without a warning, which is for the plans the calls settle on
+    plan_race: bool = False
     #: the variant the kernel being built is fixed to (a store's recorded build, or
     #: :data:`FIRST_VARIANT`, a new store's): a kernel that compiles in its constructor
     #: compiles that build first, not the one it would choose for a first call and then

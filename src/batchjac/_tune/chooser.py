@@ -108,7 +108,8 @@ def retune(kernel: Any, u: Any, ctx: tuple[Any, ...]) -> None:
         if len(names) >= 2:
             kernel.call_race = CallRace([kernel.build(name) for name in names],
                                         kernel.incumbent(names),
-                                        prune=kernel.race_options.get("prune"))
+                                        prune=kernel.race_options.get("prune"),
+                                        before=kernel.variant)
 
 
 @dataclass
@@ -119,11 +120,14 @@ class CallRace:
     timed at least :attr:`SAMPLES` times, and the calls go on, in turn, until they add up to
     :attr:`SECONDS` or :attr:`MAX_SAMPLES` a contender. The medians decide, by the stages of
     :func:`pick`. With ``prune``, a contender slower than ``prune`` times the fastest at its
-    first counted call leaves the race."""
+    first counted call leaves the race. A contender that fails on a call leaves the race, and
+    that call is answered again by the build in use ``before`` the race (which has answered
+    calls already): no contender is run beforehand to see whether it works."""
 
     builds: list[Build]
     incumbent: str
     prune: float | None = None
+    before: str | None = None
     SAMPLES = 3
     MAX_SAMPLES = 15
     SECONDS = 0.1
@@ -159,9 +163,21 @@ class CallRace:
             best = min(first.values())
             self.out |= {n for n, t in first.items() if t > self.prune * best and n != self.incumbent}
 
+    def drop(self, name: str) -> bool:
+        """Contender ``name`` failed on a call: it leaves the race (the incumbent's place goes
+        to the build in use before). False where it is that build: its failure is the call's."""
+        if name == self.before or name not in self.samples:
+            return False
+        self.out.add(name)
+        if name == self.incumbent and self.before is not None:
+            self.incumbent = self.before
+        return True
+
     @property
     def done(self) -> bool:
         counts = [len(t) for n, t in self.samples.items() if n not in self.out]
+        if len(counts) < 2:
+            return True
         return min(counts) >= self.SAMPLES and (self.spent >= self.SECONDS
                                                 or min(counts) >= self.MAX_SAMPLES)
 
@@ -170,8 +186,10 @@ class CallRace:
         return {n: float(np.median(t)) for n, t in self.samples.items() if t}
 
     def result(self) -> str:
-        return pick({n: t for n, t in self.times().items() if n not in self.out},
-                    self.builds, self.incumbent)
+        live = {n: t for n, t in self.times().items() if n not in self.out}
+        if self.incumbent not in live:  # (a race the failures ended before it timed it)
+            return self.incumbent
+        return pick(live, self.builds, self.incumbent)
 
 
 def before_call(kernel: Any) -> str | None:
@@ -185,6 +203,25 @@ def before_call(kernel: Any) -> str | None:
         if name is not None:  # (else the build in use runs, untimed)
             kernel._select(name, f"{name} (racing on the calls)")
     return name
+
+
+def failed_call(kernel: Any, name: str | None) -> bool:
+    """A call of contender ``name`` raised: True where it left the race and the build in
+    use before it is selected again, to answer the call; False where the failure is the
+    call's (no race, or the build in use failed)."""
+    race_ = getattr(kernel, "call_race", None)
+    if name is None or race_ is None:
+        return False
+    with kernel.building:
+        if not race_.drop(name):
+            return False
+        assert race_.before is not None
+        kernel._select(race_.before, f"{race_.before} ({name} failed for this model)")
+        if race_.done:
+            kernel.call_race = None
+            kernel.raced_to(race_.result(), race_.times(), None)
+            kernel.raced = True
+    return True
 
 
 def after_call(kernel: Any, name: str | None, seconds: float) -> None:

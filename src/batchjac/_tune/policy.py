@@ -216,10 +216,11 @@ def persist_probes(bound: Any, backend: str, *,
 
 
 def pending(bound: Any) -> bool:
-    """Whether a race is still to come for ``bound`` as its work grows, one its last call
-    skipped (the benchmark's steady state is measured once none is), in the ledger of its
-    Jacobian calls or of its second-order calls."""
+    """Whether a race is still to come for ``bound`` as its work grows (one its last call
+    skipped, in the ledger of its Jacobian calls or of its second-order calls) or rides on its
+    calls now: the benchmark's steady state is measured once none is."""
     return any(book.next_check < math.inf for book in (bound.tuning.ledger, bound.tuning.second)) \
+        or bool(bound.tuning.rows_races) \
         or any(getattr(k, "call_race", None) is not None for k in bound.kernels())
 
 
@@ -312,8 +313,15 @@ def timed(bound: Any, kernel: Any, rows: int, run: Callable[[CallBudget], T], *,
     race = kernel.variant is None and builds > 0 and kernel.fixed is None and \
         worth(bound, rows, builds)
     racing = chooser.before_call(kernel)  # (a race riding on the calls: this one's contender)
+    called = dataclasses.replace(budget, rows=rows, race=race)
     with Stopwatch() as watch:
-        out = run(dataclasses.replace(budget, rows=rows, race=race))
+        try:
+            out = run(called)
+        except Exception:
+            if not chooser.failed_call(kernel, racing):
+                raise
+            racing = None  # (answered again by the build in use before the race)
+            out = run(called)
     chooser.after_call(kernel, racing, watch.seconds)
     record(bound, rows, watch.seconds + (built_seconds if new else 0.0), new_kernel=new)
     if race and not kernel.untimed:

@@ -7,40 +7,30 @@
   docs/thresholds.md, "The chunk-size ladder"). Which size wins depends on the framework,
   the layers and the machine's caches and allocator; the planner's first guess cuts JAX
   chunks whose traced temporaries outgrow the cache (:func:`batchjac._plan.fit_cache`), and
-  :func:`tune_rows` times a ladder of sizes (the planned one, then a quarter of it each
-  step) on the call's own rows, counting
-  the copy of each chunk into the result that one whole chunk does not need, and takes the
-  largest size within ``NEAR`` of the fastest per row when it is faster per row than the
-  planned one by more than ``ROWS_MARGIN`` (``COPY_MARGIN`` when the plan was one chunk of
-  at least ``COPY_BYTES``: the copies then go to fresh pages of a large new result, which
-  costs more than the timing shows), after timing the planned and that size again,
-  interleaved. It runs for chunks of at least
-  ``TUNE_MIN_ROWS`` rows (smaller ones are dispatch-bound: one chunk is best) and stops
-  descending once a size is ``STOP_RATIO`` times slower than the best so far (the per-row
-  cost is not monotonic in the size). The planned size's kernel chooses its implementation
-  first (JAX: build and blocks, by timing); the smaller sizes run what it chose
-  (``Kernel.provisional``), and only the size kept times its own. Its cost (a few
-  chunks, and one compilation per size tried) is paid once per model and shape and reported
-  as compile time; ``BATCHJAC_AUTOTUNE=off``, an explicit ``chunk_size`` or an ``out=``
-  array (results larger than memory: the budget is what matters there, and trying sizes
-  would hold more than one chunk's buffers) skip it. Stores do not tune chunk sizes (their
-  plan is fixed by the cost model and recorded).
+  the ladder (:class:`RowsRace`, planned by :func:`rows_plan`) times sizes on the user's
+  calls: the planned size, then a quarter of it each step, each call computing all its rows
+  in chunks of the size under test and returning them, so the race computes nothing that is
+  thrown away, and its timings are what the calls pay (the copies of each chunk into the
+  result, the fresh pages of a large result, the padding of the last chunk). It runs for
+  chunks of at least ``TUNE_MIN_ROWS`` rows (smaller ones are dispatch-bound: one chunk is
+  best), once the work seen repays its compilations (``ROWS_COMPILATIONS``, by the rule of
+  :mod:`batchjac._tune.policy`); ``BATCHJAC_AUTOTUNE=off``, an explicit ``chunk_size`` or
+  an ``out=`` array (results larger than memory: the budget is what matters there) skip it.
+  Stores do not tune chunk sizes (their plan is fixed by the cost model and recorded).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
-from .._backends import BoundModel, CallBudget, Kernel, Mode, under
+from .._backends import BoundModel, CallBudget, Mode, under
 from .._plan import Plan, SecondPlan
 from .._runner import pad_chunk
-from .._sinks import new_result
 from .._spec import BatchSpec
 from . import chooser
 
@@ -54,14 +44,10 @@ MODE_SECONDS = 0.1
 MARGIN = 0.1
 #: a smaller chunk size must be faster per row by the chooser's margin, as a build must
 ROWS_MARGIN = chooser.MARGIN
-#: ... and by this much when the plan is one chunk of at least COPY_BYTES of Jacobians:
-#: chunking then adds copies into a large new result, which the timing leaves out
-COPY_MARGIN = 0.25
-COPY_BYTES = 64 << 20
-#: timed runs of each chunk size (the median counts: an erratic size's fastest timing once
-#: won against a steadily faster one; docs/thresholds.md)
-TIMED_RUNS = 3
-#: ... and runs more of the planned size and the fastest, interleaved, before choosing
+#: calls of each chunk size in the ladder's descent (the median counts: an erratic size's
+#: fastest timing once won against a steadily faster one; docs/thresholds.md)
+TIMED_RUNS = 2
+#: ... and calls more of the planned size and the fastest, in turn, before choosing
 CONFIRM_RUNS = 2
 #: sizes this close to the fastest per row count as fast: the largest of them is taken
 NEAR = 0.05
@@ -101,7 +87,7 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
     key = (u.shape[0], with_outputs)
     if key not in bound.tuned:
         # a mode that fails for this model loses, without a warning
-        racing = CallBudget(rows=rows, mode_race=True)
+        racing = CallBudget(rows=rows, plan_race=True)
         kernels = {mode: under(bound.kernel(mode, u.shape[0], with_outputs,  # type: ignore[arg-type]
                                             budget=racing), racing)
                    for mode in ("forward", "reverse")}
@@ -138,83 +124,121 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
 ROWS_COMPILATIONS = 3
 
 
-#: a kernel for chunks of so many rows (the second-order verbs pass theirs: the ladder is the
-#: same, the kernels are theirs)
-KernelFor = Callable[[int], Kernel]
 P = TypeVar("P", Plan, SecondPlan)
+#: what a call of a race reports when it is done: its seconds, and whether it made the
+#: kernel it ran (a compilation, where the framework compiles: not counted)
+Report = Callable[[float, bool], None]
 
 
-def tuned_rows(bound: BoundModel, plan: Plan | SecondPlan, with_outputs: bool, *,
-               mode: str | None = None) -> bool:
-    """Whether the chunk sizes for this plan were timed already (the answer is known);
-    ``mode`` names the kernels when they are not the plan's Jacobian kernels."""
-    name = mode if mode is not None else plan.mode  # type: ignore[union-attr]
-    return ("rows", name, plan.chunk_size, with_outputs) in bound.tuned_rows
-
-
-def tune_rows(bound: BoundModel, spec: BatchSpec, plan: P, with_outputs: bool, *,
-              kernel_for: KernelFor | None = None, mode: str | None = None) -> P:
-    """The plan with the fastest chunk size found by timing (at most the planned one).
-    ``kernel_for`` and ``mode``: the kernels timed and their name in the tuning table, where
-    they are not the plan's Jacobian kernels (a Hessian's, a Laplacian's)."""
+def rows_plan(bound: BoundModel, spec: BatchSpec, plan: P, with_outputs: bool, *, mode: str,
+              start: Callable[[], bool]) -> tuple[P, Report | None]:
+    """The plan on the chunk size chosen for it: decided (timed earlier, or remembered), or
+    the size the ladder's race runs this call on (:class:`RowsRace`), with the report its
+    time goes to; ``start()`` says whether a race not begun yet is worth beginning now.
+    ``mode``: the kernels' name in the tuning table (a plan's mode, or a second-order
+    kind's)."""
     if plan.chunk_size < TUNE_MIN_ROWS or spec.n < TUNE_MIN_ROWS:
-        return plan
-    if kernel_for is None or mode is None:
-        assert isinstance(plan, Plan)
-        jac_mode: Mode = plan.mode
-
-        def jacobians(size: int) -> Kernel:
-            return bound.kernel(jac_mode, size, with_outputs)
-        kernel_for, mode = jacobians, jac_mode
+        return plan, None
     key = ("rows", mode, plan.chunk_size, with_outputs)
-    if key not in bound.tuned_rows:
-        bound.tuned_rows[key] = _fastest_rows(bound, spec, plan, kernel_for)
-    best, measured = bound.tuned_rows[key]
-    if best >= plan.chunk_size:
-        return dataclasses.replace(plan, reason=f"{plan.reason}; kept after timing {measured}")
-    # the size timed, whose kernel exists: the sizes tried are the planned one over powers of
-    # 4, and the planned one fits the rows, so the last chunk's padding stays small
-    size = best
-    return dataclasses.replace(
-        plan, chunk_size=size, n_chunks=-(-spec.n // size),
-        reason=f"{plan.reason.split('; chunks of')[0]}; chunks of {size} rows (timed per row: "
-               f"{measured})")
+    if key in bound.tuned_rows:
+        best, measured = bound.tuned_rows[key]
+        if best >= plan.chunk_size:
+            return dataclasses.replace(plan, reason=f"{plan.reason}; kept after timing {measured}"), None
+        return _sized(plan, spec.n, best, f"timed per row: {measured}"), None
+    races = bound.tuning.rows_races
+    found = races.get(key)
+    if found is None and not start():
+        return plan, None
+    race: RowsRace = found if found is not None else races.setdefault(key, RowsRace(plan.chunk_size))
+    size = race.next()
+
+    def report(seconds: float, made: bool) -> None:
+        # (an eager framework's new kernel compiles nothing: its first call counts)
+        race.record(size, seconds / spec.n, counted=not (made and bound.compiles_kernels))
+        if race.decided is not None and races.get(key) is race:
+            del races[key]
+            bound.tuned_rows[key] = (race.decided, race.measured())
+
+    why = f"racing chunk sizes on the calls, its result kept: {race.measured() or 'first'}"
+    return _sized(plan, spec.n, size, why), report
 
 
-def _fastest_rows(bound: BoundModel, spec: BatchSpec, plan: Plan | SecondPlan,
-                  kernel_for: KernelFor) -> tuple[int, str]:
-    sizes = [plan.chunk_size]
-    while sizes[-1] // ROWS_STEP >= MIN_TUNED_ROWS:
-        sizes.append(sizes[-1] // ROWS_STEP)
-    runs: dict[int, list[float]] = {}
-    per_row: dict[int, float] = {}
-    for size in sizes:
-        timed, row_bytes = _timer(spec, plan, kernel_for, size, first=size == sizes[0])
-        runs[size] = [timed() for _ in range(TIMED_RUNS)]
-        per_row[size] = float(np.median(runs[size])) / size
-        if per_row[size] > STOP_RATIO * min(per_row.values()):
-            break
-    fastest = _pick(per_row)
-    if fastest != sizes[0]:
-        # the sizes were timed one after the other, minutes apart on a busy machine: time
-        # the two that decide again, interleaved (a slow spell on the smaller sizes' turn once
-        # kept the planned one; docs/thresholds.md, CONFIRM_RUNS)
-        timers = {s: _timer(spec, plan, kernel_for, s, first=False)[0]
-                  for s in (sizes[0], fastest)}
-        for _ in range(CONFIRM_RUNS):
-            for s, timed in timers.items():
-                runs[s].append(timed())
-        for s in timers:
-            per_row[s] = float(np.median(runs[s])) / s
-    # the fastest size tried, if clearly faster than the planned one. Where the plan is one
-    # large chunk, chunking adds copies into a new result whose first writes (page faults)
-    # the reused buffer above does not pay, so that case asks more; a small result does not
-    # (measured: docs/thresholds.md, COPY_MARGIN)
-    fastest = _pick(per_row)
-    large = plan.n_chunks == 1 and row_bytes * spec.n >= COPY_BYTES
-    margin = COPY_MARGIN if large else ROWS_MARGIN
-    measured = ", ".join(f"{s} rows {t * 1e6:.2f} us" for s, t in per_row.items())
-    return chooser.winner(per_row, sizes[0], [fastest], margin=margin), measured
+def _sized(plan: P, n: int, size: int, why: str) -> P:
+    if size >= plan.chunk_size:
+        return dataclasses.replace(plan, reason=f"{plan.reason}; {why}")
+    # a size of the ladder: the planned one over powers of 4, and the planned one fits the
+    # rows, so the last chunk's padding stays small
+    return dataclasses.replace(plan, chunk_size=size, n_chunks=-(-n // size),
+                               reason=f"{plan.reason.split('; chunks of')[0]}; chunks of {size} "
+                                      f"rows ({why})")
+
+
+class RowsRace:
+    """The ladder of chunk sizes, raced on the user's calls: each call of the race computes
+    all its rows in chunks of one size, its results the call's, and its seconds per row are
+    that size's sample (the copies into the result and the padding of the last chunk
+    included, as the user's calls pay them). A call that compiled its size's kernel is not
+    counted. The sizes descend from the planned one by ``ROWS_STEP``, each timed on
+    ``TIMED_RUNS`` calls, until a size is ``STOP_RATIO`` times slower per row than the best
+    so far (at its first call already: each call of a slow size costs a whole call's rows)
+    or the next would be under ``MIN_TUNED_ROWS``; then, where a
+    smaller size was fastest (the largest within ``NEAR`` of the fastest: :func:`_pick`),
+    ``CONFIRM_RUNS`` more calls of the planned size and of it, in turn, and the medians
+    decide by ``ROWS_MARGIN`` (:func:`chooser.winner`). The race costs the smaller sizes'
+    compilations and what their calls lose while slower, never a computation nobody uses."""
+
+    def __init__(self, planned: int) -> None:
+        self.planned = planned
+        self.samples: dict[int, list[float]] = {planned: []}
+        #: the sizes still to run in turn before the decision (the last phase)
+        self.confirming: list[int] | None = None
+        self.decided: int | None = None
+
+    def next(self) -> int:
+        """The size the next call of the race runs."""
+        if self.decided is not None:
+            return self.decided
+        if self.confirming:
+            return self.confirming[0]
+        return list(self.samples)[-1]
+
+    def record(self, size: int, per_row: float, *, counted: bool = True) -> None:
+        """A call of ``size`` rows a chunk took ``per_row`` seconds a row."""
+        if not counted or self.decided is not None or size != self.next():
+            return  # (a compilation's call; or a call another thread planned before)
+        self.samples[size].append(per_row)
+        if self.confirming is not None:
+            self.confirming.pop(0)
+            if not self.confirming:
+                self.decided = chooser.winner(self.per_row(), self.planned, [self.fastest()],
+                                              margin=ROWS_MARGIN)
+            return
+        per = self.per_row()
+        slow = per[size] > STOP_RATIO * min(per.values())
+        if len(self.samples[size]) < TIMED_RUNS and not slow:
+            return  # (a size clearly slower at its first call ends the descent at once)
+        smaller = size // ROWS_STEP
+        if not slow and smaller >= MIN_TUNED_ROWS:
+            self.samples[smaller] = []  # the descent goes on
+            return
+        fastest = self.fastest()
+        if fastest == self.planned:
+            self.decided = self.planned
+        else:
+            # the sizes were timed one after the other, on calls a busy machine may slow
+            # unevenly: the two that decide again, in turn (a slow spell on the smaller sizes'
+            # turn once kept the planned one; docs/thresholds.md, CONFIRM_RUNS)
+            self.confirming = [self.planned, fastest] * CONFIRM_RUNS
+
+    def per_row(self) -> dict[int, float]:
+        """The median seconds per row of each size timed."""
+        return {s: float(np.median(t)) for s, t in self.samples.items() if t}
+
+    def fastest(self) -> int:
+        return _pick(self.per_row())
+
+    def measured(self) -> str:
+        return ", ".join(f"{s} rows {t * 1e6:.2f} us" for s, t in self.per_row().items())
 
 
 def _pick(per_row: dict[int, float]) -> int:
@@ -222,37 +246,3 @@ def _pick(per_row: dict[int, float]) -> int:
     work the timing leaves out (slicing, padding, the copy's call): docs/thresholds.md, NEAR."""
     best = min(per_row.values())
     return max(s for s, t in per_row.items() if t <= (1 + NEAR) * best)
-
-
-def _main(result: Any) -> Any:
-    """The Jacobians of a kernel's ``(y, J)``, or the main result of a second-order kernel's
-    mapping of named arrays (its first)."""
-    return next(iter(result.values())) if isinstance(result, dict) else result[1]
-
-
-def _timer(spec: BatchSpec, plan: Plan | SecondPlan, kernel_for: KernelFor, size: int, *,
-           first: bool) -> tuple[Callable[[], float], float]:
-    """A function timing one chunk of ``size`` rows (warmed up here, compiled if new), and
-    the bytes of a row's Jacobians (a second-order kernel's main result)."""
-    u, ctx = pad_chunk(spec, 0, min(size, spec.n), size)
-    kernel = kernel_for(size)
-    # several chunks are copied into the result, one chunk of all the rows is not: the
-    # copy (and the fresh pages it writes) is part of the price of a smaller chunk
-    copies = size < spec.n and plan.n_chunks == 1  # (several planned chunks: all copy)
-    # the planned size's kernel chooses its implementation now (JAX: build and blocks,
-    # timed); the smaller sizes run the build it chose, so that sizes are compared alike
-    jac = _main(kernel(u, ctx) if first else kernel.provisional(u, ctx))
-    # the copy the in-memory result makes of each chunk, in the result's kind
-    # (:class:`batchjac._arrays.ChunkSink`): numpy, a torch tensor, a CPU JAX array's host
-    # memory. Not priced: a kind joined once at the end (JAX off the CPU, TensorFlow)
-    xp = spec.xp
-    dst = xp.buffer(jac, tuple(jac.shape), new_result) if copies else None
-
-    def timed() -> float:
-        start = clock()
-        jac = _main(kernel.provisional(u, ctx))
-        if dst is not None:
-            xp.write(dst, 0, jac)
-        return clock() - start
-
-    return timed, math.prod(jac.shape) * spec.dtype.itemsize / size

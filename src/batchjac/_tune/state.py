@@ -65,3 +65,6 @@ class TuningState:
     #: the second-order orders that failed for the model (``OrderFailedError``): ``"auto"``
     #: plans the other one from then on
     failed_orders: set[str] = field(default_factory=set)
+    #: the ladders of chunk sizes racing on the calls, by their key in ``bound.tuned_rows``
+    #: (:class:`batchjac._tune.races.RowsRace`), until they decide
+    rows_races: dict[Any, Any] = field(default_factory=dict)

@@ -271,7 +271,7 @@ class JaxKernel(Kernel):
         # for nothing
         chunks = max(1, -(-budget.rows // self.chunk_size))
         steady = "no-ynnpack" if self.work.products >= self.WIDE_PRODUCTS else "default"
-        if self.work.elements * chunks <= self.QUICK_ELEMENTS and not budget.mode_race:
+        if self.work.elements * chunks <= self.QUICK_ELEMENTS and not budget.plan_race:
             self._steady = steady
             return "quick"
         return steady
@@ -329,7 +329,7 @@ class JaxKernel(Kernel):
         bound = self._bound
         kind: type[Warning] = ForwardModeFallbackWarning if self.mode == "forward" \
             else ReverseModeFallbackWarning
-        if kind not in bound.warned and not budget.mode_race:
+        if kind not in bound.warned and not budget.plan_race:
             bound.warned.add(kind)
             warnings.warn(fallback_message(self.mode, self.failure, _CAUSES[self.mode]), kind,
                           stacklevel=user_stacklevel())

@@ -362,7 +362,7 @@ class TFKernel(Kernel):
 
     def _warn_fallback(self, budget: CallBudget) -> None:
         """One warning per bound model and kind when the path in use is not the first."""
-        if not self.failures or self.path is None or budget.mode_race:
+        if not self.failures or self.path is None or budget.plan_race:
             return
         bound = self._bound
         used = _path_mode(self.path)

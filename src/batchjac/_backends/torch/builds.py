@@ -326,6 +326,21 @@ class TorchKernel(Kernel):
 
         return "vmap", f"vmap ({untimed_note()})", True
 
+    def contenders_beside(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+                          ) -> tuple[str, ...]:
+        """The later race's builds, none run beforehand (eager builds: nothing to make; one
+        that fails for the model leaves the race on its call, which the build in use before
+        answers again: ``chooser.failed_call``). Reverse mode admits "replicated" where a
+        chunk of the build in use took under ``REPLICATED_BELOW`` (the ledger's seconds per
+        row), as the first call's race admits it by torch.func's chunk."""
+        assert self._path is not None
+        if self._path[0] == "forward":
+            return "vmap", "transposed"
+        per_row = self._bound.tuning.ledger.seconds_per_row
+        fast = per_row is not None and per_row * self.chunk_size < self.REPLICATED_BELOW
+        self.variants = ("vmap", "replicated", "looped") if fast else ("vmap", "looped")
+        return self.variants
+
     def contenders(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> tuple[str, ...]:
         assert self._path is not None
         if self._path[0] == "forward":
@@ -523,7 +538,7 @@ class TorchKernel(Kernel):
     def _warn_fallback(self, budget: CallBudget) -> None:
         self.mode = "reverse"
         bound = self._bound
-        if bound.fallback_warned or budget.mode_race:
+        if bound.fallback_warned or budget.plan_race:
             return
         bound.fallback_warned = True
         warnings.warn(
