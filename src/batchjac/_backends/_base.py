@@ -364,6 +364,12 @@ class Kernel(ABC):
         starts their race once all are)."""
         return True
 
+    def left_race(self, name: str, error: BaseException) -> None:
+        """Build ``name`` failed with ``error`` on a user's call of a race on the calls and
+        left the race (the build in use before answers the call): nothing to do, or what the
+        kernel says of such a failure (TensorFlow: XLA cannot compile the model)."""
+        return
+
     def run_build(self, name: str, u: Any, ctx: tuple[Any, ...]) -> None:
         """Run build ``name`` on ``(u, ctx)`` once, for the race: returns when it is done."""
         raise NotImplementedError(f"{type(self).__name__} has no builds to race")

@@ -49,8 +49,9 @@ KTH = (1, 2, 3, 5, 10, 20, 50, 100, 1000)
 #: repeated calls per process for it: at most this many, or until the calls after the first
 #: take this many seconds (full run, quick run): the slow workloads reach fewer K
 KTH_CALLS, KTH_SECONDS, KTH_QUICK_SECONDS = 1000, 3.0, 1.5
-#: ... and at least this many (K = 10 for every case)
-KTH_MIN_CALLS = 10
+#: ... and at least this many (K = 50 for every case: the races of builds and of chunk sizes
+#: ride on a workload's first tens of calls, and the table shows whether they were repaid)
+KTH_MIN_CALLS = 50
 #: rows of each side's Jacobian saved for the cross-check of the two sides
 CHECK_ROWS = 16
 MODULE = "batchjac._bench.cold"

@@ -205,10 +205,11 @@ def before_call(kernel: Any) -> str | None:
     return name
 
 
-def failed_call(kernel: Any, name: str | None) -> bool:
-    """A call of contender ``name`` raised: True where it left the race and the build in
-    use before it is selected again, to answer the call; False where the failure is the
-    call's (no race, or the build in use failed)."""
+def failed_call(kernel: Any, name: str | None, error: BaseException) -> bool:
+    """A call of contender ``name`` raised ``error``: True where it left the race (the kernel
+    told, :meth:`~batchjac._backends.Kernel.left_race`) and the build in use before it is
+    selected again, to answer the call; False where the failure is the call's (no race, or
+    the build in use failed)."""
     race_ = getattr(kernel, "call_race", None)
     if name is None or race_ is None:
         return False
@@ -216,6 +217,7 @@ def failed_call(kernel: Any, name: str | None) -> bool:
         if not race_.drop(name):
             return False
         assert race_.before is not None
+        kernel.left_race(name, error)
         kernel._select(race_.before, f"{race_.before} ({name} failed for this model)")
         if race_.done:
             kernel.call_race = None

@@ -317,8 +317,9 @@ def timed(bound: Any, kernel: Any, rows: int, run: Callable[[CallBudget], T], *,
     with Stopwatch() as watch:
         try:
             out = run(called)
-        except Exception:
-            if not chooser.failed_call(kernel, racing):
+        except Exception as e:
+            # (the runner's boundary wraps the framework's error: the kernel reads the cause)
+            if not chooser.failed_call(kernel, racing, e.__cause__ or e):
                 raise
             racing = None  # (answered again by the build in use before the race)
             out = run(called)

@@ -472,6 +472,23 @@ class TFKernel(Kernel):
     def retunable(self) -> bool:
         return "xla" in self.variants
 
+    #: the later race runs on the user's calls, its results theirs (:class:`~batchjac._tune.chooser.CallRace`)
+    races_on_calls = True
+
+    def contenders_beside(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
+                          ) -> tuple[str, ...] | None:
+        """The later race's builds, none run beforehand: XLA compiles on its first call of
+        the race (a user's call, its result kept, its time not counted), and a build that
+        fails there leaves the race, the call answered again by the plain graph in use
+        (``chooser.failed_call``). None for a first call's race (:meth:`contenders`)."""
+        if self.variant is None:
+            return None
+        return tuple(v for v in ("xla", "graph", "xla/blocks") if v in self.variants)
+
+    def left_race(self, name: str, error: BaseException) -> None:
+        if name.startswith("xla") and isinstance(error, Exception) and not _out_of_memory(error):
+            self._xla_failed(error)  # (the plain graph from now on, with the one warning)
+
     def contenders(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[str, ...]:
         if self.variant is None:  # a first call: XLA's result is its answer
             if not self._xla_runs("xla", u, ctx):
