@@ -296,6 +296,60 @@ def test_equinox_module_without_per_instance_says_so() -> None:
         batchjac.jacobian(model, data((6, 8), seed=12))
 
 
+def _jax_jacobians(f: Any, x: np.ndarray) -> np.ndarray:
+    """The framework's own per-instance Jacobians of a batch function ``f``."""
+    return np.asarray(jax.vmap(jax.jacrev(lambda r: f(r[None])[0]))(jnp.asarray(x)))
+
+
+def test_flax_nnx_module_sees_its_weights_changed() -> None:
+    """An ``nnx.Module`` as users hold it: detected as JAX, its Jacobians and Hessians equal
+    JAX's own; a weight changed in place (``kernel[...] = ...``) or a layer replaced by one
+    of the same shapes is seen by the next call (before: the old Jacobians, bit for bit), the
+    first without a new trace (its arrays are the kernels' arguments)."""
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Sequential(nnx.Linear(4, 16, rngs=nnx.Rngs(0)), jnp.tanh,
+                           nnx.Linear(16, 3, rngs=nnx.Rngs(1)))
+    x = data((40, 4), seed=61)
+    first = batchjac.jacobian(model, x)
+    assert_jac_close(first, _jax_jacobians(model, x))
+    bound = next(iter(_backends._bound[model].values()))
+    traces = bound.trace_count
+    model.layers[0].kernel[...] = model.layers[0].kernel[...] * 0.5
+    changed = batchjac.jacobian(model, x)
+    assert_jac_close(changed, _jax_jacobians(model, x))
+    assert np.abs(changed - first).max() > 0.1 * np.abs(first).max()
+    assert bound.trace_count == traces  # new arguments, no new trace
+    model.layers[2] = nnx.Linear(16, 3, rngs=nnx.Rngs(7))  # a new layer, the same shapes
+    assert_jac_close(batchjac.jacobian(model, x), _jax_jacobians(model, x))
+    hess = batchjac.hessian(model, x[:8])
+    ref = jax.vmap(jax.hessian(lambda r: model(r[None])[0]))(jnp.asarray(x[:8]))
+    assert_jac_close(hess, np.asarray(ref))
+
+
+def test_flax_linen_module_with_its_variables() -> None:
+    """A Flax Linen module with its variables (``backend_options={'params': variables}``) or
+    bound to them (``module.bind(variables)``) gives JAX's own Jacobians; without them, an
+    error that says how to pass them (before: flax's CallCompactUnboundModuleError)."""
+    linen = pytest.importorskip("flax.linen")
+
+    class MLP(linen.Module):
+        @linen.compact
+        def __call__(self, x: Any) -> Any:
+            return linen.Dense(3)(jnp.tanh(linen.Dense(16)(x)))
+
+    module = MLP()
+    x = data((30, 5), seed=62)
+    variables = module.init(jax.random.PRNGKey(3), jnp.asarray(x[:1]))
+    ref = _jax_jacobians(lambda z: module.apply(variables, z), x)
+    assert_jac_close(batchjac.jacobian(module, x[:, :2], x[:, 2:],
+                                       backend_options={"params": variables}), ref[:, :, :2])
+    assert_jac_close(batchjac.jacobian(module.bind(variables), x), ref)
+    with pytest.raises(batchjac.InputError, match=r"backend_options=\{'params': variables\}"):
+        batchjac.jacobian(MLP(), x)
+    with pytest.raises(batchjac.InputError, match="bound to its variables already"):
+        batchjac.jacobian(module.bind(variables), x, backend_options={"params": variables})
+
+
 def test_jitted_model_and_jax_array_inputs() -> None:
     w = jnp.asarray(data((5, 3), seed=13))
     f = jax.jit(lambda x: jnp.tanh(x @ w))

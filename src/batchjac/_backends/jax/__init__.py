@@ -43,6 +43,7 @@ float64 needs JAX's x64 mode; batchjac never switches it on (that is a process-w
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
@@ -104,8 +105,26 @@ class _Split:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         self.treedef: Any = treedef
         self.where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-        self.arrays = [jax.device_put(leaves[i], device) for i in self.where]
+        #: the array leaves as the tree held them (kept: :meth:`same` compares identities)
+        self.leaves = [leaves[i] for i in self.where]
+        self.arrays = [jax.device_put(leaf, device) for leaf in self.leaves]
         self.static = [None if _is_array(leaf) else leaf for leaf in leaves]
+
+    def same(self, tree: Any) -> bool | None:
+        """Whether ``tree`` still holds the array leaves it was split from (a mutable pytree,
+        e.g. a Flax NNX module whose ``Variable`` got a new value, holds others): True; None
+        where only the arrays differ (the same structure, shapes and dtypes: new kernel
+        arguments, no new trace); False where the structure changed (trace again)."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        now = [leaves[i] for i in self.where] if len(leaves) == len(self.static) else []
+        if len(now) == len(self.leaves) and all(a is b for a, b in zip(now, self.leaves)):
+            return True
+        if treedef != self.treedef or [i for i, leaf in enumerate(leaves) if _is_array(leaf)] \
+                != self.where:
+            return False
+        alike = all(np.shape(a) == np.shape(b) and a.dtype == b.dtype
+                    for a, b in zip(now, self.leaves))
+        return None if alike else False
 
     def merge(self, arrays: list[Any]) -> Any:
         leaves = list(self.static)
@@ -115,6 +134,39 @@ class _Split:
 
 
 _NO_PARAMS = object()
+
+
+def _linen_apply(model: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A Flax Linen module as the function of its variables and a batch that it is
+    (``module.apply``), with its variables as params: given with ``backend_options``, or held
+    by a bound module (``module.bind(variables)``). Anything else as it is."""
+    linen = sys.modules.get("flax.linen")
+    if linen is None or not isinstance(model, linen.Module):
+        return model, kwargs
+    name = type(model).__name__
+    if getattr(model, "scope", None) is not None:  # bound: it holds its variables
+        if kwargs:
+            raise InputError(
+                f"The Flax Linen module {name} is bound to its variables already, and "
+                f"backend_options['params'] gives others: pass the unbound module with "
+                f"params, or the bound module alone.")
+        module, variables = model.unbind()
+        return module.apply, {"params": variables}
+    if not kwargs:
+        raise InputError(
+            f"A Flax Linen module ({name}) computes with variables it does not hold: pass "
+            f"them, batchjac.jacobian(module, x, backend_options={{'params': variables}}) "
+            f"(what {name}.init returned), or the bound module, module.bind(variables).")
+    return model.apply, kwargs
+
+
+def _immutable(tree: Any) -> bool:
+    """Whether a pytree model cannot take new arrays in place: a frozen dataclass, or an
+    Equinox module (frozen by Equinox after its ``__init__``). A Flax NNX module can."""
+    if getattr(getattr(type(tree), "__dataclass_params__", None), "frozen", False):
+        return True
+    eqx = sys.modules.get("equinox")
+    return eqx is not None and isinstance(tree, eqx.Module)
 
 
 class JaxBound(BoundModel):
@@ -136,6 +188,7 @@ class JaxBound(BoundModel):
         self.per_instance = per_instance
         self.has_params = params is not _NO_PARAMS
         self._model_split = _Split(model, device)
+        self._mutable_tree = bool(self._model_split.where) and not _immutable(model)
         self._params = params if self.has_params else None
         self._params_split = _Split(self._params, device)
         self._forward: Any = None
@@ -192,14 +245,25 @@ class JaxBound(BoundModel):
 
     def refresh(self) -> bool:
         _require_x64(self.signature.dtype)
-        if self._x64 == x64_enabled() and self._sites.unchanged():
+        # a model that is a mutable pytree of arrays (a Flax NNX module; an Equinox module is
+        # a frozen dataclass) may hold new arrays since: its leaves are read again
+        same = self._model_split.same(self.model) if self._mutable_tree else True
+        if same is None:
+            # new values in its leaves (NNX: ``layer.kernel.value *= 0.5``): the kernels'
+            # arguments change, nothing is traced again; True, as the model changed under a
+            # result computed before this check (the fast path's launched call)
+            self._model_split = _Split(self.model, self.device)
+            return True
+        restructured = same is False
+        if not restructured and self._x64 == x64_enabled() and self._sites.unchanged():
             return False  # every value the traces baked in is still where it was read
         sites = _Sites()
         captured = _captured_values(self.model, sites)
         changed = sites.contents() != self._sites.contents()  # a numpy array changed in place
         self._sites = sites
         self._warn_unwatched()
-        if self._x64 != x64_enabled() or not _same_values(captured, self._captured) or changed:
+        if restructured or self._x64 != x64_enabled() or not _same_values(captured, self._captured) \
+                or changed:
             # the x64 mode changes the dtypes of traced arrays; rebound closure values (or
             # numpy arrays changed in place) would be stale constants in the compiled
             # kernels: trace everything again
@@ -530,7 +594,8 @@ class JaxBackend(Backend):
                 f"backend_options={{'params': params}}); got {type(model).__name__}."
             )
         _require_x64(signature.dtype)
-        kwargs = {"params": options["params"]} if "params" in options else {}
+        model, kwargs = _linen_apply(model, {"params": options["params"]} if "params" in options
+                                     else {})
         device = options.get("device")
         if device is not None and not isinstance(device, jax.Device):
             raise InputError(f"backend_options['device'] must be a jax.Device (e.g. "
