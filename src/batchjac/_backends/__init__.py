@@ -7,6 +7,7 @@ unless those are actually needed"), so ``import batchjac`` works with no framewo
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 import types
 import weakref
@@ -106,6 +107,19 @@ def array_framework(a: Any) -> str | None:
     return _framework_of_module(type(a).__module__ or "")
 
 
+def _keras_backend() -> str | None:
+    """The backend Keras 3 runs on, where it is loaded and says so ("jax", "torch" or
+    "tensorflow"; a Keras model computes in that framework): read from the loaded module,
+    nothing imported."""
+    keras = sys.modules.get("keras")
+    config = getattr(keras, "config", None)
+    try:
+        name = config.backend() if config is not None else None
+    except Exception:  # (an old Keras without keras.config.backend: TensorFlow's)
+        return None
+    return name if name in ("jax", "torch", "tensorflow") else None
+
+
 def _framework_of_module(modname: str) -> str | None:
     top = modname.split(".", 1)[0]
     for name, prefixes in _PREFIXES.items():
@@ -123,7 +137,7 @@ def detect(model: Any) -> str:
     for cls in type(model).__mro__:
         found = _framework_of_module(cls.__module__ or "")
         if found:
-            return found
+            return _keras_backend() or found if cls.__module__.startswith("keras") else found
     found_set = _frameworks_referenced(model)
     if len(found_set) == 1:
         return found_set.pop()

@@ -59,9 +59,10 @@ class TFBound(BoundModel):
             keras = compat.keras_module()
             if keras is not None and keras.backend.backend() != "tensorflow":
                 raise InputError(
-                    f"This Keras model runs on the {keras.backend.backend()!r} Keras backend; "
-                    f"the TensorFlow backend needs KERAS_BACKEND=tensorflow. For JAX, pass "
-                    f"the model's stateless function to batchjac with backend='jax'."
+                    f"This Keras model runs on the {keras.backend.backend()!r} Keras backend, "
+                    f"and backend='tensorflow' was asked for: pass "
+                    f"backend={keras.backend.backend()!r}, or leave `backend` out (batchjac "
+                    f"computes a Keras model in the framework Keras runs on)."
                 )
         self.tf_dtype = tf.as_dtype(signature.dtype)
         self.synced = False  # whether self.model is a float64 copy to keep in step
