@@ -256,6 +256,13 @@ def test_xla_fallback_warns_once_and_is_correct(monkeypatch: pytest.MonkeyPatch)
     said = [str(w.message) for w in seen if issubclass(w.category, XLAFallbackWarning)]
     assert len(said) == 1, said
     assert "XLA could not compile" in said[0]
+    from batchjac import _backends
+
+    # the race ended without XLA (it did not go on timing XLA's failing call)
+    kernels = next(iter(_backends._bound[f].values())).kernels()
+    assert kernels
+    assert all(k.call_race is None for k in kernels), [(k.variants, k.note) for k in kernels]
+    assert any(k.variants == ("graph",) for k in kernels), [(k.variants, k.note) for k in kernels]
 
 
 def test_100k_rows_trace_once_per_mode_and_dtype() -> None:

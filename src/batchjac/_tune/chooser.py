@@ -219,24 +219,31 @@ def failed_call(kernel: Any, name: str | None, error: BaseException) -> bool:
         assert race_.before is not None
         kernel.left_race(name, error)
         kernel._select(race_.before, f"{race_.before} ({name} failed for this model)")
-        if race_.done:
-            kernel.call_race = None
-            kernel.raced_to(race_.result(), race_.times(), None)
-            kernel.raced = True
+        _finish(kernel, race_)
     return True
 
 
 def after_call(kernel: Any, name: str | None, seconds: float) -> None:
-    """After that call, its time: the race decides once it has seen enough."""
+    """After that call, its time: the race decides once it has seen enough. A contender the
+    kernel no longer offers (it failed inside the call, and the kernel answered with another
+    build: TensorFlow's XLA that cannot compile the model) leaves the race, its time unrecorded."""
     race_ = getattr(kernel, "call_race", None)
     if name is None or race_ is None:
         return
-    race_.record(name, seconds)
-    if race_.done:
-        with kernel.building:
-            kernel.call_race = None
-            kernel.raced_to(race_.result(), race_.times(), None)
-            kernel.raced = True
+    with kernel.building:
+        if name in kernel.variants:
+            race_.record(name, seconds)
+        for gone in [n for n in race_.samples if n not in kernel.variants]:
+            race_.drop(gone)
+        _finish(kernel, race_)
+
+
+def _finish(kernel: Any, race_: CallRace) -> None:
+    """The race's decision, once it has seen enough (under ``kernel.building``)."""
+    if race_.done and kernel.call_race is race_:
+        kernel.call_race = None
+        kernel.raced_to(race_.result(), race_.times(), None)
+        kernel.raced = True
 
 
 def race_builds(kernel: Any, u: Any, ctx: tuple[Any, ...]) -> None:

@@ -528,10 +528,9 @@ class TFKernel(Kernel):
         self._run(name, u, ctx)
 
     def raced_to(self, best: str, times: dict[str, float], u: Any) -> None:
-        timed = f"XLA {times['xla'] * 1e3:.1f} ms, graph {times['graph'] * 1e3:.1f} ms"
-        if "xla/blocks" in times:
-            timed += f", XLA in blocks {times['xla/blocks'] * 1e3:.1f} ms"
-        self._select(best, f"{best} (timed one chunk: {timed})")
+        names = {"xla": "XLA", "graph": "graph", "xla/blocks": "XLA in blocks"}
+        timed = ", ".join(f"{names[v]} {times[v] * 1e3:.1f} ms" for v in names if v in times)
+        self._select(best, f"{best} (timed one chunk: {timed or 'the others failed'})")
 
 
 def _evened(rows: int, limit: int) -> int:
