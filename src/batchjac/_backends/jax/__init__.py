@@ -245,11 +245,11 @@ class JaxBound(BoundModel):
 
     def refresh(self) -> bool:
         _require_x64(self.signature.dtype)
-        # a model that is a mutable pytree of arrays (a Flax NNX module; an Equinox module is
-        # a frozen dataclass) may hold new arrays since: its leaves are read again
+        # a model that is a mutable pytree of arrays (a Flax NNX module; not an Equinox module
+        # or a frozen dataclass: _immutable) may hold new arrays since: its leaves are read again
         same = self._model_split.same(self.model) if self._mutable_tree else True
         if same is None:
-            # new values in its leaves (NNX: ``layer.kernel.value *= 0.5``): the kernels'
+            # new values in its leaves (NNX: ``layer.kernel[...] *= 0.5``): the kernels'
             # arguments change, nothing is traced again; True, as the model changed under a
             # result computed before this check (the fast path's launched call)
             self._model_split = _Split(self.model, self.device)
