@@ -189,6 +189,23 @@ def test_the_ladder_skips_small_chunks() -> None:
     assert (got.chunk_size, report, asked) == (500, None, [])
 
 
+def test_a_decided_ladder_is_not_raced_again() -> None:
+    """A size decided (by an earlier race, or remembered on disk) is the plan's at once: no
+    race is started or asked about."""
+    from types import SimpleNamespace
+
+    from batchjac._tune.races import rows_plan
+
+    bound = SimpleNamespace(
+        tuned_rows={("rows", "reverse", 4096, False): (1024, "4096 rows 10.00 us, 1024 rows 7.00 us")},
+        tuning=SimpleNamespace(rows_races={}))
+    got, report = rows_plan(bound, _spec(4096), plan(n=4096, chunk_size=4096), False,  # type: ignore[arg-type]
+                            mode="reverse", start=lambda: pytest.fail("asked to start a race"))
+    assert (got.chunk_size, got.n_chunks, report) == (1024, 4, None)
+    assert "timed per row: 4096 rows 10.00 us" in got.reason
+    assert bound.tuning.rows_races == {}
+
+
 def _spec(n: int) -> object:
     from batchjac._validate import normalize
 
