@@ -24,6 +24,11 @@ from .helpers import jax_x64
 
 KINDS = ("jacobian", "hessian", "diagonal", "laplacian", "hvp")
 RTOL = {np.float64: 1e-10, np.float32: 1e-5}
+#: float32 gradients of second-order results (third derivatives): against float64 JAX, over
+#: 15 fresh draws of tests/test_differentiable.py's JAX case, batchjac's were off by up to
+#: 2.6e-5 of the largest entry and JAX's own float32 transforms by up to 2.2e-5, so two float32
+#: computations may differ by ~5e-5 (one draw did: 2.4e-4 of an entry, 5.2e-5 absolute)
+RTOL_THIRD32 = 1e-4
 
 
 def _call(kind: str, model: Any, x: Any, v: Any = None, **kw: Any) -> Any:
@@ -49,13 +54,14 @@ def _reduce(kind: str, hess: Any, jac: Any, v: Any, xp: Any) -> Any:
     return xp.einsum("nmkj,nj->nmk", hess, v)
 
 
-def _assert_grads(ours: list[Any], ref: list[Any], dtype: Any) -> None:
+def _assert_grads(ours: list[Any], ref: list[Any], dtype: Any, rtol: float | None = None) -> None:
     assert len(ours) == len(ref)
+    rtol = RTOL[dtype] if rtol is None else rtol
     for a, b in zip(ours, ref):
         b = np.asarray(b, np.float64)
         a = np.zeros_like(b) if a is None else np.asarray(a, np.float64)
         scale = float(np.abs(b).max()) or 1.0
-        np.testing.assert_allclose(a, b, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
 
 
 def _weights(shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -351,7 +357,9 @@ def test_jax_gradients_match_jax_transforms(kind: str, dtype: Any, x64: None) ->
 
         # (under the caller's jit, as a training step runs: eagerly, below)
         got = jax.jit(jax.grad(loss_of(ours), argnums=(0, 1)))(params, x)
-        _assert_grads(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref), dtype)
+        third = dtype == np.float32 and kind != "jacobian"  # (RTOL_THIRD32)
+        _assert_grads(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref), dtype,
+                      rtol=RTOL_THIRD32 if third else None)
 
 
 def test_jax_eager_gradient_without_jit(x64: None) -> None:
