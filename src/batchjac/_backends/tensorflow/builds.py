@@ -475,14 +475,11 @@ class TFKernel(Kernel):
     #: the later race runs on the user's calls, its results theirs (:class:`~batchjac._tune.chooser.CallRace`)
     races_on_calls = True
 
-    def contenders_beside(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]
-                          ) -> tuple[str, ...] | None:
+    def contenders_beside(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[str, ...]:
         """The later race's builds, none run beforehand: XLA compiles on its first call of
         the race (a user's call, its result kept, its time not counted), and a build that
         fails there leaves the race, the call answered again by the plain graph in use
-        (``chooser.failed_call``). None for a first call's race (:meth:`contenders`)."""
-        if self.variant is None:
-            return None
+        (``chooser.failed_call``). A first call's race takes :meth:`contenders`."""
         return tuple(v for v in ("xla", "graph", "xla/blocks") if v in self.variants)
 
     def left_race(self, name: str, error: BaseException) -> None:
@@ -490,18 +487,10 @@ class TFKernel(Kernel):
             self._xla_failed(error)  # (the plain graph from now on, with the one warning)
 
     def contenders(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[str, ...]:
-        if self.variant is None:  # a first call: XLA's result is its answer
-            if not self._xla_runs("xla", u, ctx):
-                return ()
-        else:  # a later race: the graph runs, so XLA is optional, never a failure
-            try:
-                self._run("xla", u, ctx)
-            except Exception as e:
-                if isinstance(e, Warning):
-                    raise
-                if not _out_of_memory(e):
-                    self._xla_failed(e)
-                return ()
+        """A first call's race (a later one rides on the calls: :meth:`contenders_beside`):
+        XLA's result is the call's answer."""
+        if not self._xla_runs("xla", u, ctx):
+            return ()
         try:
             self._run("graph", u, ctx)  # trace and warm up
         except Exception as e:  # XLA runs it but the graph does not: keep XLA
