@@ -839,7 +839,7 @@ def test_threads_sharing_one_module_all_get_correct_jacobians(mode: str) -> None
     for t in pool:
         t.join(timeout=20)
     assert not any(t.is_alive() for t in pool), "threads still running after 20 s"
-    assert not failures, failures[:5]
+    assert not failures, "\n".join(failures[:5])  # whole, not a truncated repr
 
 
 # ---- compile/trace once -----------------------------------------------------------------------

@@ -17,6 +17,7 @@ each guarded.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's C++ start-up chatter off stderr
@@ -82,6 +83,11 @@ class TFBound(BoundModel):
         #: that an eager training loop traces each once (:mod:`.differentiable`)
         self.differentiable_runs: dict[tuple[str, str, bool, bool], Any] = {}
         self._xla_warned = False
+        #: held while a kernel of this model finds its path (traces it): one at a time, as
+        #: kernels of several chunk sizes traced the one ``tf.function`` of the model
+        #: concurrently (threads), and pfor then failed on one of them, rarely, as if the
+        #: model could not be vectorised (its path is remembered for every size: below)
+        self.tracing = threading.RLock()
         #: paths (see PATHS) that failed to build for this model where another one worked:
         #: kernels of other chunk sizes go straight past them
         self.failed: dict[str, str] = {}

@@ -256,7 +256,7 @@ class TFKernel(Kernel):
              ) -> tuple[np.ndarray | None, np.ndarray]:
         established = None
         if self.variant is None:
-            with self.building:  # (threads sharing the kernel: one establishes it)
+            with self._bound.tracing, self.building:  # (threads: one establishes it)
                 if self.variant is None:
                     established = (self._establish(u, ctx, budget),)
         if established is not None:
