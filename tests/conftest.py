@@ -87,6 +87,9 @@ if sys.version_info < (3, 11):
         "could not import 'pyarrow'": "batchjac[io] (zarr 3) does not install on Python 3.10",
         "could not import 'flax": "flax (Flax NNX and Linen models, a dev dependency) is not "
                                   "installed in this environment: flax 0.12 needs jax >= 0.10",
+        "could not import 'haiku'": "dm-haiku (Haiku models, a dev dependency) is not installed "
+                                    "in this environment, which installs the backends' extras "
+                                    "and the test tools only (Makefile, test-oldest)",
     })
 EXPECTED_SKIPS[f"this XLA (jaxlib {_oldest_pin('jaxlib')}) refuses"] = (
     "the oldest jaxlib's XLA knows neither YNNPACK's fusion type nor the fusion emitters: no "

@@ -21,6 +21,7 @@ FRAMEWORKS = {"tensorflow", "keras", "tf_keras", "torch", "torchvision", "jax", 
 #: the backends (the kernels), the loaders of framework model files, the example models built
 #: in each framework, and the benchmark harness (it times each framework's native answer).
 FRAMEWORK_MODULES = ("batchjac._backends.", "batchjac._loaders.tensorflow", "batchjac._loaders.torch",
+                     "batchjac._loaders.keras",
                      "batchjac._loaders.onnx", "batchjac._examples.keras", "batchjac._examples.torch",
                      "batchjac._examples.jax", "batchjac._bench.")
 

@@ -290,10 +290,28 @@ def test_equinox_module_per_instance(mode: str) -> None:
     assert_jac_close(jac64, mlp_jacobian(layers, x.astype(np.float64)))
 
 
-def test_equinox_module_without_per_instance_says_so() -> None:
+def test_equinox_module_is_told_per_instance_without_being_asked() -> None:
+    """An Equinox module maps one instance per call (Equinox's convention): detected by its
+    shapes, without ``per_instance`` (before: an error that asked for it). A batch function in
+    an Equinox module stays a batch function; ``per_instance=False`` is obeyed."""
+    eqx = pytest.importorskip("equinox")
     model, _ = _equinox_mlp()
+    x = data((6, 8), seed=12)
+    jac = batchjac.jacobian(model, x[:, :6], x[:, 6:])  # unknowns, then the known columns
+    ref = np.asarray(jax.vmap(jax.jacrev(model))(jnp.asarray(x)))
+    assert_jac_close(jac, ref[:, :, :6], np.float32)
+
+    class Batched(eqx.Module):  # its own batch axis: x @ W, rows apart
+        w: Any
+
+        def __call__(self, x: Any) -> Any:
+            return jnp.tanh(x @ self.w)
+
+    batched = Batched(jnp.asarray(data((8, 3), seed=13)))
+    ref = np.asarray(jax.vmap(jax.jacrev(lambda r: batched(r[None])[0]))(jnp.asarray(x)))
+    assert_jac_close(batchjac.jacobian(batched, x), ref, np.float32)
     with pytest.raises(batchjac.ModelError, match=r"backend_options=\{'per_instance': True\}"):
-        batchjac.jacobian(model, data((6, 8), seed=12))
+        batchjac.jacobian(model, x, backend_options={"per_instance": False})
 
 
 def _jax_jacobians(f: Any, x: np.ndarray) -> np.ndarray:
@@ -348,6 +366,52 @@ def test_flax_linen_module_with_its_variables() -> None:
         batchjac.jacobian(MLP(), x)
     with pytest.raises(batchjac.InputError, match="bound to its variables already"):
         batchjac.jacobian(module.bind(variables), x, backend_options={"params": variables})
+
+
+def test_haiku_transformed_functions_with_their_params() -> None:
+    """A Haiku transformed function as users hold it (``hk.transform``, ``without_apply_rng``,
+    ``transform_with_state``) with its params (and state): detected as JAX, no ``backend=``,
+    Jacobians and Hessians equal JAX's own of its apply; a new params tree of the same
+    structure is seen. Its bare ``apply`` (which wants an RNG) gets a hint, not only Haiku's
+    error; and the no-RNG apply function alone is detected as JAX (before: "Cannot tell which
+    framework")."""
+    hk = pytest.importorskip("haiku")
+
+    def net(x: Any) -> Any:
+        return hk.nets.MLP([16, 3], activation=jnp.tanh)(x)
+
+    def counting(x: Any) -> Any:  # state beside the output: a call counter
+        hk.set_state("calls", hk.get_state("calls", (), jnp.int32, init=jnp.zeros) + 1)
+        return net(x) * 2.0
+
+    x = data((20, 5), seed=63)
+    plain = hk.transform(net)
+    params = plain.init(jax.random.PRNGKey(4), jnp.asarray(x[:1]))
+    ref = _jax_jacobians(lambda z: plain.apply(params, None, z), x)
+    assert_jac_close(batchjac.jacobian(plain, x, backend_options={"params": params}), ref)
+    no_rng = hk.without_apply_rng(plain)
+    assert_jac_close(batchjac.jacobian(no_rng, x[:, :3], x[:, 3:],
+                                       backend_options={"params": params}), ref[:, :, :3])
+    assert_jac_close(batchjac.jacobian(no_rng.apply, x, backend_options={"params": params}), ref)
+    other = jax.tree_util.tree_map(lambda a: a * 0.5, params)  # new values, same structure
+    assert_jac_close(batchjac.jacobian(plain, x, backend_options={"params": other}),
+                     _jax_jacobians(lambda z: plain.apply(other, None, z), x))
+    hess = batchjac.hessian(plain, x[:6], backend_options={"params": params})
+    href = jax.vmap(jax.hessian(lambda r: plain.apply(params, None, r[None])[0]))(
+        jnp.asarray(x[:6]))
+    assert_jac_close(hess, np.asarray(href))
+
+    stateful = hk.transform_with_state(counting)
+    sparams, state = stateful.init(jax.random.PRNGKey(5), jnp.asarray(x[:1]))
+    sref = _jax_jacobians(lambda z: stateful.apply(sparams, state, None, z)[0], x)
+    assert_jac_close(batchjac.jacobian(stateful, x, backend_options={
+        "params": sparams, "state": state}), sref)
+    with pytest.raises(batchjac.InputError, match="needs its state too"):
+        batchjac.jacobian(stateful, x, backend_options={"params": sparams})
+    with pytest.raises(batchjac.InputError, match=r"backend_options=\{'params': params\}"):
+        batchjac.jacobian(plain, x)
+    with pytest.raises(batchjac.ModelError, match="pass the transformed function itself"):
+        batchjac.jacobian(plain.apply, x, backend_options={"params": params})
 
 
 def test_jitted_model_and_jax_array_inputs() -> None:

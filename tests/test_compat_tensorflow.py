@@ -24,6 +24,7 @@ from .helpers import assert_jac_close, race_now, rng
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
+from batchjac import _keras_compat  # noqa: E402
 from batchjac._backends import tensorflow as tf_backend  # noqa: E402
 from batchjac._backends.tensorflow import (  # noqa: E402
     builds,
@@ -378,7 +379,7 @@ def test_9_a_clone_that_would_round_its_inputs_is_refused_naming_the_versions(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Its float32 Input layer would round float64 inputs before the first layer: an error
     that names the versions, not results off by float32's rounding."""
-    monkeypatch.setattr(compat, "widen_config", _widen_all_but_inputs)
+    monkeypatch.setattr(_keras_compat, "widen_config", _widen_all_but_inputs)
     u, h = inputs(seed=12, dtype=np.float64)
     with pytest.raises(batchjac.InputError, match=r"float32 inputs.*\(TensorFlow [\d.]+, Keras"):
         batchjac.jacobian(keras_mlp(), u, h)
@@ -388,7 +389,7 @@ def test_9_a_keras_that_cannot_clone_names_the_versions(monkeypatch: pytest.Monk
     def refuses(*args: Any) -> Any:
         raise RuntimeError("this Keras has no config for the model")
 
-    monkeypatch.setattr(compat, "clone_from_config", refuses)
+    monkeypatch.setattr(_keras_compat, "clone_from_config", refuses)
     model = keras_mlp()
     u, h = inputs(seed=13, dtype=np.float64)
     with pytest.raises(batchjac.InputError,

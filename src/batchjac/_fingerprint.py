@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from ._closures import EMPTY, MISSING, global_names, reads
-from ._keras_compat import flattened
+from ._keras_compat import config as keras_config, flattened
 
 #: objects from these packages are referred to by name only (their code is not the user's model)
 _LIBRARIES = ("numpy", "builtins", "jax", "jaxlib", "torch", "tensorflow", "keras", "tf_keras",
@@ -267,7 +267,7 @@ class _Hasher:
         self.tag("keras", _qualname(type(model)))
         configured = False
         try:
-            config = model.get_config()
+            config = keras_config(model)
             names = _canonical_names(config, skip_policies=not self.values)
             text = json.dumps(names, sort_keys=True, default=_type_only)
             self.tag("config", text)
@@ -323,7 +323,7 @@ class _Hasher:
             if _is_library_class(cls):
                 if not whole:
                     with contextlib.suppress(Exception):
-                        names = _canonical_names(layer.get_config(), skip_policies=True)
+                        names = _canonical_names(keras_config(layer), skip_policies=True)
                         self.tag("layer", _qualname(cls),
                                  json.dumps(names, sort_keys=True, default=_type_only))
                 continue

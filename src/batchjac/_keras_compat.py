@@ -1,4 +1,4 @@
-"""The one private Keras name batchjac reads outside the TensorFlow backend, guarded.
+"""The private Keras names batchjac reads outside the TensorFlow backend, guarded.
 
 Keras lists every layer nested in a model through ``model._flatten_layers`` (Keras 2 and 3,
 ``tf_keras``). The probes (which layers a model holds, :mod:`batchjac._probes`) and the
@@ -8,11 +8,23 @@ lives here, framework-free, rather than in the TensorFlow backend's compat modul
 delegates to it. Where the name is gone or its signature changed: None, and the callers fall
 back to the public ``layers`` attribute (fewer layers seen: a probe more, never a wrong
 result). tests/test_compat_tensorflow.py renames it.
+
+:func:`config` reads a model's config (the computation fingerprint's view of it) without
+importing TensorFlow where it is not imported: a Keras model on the JAX or PyTorch backend
+paid seconds for it in its first call (:data:`LAZY_TENSORFLOW`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
+
+from ._errors import InputError
 
 FLATTEN_LAYERS = "_flatten_layers"
 
@@ -27,3 +39,135 @@ def flattened(model: Any, *, include_self: bool, name: str | None = None) -> lis
         return list(flatten(include_self=include_self, recursive=True))
     except Exception:  # another Keras, another signature
         return None
+
+
+#: Keras's lazy handle on TensorFlow (module, attribute) and the handle's memo of whether
+#: TensorFlow can be imported (None: not asked yet). Keras's serialiser asks it for every
+#: object of a config, to test whether the object is a TensorFlow one, and asking imports
+#: TensorFlow: 3.4 s of a 3.6 s first call of a Keras model on the JAX backend here
+LAZY_TENSORFLOW = ("keras.src.utils.module_utils", "tensorflow")
+LAZY_MEMO = "_available"
+_LOCK = threading.Lock()
+
+
+def config(model: Any) -> Any:
+    """``model.get_config()``, without importing TensorFlow where it is not imported yet: no
+    object can be a TensorFlow one then, so Keras's handle answers "not available" for the
+    read (its memo restored after). Where this Keras has no such handle, or TensorFlow is
+    imported or was asked for already: the plain call."""
+    lazy = getattr(sys.modules.get(LAZY_TENSORFLOW[0]), LAZY_TENSORFLOW[1], None) \
+        if "tensorflow" not in sys.modules else None
+    memo = vars(lazy) if lazy is not None and hasattr(lazy, "__dict__") else {}
+    if memo.get(LAZY_MEMO, False) is not None:  # (another Keras, or asked already)
+        return model.get_config()
+    with _LOCK:
+        memo[LAZY_MEMO] = False
+        try:
+            return model.get_config()
+        finally:
+            memo[LAZY_MEMO] = None
+
+
+# -- the float64 clone of a Keras model (the TensorFlow backend's and the JAX backend's) ------
+
+def widen_config(cfg: Any) -> Any:
+    """A Keras config with every dtype (layers' policies, Input layers, tensors) set to float64:
+    Keras 2 and 3 name it ``dtype``, as a string or a serialised policy."""
+    if isinstance(cfg, dict):
+        out = {k: widen_config(v) for k, v in cfg.items()}
+        if isinstance(out.get("dtype"), (str, dict)):
+            out["dtype"] = "float64"
+        return out
+    if isinstance(cfg, list):
+        return [widen_config(v) for v in cfg]
+    return cfg
+
+
+def clone_from_config(keras: Any, model: Any) -> Any:
+    """A new model from ``model``'s config, every dtype widened to float64: Keras's
+    serialisation where it has one that round-trips the model, else the class's
+    ``from_config``."""
+    saving: Any = getattr(keras, "saving", None)
+    try:
+        return saving.deserialize_keras_object(widen_config(saving.serialize_keras_object(model)))
+    except Exception:  # (no such serialisation, or one that does not round-trip this model)
+        return type(model).from_config(widen_config(model.get_config()))
+
+
+def _policy_api(keras: Any) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
+    for home, get, put in (("config", "dtype_policy", "set_dtype_policy"),
+                           ("mixed_precision", "global_policy", "set_global_policy")):
+        where = getattr(keras, home, None)
+        getter, setter = getattr(where, get, None), getattr(where, put, None)
+        if callable(getter) and callable(setter):
+            return getter, setter
+    return None
+
+
+@contextlib.contextmanager
+def dtype_policy(keras: Any, name: str) -> Iterator[None]:
+    """Keras's global dtype policy set to ``name`` (what sublayers made in a subclass's
+    ``__init__`` take): ``keras.config.set_dtype_policy``, or Keras 2's
+    ``mixed_precision.set_global_policy``; nothing where neither exists (layers keep their
+    own dtype, and the clone's weights are checked)."""
+    api = _policy_api(keras)
+    if api is None:
+        yield
+        return
+    getter, setter = api
+    old = getter()
+    setter(name)
+    try:
+        yield
+    finally:
+        setter(old)
+
+
+def float64_clone(keras: Any, model: Any, build: Callable[[Any], None], versions: str) -> Any:
+    """A float64 clone of a Keras model with the same weights, or raise InputError.
+
+    Rebuilt from its config with every dtype widened, so Input layers are float64 too (a
+    float32 Input would round the inputs before the first layer). ``build`` calls the clone
+    once on a float64 sample, which builds subclassed models. ``versions`` names the
+    framework versions in the errors. Its weights are set from the model's once; a caller
+    that reads the model's weights at each call (the JAX backend) gives them itself.
+    """
+    with dtype_policy(keras, "float64"):  # sublayers made in a subclass's __init__
+        try:
+            clone = clone_from_config(keras, model)
+            build(clone)
+            clone.set_weights([np.asarray(w, np.float64) if np.asarray(w).dtype.kind == "f" else w
+                               for w in model.get_weights()])
+        except Exception as e:
+            raise InputError(
+                f"float64 was asked for (dtype='float64' or float64 inputs), but this Keras model "
+                f"({type(model).__name__}) could not be cloned in float64 "
+                f"({versions}): {type(e).__name__}: {e}. "
+                f"Build the model with dtype='float64', make it serialisable (get_config/"
+                f"from_config), or compute in float32 with dtype='float32'."
+            ) from e
+    if any(str(w.dtype).startswith("float") and w.dtype != "float64" for w in clone.weights):
+        raise InputError(
+            f"float64 was asked for, but the float64 clone of {type(model).__name__} still has "
+            f"float32 weights (its layers pin their dtype; {versions}). "
+            f"Build it with dtype='float64' or use dtype='float32'."
+        )
+    narrow = [d for d in _input_dtypes(clone) if "float" in d and d != "float64"]
+    if narrow:  # (its Input layers would round the inputs to float32 before the first layer)
+        raise InputError(
+            f"float64 was asked for, but the float64 clone of {type(model).__name__} still takes "
+            f"{narrow[0]} inputs: this Keras's config of its Input layers was not widened "
+            f"({versions}). Build it with dtype='float64' or use "
+            f"dtype='float32'."
+        )
+    return clone
+
+
+def _input_dtypes(model: Any) -> list[str]:
+    """The dtypes of a Keras model's declared inputs (none for a subclassed model)."""
+    try:
+        inputs = list(getattr(model, "inputs", None) or [])
+    except Exception:
+        return []
+    return [str(getattr(dtype, "name", dtype)) for dtype in
+            (getattr(t, "dtype", None) for t in inputs) if dtype is not None]

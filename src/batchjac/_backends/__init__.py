@@ -161,6 +161,9 @@ def _frameworks_referenced(fn: Any, depth: int = 0) -> set[str]:
     code = getattr(target, "__code__", None)
     if code is None:
         return found | _frameworks_of_value(target)
+    home = _framework_of_module(getattr(target, "__module__", None) or "")
+    if home:  # a framework's own function (a Haiku apply, a jax.numpy function)
+        return found | {home}
     glb = getattr(target, "__globals__", {})
     for name in code.co_names:
         if name in glb:

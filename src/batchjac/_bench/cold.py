@@ -58,6 +58,15 @@ MODULE = "batchjac._bench.cold"
 
 NATIVE_NAME = {"tensorflow": "B2 batch_jacobian+XLA", "torch": "B3 vmap({})",
                "jax": "B4 jit(vmap({}))"}
+#: Keras 3 models on another Keras backend (issue 37): the case's label -> the framework that
+#: computes them; the native side is that framework's transform of the model's own call (JAX:
+#: of its stateless call, the variables' values closed over)
+KERAS = {"keras-jax": "jax", "keras-torch": "torch"}
+
+
+def framework(backend: str) -> str:
+    """The framework a case computes in (a Keras case's backend)."""
+    return KERAS.get(backend, backend)
 
 
 def shapes(workload: str) -> tuple[int, int]:
@@ -81,6 +90,7 @@ def native_variants(workload: str, backend: str) -> list[str | None]:
     """The native variants timed cold: TensorFlow has one (B2); torch and JAX both jacrev and
     jacfwd, except where forward mode is hopeless (k >= 8 m, as in the steady table); the
     second-order workloads one each (:mod:`batchjac._bench.second`)."""
+    backend = framework(backend)
     if backend == "tensorflow" or _second.is_second(workload):
         return [None]
     k, m = shapes(workload)
@@ -90,7 +100,7 @@ def native_variants(workload: str, backend: str) -> list[str | None]:
 def native_name(backend: str, variant: str | None, workload: str = "W1") -> str:
     if _second.is_second(workload):
         return _second.native_name(workload, backend)
-    return NATIVE_NAME[backend].format(variant)
+    return NATIVE_NAME[framework(backend)].format(variant)
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,6 +111,15 @@ def _native(backend: str, model: Any, variant: str | None, workload: str = "W1"
             ) -> Callable[[np.ndarray, np.ndarray | None], np.ndarray]:
     if _second.is_second(workload):
         return _second.native(workload, backend, model)
+    if backend == "keras-jax":  # the model's stateless call, its variables' values closed over
+        trainable = [v.value for v in model.trainable_variables]
+        fixed = [v.value for v in model.non_trainable_variables]
+        keras_model = model
+
+        def model(x: Any) -> Any:
+            return keras_model.stateless_call(trainable, fixed, x, training=False)[0]
+
+    backend = framework(backend)
     if backend == "tensorflow":
         from . import tf_baselines as tfb
 
@@ -137,12 +156,20 @@ def first_call(side: str, workload: str, backend: str, n: int, *, variant: str |
     the data (untimed by the rest). ``check`` names a .npy file to save the first
     ``CHECK_ROWS`` rows of the Jacobian to."""
     t0 = time.perf_counter()
+    if backend in KERAS:  # (read by Keras when it is imported)
+        os.environ["KERAS_BACKEND"] = KERAS[backend]
     import batchjac
     from batchjac.examples import workload_inputs, workload_model
 
-    _import_baselines(backend)
+    _import_baselines(framework(backend))
     if _second.is_second(workload):
         model, unknown, known = _second.model_and_inputs(workload, backend, n)
+    elif backend in KERAS:
+        from batchjac._examples import keras as keras_examples
+        from batchjac.examples import WORKLOADS
+
+        model = keras_examples.mlp(WORKLOADS[workload].sizes)
+        unknown, known = workload_inputs(workload, n)
     else:
         model = workload_model(workload, backend)
         unknown, known = workload_inputs(workload, n)
@@ -237,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("side", choices=["batchjac", "native", "batchjac-settle", "batchjac-loop"])
     p.add_argument("workload", choices=["W1", "W2", "W3", "W4", *_second.SECOND])
-    p.add_argument("backend", choices=["tensorflow", "torch", "jax"])
+    p.add_argument("backend", choices=["tensorflow", "torch", "jax", *KERAS])
     p.add_argument("n", type=int)
     p.add_argument("--variant", choices=["jacrev", "jacfwd"], default=None,
                    help="native torch/JAX: which transform (default jacrev)")

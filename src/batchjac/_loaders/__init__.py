@@ -65,10 +65,11 @@ def load_model(ref: str, *, trust: bool = False) -> LoadedModel:
     suffix = path.suffix.lower()
     if suffix in KERAS_SUFFIXES:
         _check_keras_file(ref, suffix)
-        from . import tensorflow as tf_loader
+        from . import keras as keras_loader
 
-        model = _guard(ref, lambda: tf_loader.load_keras(ref, trust=trust))
-        return LoadedModel(model, "tensorflow", file_fingerprint(ref), f"Keras model {ref}")
+        model = _guard(ref, lambda: keras_loader.load_keras(ref, trust=trust))
+        # computed on the backend Keras runs on (KERAS_BACKEND): detected from the model
+        return LoadedModel(model, None, file_fingerprint(ref), f"Keras model {ref}")
     if suffix in TORCHSCRIPT_SUFFIXES:
         from . import torch as torch_loader
 

@@ -1,4 +1,4 @@
-"""Keras files and TensorFlow SavedModels (imports TensorFlow; a framework module)."""
+"""TensorFlow SavedModels (imports TensorFlow; a framework module). Keras files: :mod:`.keras`."""
 
 from __future__ import annotations
 
@@ -10,24 +10,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf
 
 from .._errors import ModelLoadError
-
-
-def load_keras(path: str, *, trust: bool) -> Any:
-    """A ``.keras``/``.h5`` model, with Keras' safe mode on unless ``trust``: a file that would
-    run code while loading (e.g. a ``Lambda`` layer's pickled function) is refused."""
-    import keras
-
-    try:
-        return keras.saving.load_model(path, compile=False, safe_mode=not trust)
-    except ValueError as e:
-        text = str(e)
-        if not trust and ("safe_mode" in text or "unsafe" in text.lower() or "Lambda" in text):
-            raise ModelLoadError(
-                f"Keras refused to load {path!r} in safe mode: it contains code that would run "
-                f"while loading (a Lambda layer or a custom object). If you trust the file, pass "
-                f"--trust-model."
-            ) from e
-        raise
 
 
 def load_saved_model(path: str) -> Any:
@@ -68,4 +50,4 @@ def load_saved_model(path: str) -> Any:
                          f"callable; export it with a signature (model.export(path)).")
 
 
-__all__ = ["load_keras", "load_saved_model", "tf"]
+__all__ = ["load_saved_model", "tf"]

@@ -66,13 +66,13 @@ from .._base import (
     Signature,
     user_stacklevel,
 )
-from . import compat
+from . import compat, kinds
 from .builds import JaxKernel as JaxKernel
 from .ops import JaxOps as JaxOps
 from .second import JaxSecondKernel as JaxSecondKernel
 from .staleness import _captured_values, _is_array, _same_values, _Sites
 
-_OPTIONS = ("params", "per_instance", "device")
+_OPTIONS = ("params", "per_instance", "device", "state")
 _X64_FIX = (
     'call jax.config.update("jax_enable_x64", True) at the start of the program (before '
     "creating any JAX array), or compute in float32 with dtype='float32'"
@@ -136,30 +136,6 @@ class _Split:
 _NO_PARAMS = object()
 
 
-def _linen_apply(model: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """A Flax Linen module as the function of its variables and a batch that it is
-    (``module.apply``), with its variables as params: given with ``backend_options``, or held
-    by a bound module (``module.bind(variables)``). Anything else as it is."""
-    linen = sys.modules.get("flax.linen")
-    if linen is None or not isinstance(model, linen.Module):
-        return model, kwargs
-    name = type(model).__name__
-    if getattr(model, "scope", None) is not None:  # bound: it holds its variables
-        if kwargs:
-            raise InputError(
-                f"The Flax Linen module {name} is bound to its variables already, and "
-                f"backend_options['params'] gives others: pass the unbound module with "
-                f"params, or the bound module alone.")
-        module, variables = model.unbind()
-        return module.apply, {"params": variables}
-    if not kwargs:
-        raise InputError(
-            f"A Flax Linen module ({name}) computes with variables it does not hold: pass "
-            f"them, batchjac.jacobian(module, x, backend_options={{'params': variables}}) "
-            f"(what {name}.init returned), or the bound module, module.bind(variables).")
-    return model.apply, kwargs
-
-
 def _immutable(tree: Any) -> bool:
     """Whether a pytree model cannot take new arrays in place: a frozen dataclass, or an
     Equinox module (frozen by Equinox after its ``__init__``). A Flax NNX module can."""
@@ -201,8 +177,7 @@ class JaxBound(BoundModel):
         #: before they choose their own, so that sizes are compared alike
         self.hint: tuple[str, bool] | None = None
         self._x64 = x64_enabled()
-        self._sites = _Sites()
-        self._captured = _captured_values(model, self._sites)
+        self._sites, self._captured = self._walk()
         #: modes that failed to trace for this model where the other one worked (JAX traces
         #: the same for every chunk size): kernels then compute the other mode at once
         self.failed: dict[Mode, str] = {}
@@ -234,6 +209,10 @@ class JaxBound(BoundModel):
     def update(self, **options: Any) -> None:
         """New params of the same structure (see ``JaxBackend.options_key``): no recompilation."""
         params = options.get("params", self._params)
+        if "state" in options:  # (a Haiku function with state: both are its params)
+            params = (params, options["state"])
+            if self._params is not None and all(a is b for a, b in zip(params, self._params)):
+                return
         if not self.has_params or params is self._params:
             return
         new = _Split(params, self.device)
@@ -249,21 +228,19 @@ class JaxBound(BoundModel):
         # or a frozen dataclass: _immutable) may hold new arrays since: its leaves are read again
         same = self._model_split.same(self.model) if self._mutable_tree else True
         if same is None:
-            # new values in its leaves (NNX: ``layer.kernel[...] *= 0.5``): the kernels'
-            # arguments change, nothing is traced again; True, as the model changed under a
-            # result computed before this check (the fast path's launched call)
+            # new values in its leaves (NNX: ``layer.kernel[...] *= 0.5``; a Keras model's
+            # ``assign``): the kernels' arguments change, nothing is traced again unless a
+            # value baked into the traces changed too (below); True, as the model changed
+            # under a result computed before this check (the fast path's launched call)
             self._model_split = _Split(self.model, self.device)
-            return True
-        restructured = same is False
-        if not restructured and self._x64 == x64_enabled() and self._sites.unchanged():
+        elif same and self._x64 == x64_enabled() and self._sites.unchanged():
             return False  # every value the traces baked in is still where it was read
-        sites = _Sites()
-        captured = _captured_values(self.model, sites)
+        sites, captured = self._walk()
         changed = sites.contents() != self._sites.contents()  # a numpy array changed in place
         self._sites = sites
         self._warn_unwatched()
-        if restructured or self._x64 != x64_enabled() or not _same_values(captured, self._captured) \
-                or changed:
+        if same is False or self._x64 != x64_enabled() or \
+                not _same_values(captured, self._captured) or changed:
             # the x64 mode changes the dtypes of traced arrays; rebound closure values (or
             # numpy arrays changed in place) would be stale constants in the compiled
             # kernels: trace everything again
@@ -277,7 +254,15 @@ class JaxBound(BoundModel):
             self._x64 = x64_enabled()
             self._captured = captured
             return True
-        return False
+        return same is None
+
+    def _walk(self) -> tuple[_Sites, list[Any]]:
+        """The values the traces bake in, and where they were read: those the model reaches
+        less its own pytree leaves, which are the kernels' arguments (a mutable pytree's
+        new leaves then cost no new trace, at this call or the next)."""
+        sites = _Sites()
+        leaves = {id(a) for a in self._model_split.leaves}
+        return sites, [v for v in _captured_values(self.model, sites) if id(v) not in leaves]
 
     # -- model call --------------------------------------------------------------------------
     def _call(self, args: tuple[list[Any], list[Any]], u: Any, ctx: tuple[Any, ...]) -> Any:
@@ -352,6 +337,10 @@ class JaxBound(BoundModel):
                 f"`if`/`for` on array values."
             )
         hints = []
+        if "RNG" in text and "apply" in text:  # a Haiku apply function passed as it is
+            hints.append("For a Haiku function, pass the transformed function itself (what "
+                         "hk.transform returned) with backend_options={'params': params}: "
+                         "batchjac calls its apply without an RNG.")
         if not self.has_params and isinstance(e, TypeError) and "positional argument" in text:
             hints.append("If the model is f(params, x), pass backend_options={'params': params}.")
         if not self.per_instance and any(w in text.lower() for w in ("shape", "dimension", "rank")):
@@ -363,6 +352,21 @@ class JaxBound(BoundModel):
                          "dtype), or use dtype='float32'.")
         return ModelError(f"Calling the model failed: {text[:2000]}" +
                           "".join(f" {h}" for h in hints))
+
+    def maps_one_instance(self) -> bool:
+        """Whether the model runs on one instance (no batch axis): the convention of its
+        kind (an Equinox module) when the model leaves it open. Probed by shapes alone
+        (``jax.eval_shape``: nothing computed). A model that runs on a batch too computes
+        the same rows either way, vmapped."""
+        sig = self.signature
+        u = jax.ShapeDtypeStruct(tuple(sig.unknown_shape), sig.dtype)
+        ctx = tuple(jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dt))
+                    for shape, dt in sig.ctx)
+        try:
+            jax.eval_shape(lambda a, u_i, c_i: self._call(a, u_i, c_i), self.args, u, ctx)
+        except Exception:
+            return False
+        return True
 
     def _instance_fn(self, args: tuple[list[Any], list[Any]]
                      ) -> Callable[[Any, tuple[Any, ...]], Any]:
@@ -533,6 +537,20 @@ class JaxBound(BoundModel):
         return JaxSecondKernel(self, kind, order, chunk_size, with_outputs, with_jacobian)
 
 
+def _sample(signature: Signature) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Two rows of the model's inputs (halves and ones, in their dtypes), as the model takes
+    them: positional, or by name (a Keras clone is built on them)."""
+    lay = signature.layout
+    u = np.full((2, *signature.unknown_shape), 0.5, signature.dtype)
+    ctx = tuple(np.ones((2, *shape), dt) for shape, dt in signature.ctx)
+    inputs = assemble(lay, u, ctx, concat=lambda xs: np.concatenate(xs, axis=-1),
+                      take=lambda x, idx: np.take(x, list(idx), axis=-1))
+    if lay.kind == "dict":
+        assert lay.keys is not None
+        return (), dict(zip(lay.keys, inputs))
+    return tuple(inputs), {}
+
+
 def _leaf_key(leaf: Any) -> Hashable:
     if _is_array(leaf):
         return ("array", tuple(np.shape(leaf)), str(leaf.dtype))
@@ -583,25 +601,30 @@ class JaxBackend(Backend):
                 f"'params' for a model f(params, x), 'per_instance' (bool) for a model that "
                 f"maps one instance, not a batch."
             )
-        per_instance = options.get("per_instance", False)
-        if not isinstance(per_instance, (bool, np.bool_)):
+        per_instance = options.get("per_instance")
+        if per_instance is not None and not isinstance(per_instance, (bool, np.bool_)):
             raise InputError(
                 f"backend_options['per_instance'] must be True or False; got {per_instance!r}."
             )
+        guess = per_instance is None and kinds.per_instance(model)
+        model, kwargs = kinds.as_function(model, options)
         if not callable(model):
             raise InputError(
                 f"`model` must be callable (a function of a batch, f(x), or f(params, x) with "
                 f"backend_options={{'params': params}}); got {type(model).__name__}."
             )
         _require_x64(signature.dtype)
-        model, kwargs = _linen_apply(model, {"params": options["params"]} if "params" in options
-                                     else {})
         device = options.get("device")
         if device is not None and not isinstance(device, jax.Device):
             raise InputError(f"backend_options['device'] must be a jax.Device (e.g. "
                              f"jax.devices()[0]); got {device!r}.")
-        return JaxBound(model, signature, per_instance=bool(per_instance), device=device,
-                        **kwargs)
+        if isinstance(model, kinds.KerasStateless) and signature.dtype == np.float64:
+            model = model.widened(*_sample(signature))
+        bound = JaxBound(model, signature, per_instance=bool(per_instance), device=device,
+                         **kwargs)
+        if guess:
+            bound.per_instance = bound.maps_one_instance()
+        return bound
 
     def device_options(self, model: Any, device: Any, options: dict[str, Any]) -> dict[str, Any]:
         """Arrays committed to a device other than the default one: the kernels are compiled
@@ -615,7 +638,7 @@ class JaxBackend(Backend):
         (their values are kernel arguments, see :meth:`JaxBound.update`)."""
         key: list[Any] = []
         for name, value in sorted(options.items()):
-            if name == "params":
+            if name in ("params", "state"):
                 leaves, treedef = jax.tree_util.tree_flatten(value)
                 try:
                     hash(treedef)

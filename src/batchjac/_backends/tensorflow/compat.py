@@ -288,57 +288,11 @@ def not_converted(package: str) -> None:
 
 # -- 9: the Keras float64 clone --------------------------------------------------------------
 
-def widen_config(cfg: Any) -> Any:
-    """A Keras config with every dtype (layers' policies, Input layers, tensors) set to float64:
-    Keras 2 and 3 name it ``dtype``, as a string or a serialised policy."""
-    if isinstance(cfg, dict):
-        out = {k: widen_config(v) for k, v in cfg.items()}
-        if isinstance(out.get("dtype"), (str, dict)):
-            out["dtype"] = "float64"
-        return out
-    if isinstance(cfg, list):
-        return [widen_config(v) for v in cfg]
-    return cfg
-
-
-def clone_from_config(keras: Any, model: Any) -> Any:
-    """A new model from ``model``'s config, every dtype widened to float64: Keras's
-    serialisation where it has one that round-trips the model, else the class's
-    ``from_config``."""
-    saving: Any = getattr(keras, "saving", None)
-    try:
-        return saving.deserialize_keras_object(widen_config(saving.serialize_keras_object(model)))
-    except Exception:  # (no such serialisation, or one that does not round-trip this model)
-        return type(model).from_config(widen_config(model.get_config()))
-
-
-def _policy_api(keras: Any) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
-    for home, get, put in (("config", "dtype_policy", "set_dtype_policy"),
-                           ("mixed_precision", "global_policy", "set_global_policy")):
-        where = getattr(keras, home, None)
-        getter, setter = getattr(where, get, None), getattr(where, put, None)
-        if callable(getter) and callable(setter):
-            return getter, setter
-    return None
-
-
-@contextlib.contextmanager
-def dtype_policy(keras: Any, name: str) -> Iterator[None]:
-    """Keras's global dtype policy set to ``name`` (what sublayers made in a subclass's
-    ``__init__`` take): ``keras.config.set_dtype_policy``, or Keras 2's
-    ``mixed_precision.set_global_policy``; nothing where neither exists (layers keep their
-    own dtype, and the clone's weights are checked)."""
-    api = _policy_api(keras)
-    if api is None:
-        yield
-        return
-    getter, setter = api
-    old = getter()
-    setter(name)
-    try:
-        yield
-    finally:
-        setter(old)
+# (the Keras config schema and the global dtype policy are Keras's, whatever its backend:
+# batchjac._keras_compat, where the JAX backend's Keras models use them too)
+widen_config = _keras_compat.widen_config
+clone_from_config = _keras_compat.clone_from_config
+dtype_policy = _keras_compat.dtype_policy
 
 
 # -- 10, 11: re-creating graph operations, and the op-type tables ----------------------------

@@ -21,9 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from ..._errors import InputError
+from ... import _keras_compat
 from . import compat
 
 #: Keras layers that act on each row alone, whatever their settings
@@ -95,52 +93,11 @@ def is_keras(model: Any) -> bool:
 
 
 def float64_copy(model: Any, build: Callable[[Any], None]) -> Any:
-    """A float64 clone of a Keras model with the same weights, or raise InputError.
-
-    Rebuilt from its config with every dtype widened, so Input layers are float64 too (a
-    float32 Input would round the inputs before the first layer). ``build`` calls the clone
-    once on a float64 sample, which builds subclassed models.
-    """
+    """A float64 clone of a Keras model with the same weights (the model itself where its
+    weights are float64 already), or raise InputError (:func:`batchjac._keras_compat.
+    float64_clone`)."""
     keras = compat.keras_module()
     assert keras is not None
     if all(w.dtype == "float64" for w in model.weights):
         return model
-    with compat.dtype_policy(keras, "float64"):  # sublayers made in a subclass's __init__
-        try:
-            clone = compat.clone_from_config(keras, model)
-            build(clone)
-            clone.set_weights([np.asarray(w, np.float64) if np.asarray(w).dtype.kind == "f" else w
-                               for w in model.get_weights()])
-        except Exception as e:
-            raise InputError(
-                f"float64 was asked for (dtype='float64' or float64 inputs), but this Keras model "
-                f"({type(model).__name__}) could not be cloned in float64 "
-                f"({compat.framework_versions()}): {type(e).__name__}: {e}. "
-                f"Build the model with dtype='float64', make it serialisable (get_config/"
-                f"from_config), or compute in float32 with dtype='float32'."
-            ) from e
-    if any(str(w.dtype).startswith("float") and w.dtype != "float64" for w in clone.weights):
-        raise InputError(
-            f"float64 was asked for, but the float64 clone of {type(model).__name__} still has "
-            f"float32 weights (its layers pin their dtype; {compat.framework_versions()}). "
-            f"Build it with dtype='float64' or use dtype='float32'."
-        )
-    narrow = [d for d in _input_dtypes(clone) if "float" in d and d != "float64"]
-    if narrow:  # (its Input layers would round the inputs to float32 before the first layer)
-        raise InputError(
-            f"float64 was asked for, but the float64 clone of {type(model).__name__} still takes "
-            f"{narrow[0]} inputs: this Keras's config of its Input layers was not widened "
-            f"({compat.framework_versions()}). Build it with dtype='float64' or use "
-            f"dtype='float32'."
-        )
-    return clone
-
-
-def _input_dtypes(model: Any) -> list[str]:
-    """The dtypes of a Keras model's declared inputs (none for a subclassed model)."""
-    try:
-        inputs = list(getattr(model, "inputs", None) or [])
-    except Exception:
-        return []
-    return [str(getattr(dtype, "name", dtype)) for dtype in
-            (getattr(t, "dtype", None) for t in inputs) if dtype is not None]
+    return _keras_compat.float64_clone(keras, model, build, compat.framework_versions())

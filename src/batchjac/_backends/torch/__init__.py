@@ -201,6 +201,9 @@ class TorchBound(BoundModel):
                  device: Any = None) -> None:
         super().__init__(signature)
         self.model = model
+        #: a Keras 3 model on the PyTorch backend (a torch.nn.Module): its inputs go in as
+        #: Keras takes several, one list or one dict
+        self.is_keras = any((c.__module__ or "").startswith("keras") for c in type(model).__mro__)
         self.module = _owner_module(model)
         self.train_mode = train_mode
         self.dtype: torch.dtype = getattr(torch, np.dtype(signature.dtype).name)
@@ -338,6 +341,8 @@ class TorchBound(BoundModel):
         else:
             assert lay.keys is not None
             args, kwargs = (), dict(zip(lay.keys, inputs))
+        if self.is_keras and (len(args) > 1 or kwargs):  # Keras takes a list, or a dict
+            args, kwargs = ((list(args) if args else kwargs),), {}
         if state:
             y = torch.func.functional_call(self.model, state, args, kwargs)
         else:
@@ -361,6 +366,13 @@ class TorchBound(BoundModel):
         if not y.is_floating_point():
             raise ModelError(f"The model output has dtype {y.dtype}; it must be floating.")
         if self.dtype == torch.float64 and y.dtype != torch.float64:
+            if self.is_keras:
+                raise ModelError(
+                    f"float64 was asked for, but this Keras model on the PyTorch backend "
+                    f"returned {y.dtype}: Keras computes in its layers' dtype and turns 64-bit "
+                    f"results into 32-bit ones outside TensorFlow (keras.backend.result_type). "
+                    f"Use dtype='float32', or run it with KERAS_BACKEND=tensorflow, where "
+                    f"Keras computes in float64.")
             raise ModelError(
                 f"float64 was asked for (dtype='float64' or float64 inputs), but the model "
                 f"returned {y.dtype}: it computes in lower precision inside. Pass the "
