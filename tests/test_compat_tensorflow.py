@@ -361,17 +361,17 @@ def test_9_the_float64_clone_without(missing: str, monkeypatch: pytest.MonkeyPat
     assert_jac_close(jac, jac_ref(u, h), np.float64)
 
 
-def _widen_all_but_inputs(cfg: Any) -> Any:
+def _widen_all_but_inputs(cfg: Any, dtype: str = "float64") -> Any:
     """The widening of a Keras whose Input layers' config it does not know."""
     if isinstance(cfg, dict) and cfg.get("class_name") == "InputLayer":
         return cfg
     if isinstance(cfg, dict):
-        out = {k: _widen_all_but_inputs(v) for k, v in cfg.items()}
+        out = {k: _widen_all_but_inputs(v, dtype) for k, v in cfg.items()}
         if isinstance(out.get("dtype"), (str, dict)):
-            out["dtype"] = "float64"
+            out["dtype"] = dtype
         return out
     if isinstance(cfg, list):
-        return [_widen_all_but_inputs(v) for v in cfg]
+        return [_widen_all_but_inputs(v, dtype) for v in cfg]
     return cfg
 
 

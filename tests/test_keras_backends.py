@@ -96,6 +96,11 @@ CHILD = textwrap.dedent("""
         out["softplus64"] = err(batchjac.jacobian(soft, x64), exact)
     except (batchjac.InputError, batchjac.ModelError) as e:
         out["softplus64"] = str(e)
+    mixed = keras.Model(inp, keras.layers.Dense(3, dtype="mixed_bfloat16")(
+        keras.layers.Dense(16, activation="tanh", dtype="mixed_bfloat16")(inp)))
+    w = [np.asarray(v, np.float64) for v in mixed.get_weights()]
+    exact = np.einsum("ho,nh,ih->noi", w[2], 1 - np.tanh(x @ w[0] + w[1]) ** 2, w[0])
+    out["mixed"] = err(batchjac.jacobian(mixed, x), exact)
     try:
         batchjac.jacobian(model, x, backend="tensorflow")
     except batchjac.InputError as e:
@@ -140,6 +145,9 @@ def test_a_keras_model_on_another_keras_backend(backend: str, tmp_path: Path) ->
         assert isinstance(out["softplus64"], float), out
         assert out["softplus64"] < 1e-12, out
     assert f"backend={backend!r}" in out.get("asked_tf", ""), out
+    # a mixed-precision model: JAX differentiates a float32 clone; Keras on PyTorch computes
+    # in its layers' bfloat16 (README, "Model kinds")
+    assert out["mixed"] < (1e-5 if backend == "jax" else 2e-2), out
     assert not out["imported_tf"], out  # (batchjac did not import TensorFlow for it)
 
     # the file saved under this backend, computed by the command line under the other one

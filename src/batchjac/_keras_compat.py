@@ -68,30 +68,43 @@ def config(model: Any) -> Any:
             memo[LAZY_MEMO] = None
 
 
-# -- the float64 clone of a Keras model (the TensorFlow backend's and the JAX backend's) ------
+# -- the widened clone of a Keras model (float64, or float32 for a half-precision model; the
+# TensorFlow backend's and the JAX backend's) ------------------------------------------------
 
-def widen_config(cfg: Any) -> Any:
-    """A Keras config with every dtype (layers' policies, Input layers, tensors) set to float64:
-    Keras 2 and 3 name it ``dtype``, as a string or a serialised policy."""
+#: Keras's half-precision compute dtypes (a layer's ``compute_dtype``, e.g. under the
+#: "mixed_bfloat16" policy): such a model is differentiated through a float32 clone
+HALF = ("float16", "bfloat16")
+
+
+def computes_in_half(model: Any) -> bool:
+    """Whether a layer of the Keras ``model`` computes in half precision (its policy)."""
+    layers = flattened(model, include_self=True) or [model, *getattr(model, "layers", [])]
+    return any(str(getattr(layer, "compute_dtype", "")) in HALF for layer in layers)
+
+
+def widen_config(cfg: Any, dtype: str = "float64") -> Any:
+    """A Keras config with every dtype (layers' policies, Input layers, tensors) set to
+    ``dtype``: Keras 2 and 3 name it ``dtype``, as a string or a serialised policy."""
     if isinstance(cfg, dict):
-        out = {k: widen_config(v) for k, v in cfg.items()}
+        out = {k: widen_config(v, dtype) for k, v in cfg.items()}
         if isinstance(out.get("dtype"), (str, dict)):
-            out["dtype"] = "float64"
+            out["dtype"] = dtype
         return out
     if isinstance(cfg, list):
-        return [widen_config(v) for v in cfg]
+        return [widen_config(v, dtype) for v in cfg]
     return cfg
 
 
-def clone_from_config(keras: Any, model: Any) -> Any:
-    """A new model from ``model``'s config, every dtype widened to float64: Keras's
+def clone_from_config(keras: Any, model: Any, dtype: str = "float64") -> Any:
+    """A new model from ``model``'s config, every dtype set to ``dtype``: Keras's
     serialisation where it has one that round-trips the model, else the class's
     ``from_config``."""
     saving: Any = getattr(keras, "saving", None)
     try:
-        return saving.deserialize_keras_object(widen_config(saving.serialize_keras_object(model)))
+        return saving.deserialize_keras_object(
+            widen_config(saving.serialize_keras_object(model), dtype))
     except Exception:  # (no such serialisation, or one that does not round-trip this model)
-        return type(model).from_config(widen_config(model.get_config()))
+        return type(model).from_config(widen_config(model.get_config(), dtype))
 
 
 def _policy_api(keras: Any) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
@@ -123,42 +136,47 @@ def dtype_policy(keras: Any, name: str) -> Iterator[None]:
         setter(old)
 
 
-def float64_clone(keras: Any, model: Any, build: Callable[[Any], None], versions: str) -> Any:
-    """A float64 clone of a Keras model with the same weights, or raise InputError.
+def float64_clone(keras: Any, model: Any, build: Callable[[Any], None], versions: str,
+                  dtype: str = "float64") -> Any:
+    """A clone of a Keras model in ``dtype`` (float64; float32 for a model that computes in
+    half precision) with the same weights, or raise InputError.
 
-    Rebuilt from its config with every dtype widened, so Input layers are float64 too (a
-    float32 Input would round the inputs before the first layer). ``build`` calls the clone
-    once on a float64 sample, which builds subclassed models. ``versions`` names the
-    framework versions in the errors. Its weights are set from the model's once; a caller
-    that reads the model's weights at each call (the JAX backend) gives them itself.
+    Rebuilt from its config with every dtype widened, so Input layers are widened too (a
+    narrower Input would round the inputs before the first layer). ``build`` calls the clone
+    once on a sample, which builds subclassed models. ``versions`` names the framework
+    versions in the errors. Its weights are set from the model's once; a caller that reads
+    the model's weights at each call (the JAX backend) gives them itself.
     """
-    with dtype_policy(keras, "float64"):  # sublayers made in a subclass's __init__
+    asked = (f"{dtype} was asked for (dtype='float64' or float64 inputs)" if dtype == "float64"
+             else f"this Keras model computes in half precision (its dtype policy), and batchjac "
+                  f"differentiates it in {dtype}")
+    with dtype_policy(keras, dtype):  # sublayers made in a subclass's __init__
         try:
-            clone = clone_from_config(keras, model)
+            clone = clone_from_config(keras, model, dtype)
             build(clone)
-            clone.set_weights([np.asarray(w, np.float64) if np.asarray(w).dtype.kind == "f" else w
+            clone.set_weights([np.asarray(w, dtype) if np.asarray(w).dtype.kind == "f" else w
                                for w in model.get_weights()])
         except Exception as e:
             raise InputError(
-                f"float64 was asked for (dtype='float64' or float64 inputs), but this Keras model "
-                f"({type(model).__name__}) could not be cloned in float64 "
-                f"({versions}): {type(e).__name__}: {e}. "
-                f"Build the model with dtype='float64', make it serialisable (get_config/"
-                f"from_config), or compute in float32 with dtype='float32'."
+                f"{asked}, but this Keras model ({type(model).__name__}) could not be cloned in "
+                f"{dtype} ({versions}): {type(e).__name__}: {e}. Build the model with "
+                f"dtype='{dtype}', make it serialisable (get_config/from_config)"
+                + (", or compute in float32 with dtype='float32'." if dtype == "float64" else ".")
             ) from e
-    if any(str(w.dtype).startswith("float") and w.dtype != "float64" for w in clone.weights):
+    if any(str(w.dtype).startswith("float") and w.dtype != dtype for w in clone.weights):
         raise InputError(
-            f"float64 was asked for, but the float64 clone of {type(model).__name__} still has "
-            f"float32 weights (its layers pin their dtype; {versions}). "
-            f"Build it with dtype='float64' or use dtype='float32'."
+            f"{asked}, but the {dtype} clone of {type(model).__name__} still has weights of "
+            f"another float dtype (its layers pin their dtype; {versions}). "
+            f"Build it with dtype='{dtype}'" + (" or use dtype='float32'." if dtype == "float64"
+                                                 else ".")
         )
-    narrow = [d for d in _input_dtypes(clone) if "float" in d and d != "float64"]
-    if narrow:  # (its Input layers would round the inputs to float32 before the first layer)
+    narrow = [d for d in _input_dtypes(clone) if "float" in d and d != dtype]
+    if narrow:  # (its Input layers would round the inputs before the first layer)
         raise InputError(
-            f"float64 was asked for, but the float64 clone of {type(model).__name__} still takes "
+            f"{asked}, but the {dtype} clone of {type(model).__name__} still takes "
             f"{narrow[0]} inputs: this Keras's config of its Input layers was not widened "
-            f"({versions}). Build it with dtype='float64' or use "
-            f"dtype='float32'."
+            f"({versions}). Build it with dtype='{dtype}'"
+            + (" or use dtype='float32'." if dtype == "float64" else ".")
         )
     return clone
 

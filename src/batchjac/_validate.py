@@ -104,8 +104,9 @@ def _refuse_low_precision(obj: Any, dtype_name: str, name: str) -> None:
     cast = _CAST_HINT[_framework(obj)].format(n=_as_code(name))
     raise InputTypeError(
         f"`{name}` is {dtype_name} ({_what(obj)}); batchjac computes in float32 or float64 "
-        f"today and does not take {dtype_name} inputs (nor does it round them silently). Cast "
-        f"it first: {cast} (float16 inputs are computed in float32 as they are).")
+        f"and takes float16 inputs (computed in float32) but not {dtype_name} ones. Widen it "
+        f"first, which is exact: {cast}. A model of any precision is differentiated in "
+        f"float32 (its half-precision weights and layers widened).")
 
 
 def _not_dense(obj: Any) -> tuple[str, str] | None:

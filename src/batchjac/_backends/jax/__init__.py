@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ... import _keras_compat
 from ..._errors import InputError, ModelError, UnwatchedValuesWarning
 from ..._spec import assemble
 from .._base import (
@@ -618,8 +619,9 @@ class JaxBackend(Backend):
         if device is not None and not isinstance(device, jax.Device):
             raise InputError(f"backend_options['device'] must be a jax.Device (e.g. "
                              f"jax.devices()[0]); got {device!r}.")
-        if isinstance(model, kinds.KerasStateless) and signature.dtype == np.float64:
-            model = model.widened(*_sample(signature))
+        if isinstance(model, kinds.KerasStateless) and (
+                signature.dtype == np.float64 or _keras_compat.computes_in_half(model.model)):
+            model = model.widened(*_sample(signature), np.dtype(signature.dtype).name)
         bound = JaxBound(model, signature, per_instance=bool(per_instance), device=device,
                          **kwargs)
         if guess:

@@ -99,67 +99,71 @@ class KerasStateless:
                                           training=False)
         return y
 
-    def widened(self, sample: tuple[Any, ...], named: dict[str, Any]) -> KerasStateless:
-        """The model computed in float64 (Keras layers cast their inputs to their own dtype,
-        so a float32 model given float64 values still computes in float32): a clone whose
-        layers are float64, built on ``sample`` (or ``named``), that takes the model's
-        current values, cast, at each call. The model itself where it is float64."""
+    def widened(self, sample: tuple[Any, ...], named: dict[str, Any], dtype: str = "float64"
+                ) -> KerasStateless:
+        """The model computed in ``dtype`` (Keras layers cast their inputs to their own
+        dtype, so a float32 model given float64 values still computes in float32, and a
+        mixed-precision one in half precision): a clone whose layers are ``dtype``, built on
+        ``sample`` (or ``named``), that takes the model's current values, cast, at each
+        call. The model itself where it computes in ``dtype`` already."""
         model = self.model
         keras = sys.modules["keras"]
         versions = f"Keras {getattr(keras, '__version__', '?')}, JAX {jax.__version__}"
         wide = self
-        if not all(str(w.dtype) == "float64" for w in model.weights if "float" in str(w.dtype)):
+        if _keras_compat.computes_in_half(model) or not all(
+                str(w.dtype) == dtype for w in model.weights if "float" in str(w.dtype)):
             clone = _keras_compat.float64_clone(
-                keras, model, lambda c: c(_keras_inputs(sample, named), training=False), versions)
+                keras, model, lambda c: c(_keras_inputs(sample, named), training=False), versions,
+                dtype)
             shapes = [[tuple(v.shape) for v in m.trainable_variables] +
                       [tuple(v.shape) for v in m.non_trainable_variables] for m in (model, clone)]
             if shapes[0] != shapes[1]:
                 raise InputError(
-                    f"float64 was asked for, but the float64 clone of {type(model).__name__} "
+                    f"{dtype} was asked for, but the {dtype} clone of {type(model).__name__} "
                     f"holds other variables than the model ({versions}). Build the model with "
-                    f"dtype='float64', or use dtype='float32'.")
+                    f"dtype='{dtype}'.")
             wide = KerasStateless(model, None, clone)
         # Keras's own type promotion outside TensorFlow turns 64-bit results into 32-bit ones
         # (keras.backend.result_type: "aligned with JAX's default"): ops such as its tanh
         # compute a float64 tensor in float32. Results that are float64 in name only are
         # refused; a model whose every step stays float64 is computed in float64
-        narrow = _narrowing_step(wide, sample, named)
+        narrow = _narrowing_step(wide, sample, named, dtype)
         if narrow is not None:
             raise InputError(
-                f"float64 was asked for, but this Keras model on the JAX backend computes in "
-                f"float32 inside even with float64 weights and inputs ({narrow}; Keras turns "
+                f"{dtype} was asked for, but this Keras model on the JAX backend computes in "
+                f"a narrower dtype inside even with {dtype} weights and inputs ({narrow}; Keras turns "
                 f"64-bit results into 32-bit ones outside TensorFlow: "
                 f"keras.backend.result_type; {versions}). Use dtype='float32', or run it with "
                 f"KERAS_BACKEND=tensorflow, where Keras computes in float64.")
         return wide
 
 
-def _narrowing_step(model: KerasStateless, sample: tuple[Any, ...], named: dict[str, Any]
-                    ) -> str | None:
-    """The first step of ``model``'s computation, traced on float64 values, whose result is
-    a narrower float (``"tanh to float32"``), or None."""
+def _narrowing_step(model: KerasStateless, sample: tuple[Any, ...], named: dict[str, Any],
+                    dtype: str) -> str | None:
+    """The first step of ``model``'s computation, traced on ``dtype`` values, whose result
+    is a narrower float (``"tanh to float32"``), or None."""
     values = jax.tree_util.tree_map(
-        lambda a: a.astype("float64") if jnp.issubdtype(a.dtype, jnp.floating) else a,
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
         model.values())
 
     def call(values: Any, inputs: Any, named: Any) -> Any:
         return KerasStateless(model.model, values, model.runner)(*inputs, **named)
 
     jaxpr = jax.make_jaxpr(call)(values, sample, named)
-    return _first_narrow(jaxpr.jaxpr)
+    return _first_narrow(jaxpr.jaxpr, jnp.dtype(dtype).itemsize)
 
 
-def _first_narrow(jaxpr: Any) -> str | None:
+def _first_narrow(jaxpr: Any, width: int) -> str | None:
     for eqn in jaxpr.eqns:
         for var in eqn.outvars:
             dtype = getattr(getattr(var, "aval", None), "dtype", None)
             if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and \
-                    jnp.dtype(dtype).itemsize < 8:
+                    jnp.dtype(dtype).itemsize < width:
                 return f"{eqn.primitive.name} to {jnp.dtype(dtype).name}"
         for param in eqn.params.values():
             inner = getattr(param, "jaxpr", param)
             if hasattr(inner, "eqns"):
-                found = _first_narrow(inner)
+                found = _first_narrow(inner, width)
                 if found is not None:
                     return found
     return None

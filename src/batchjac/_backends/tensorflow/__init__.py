@@ -66,12 +66,13 @@ class TFBound(BoundModel):
                     f"computes a Keras model in the framework Keras runs on)."
                 )
         self.tf_dtype = tf.as_dtype(signature.dtype)
-        self.synced = False  # whether self.model is a float64 copy to keep in step
+        self.synced = False  # whether self.model is a widened copy to keep in step
         if self.is_keras:
-            self.model = model
-            if signature.dtype == np.float64:
-                self.model = float64_copy(model, self._build_sample)
-                self.synced = self.model is not model
+            # float64 asked for, or a model computing in half precision (a mixed policy):
+            # its clone in the compute dtype, whose weights follow the model's (refresh)
+            self.model = model  # (the clone is built on a sample by way of it)
+            self.model = float64_copy(model, self._build_sample, np.dtype(signature.dtype).name)
+            self.synced = self.model is not model
         elif compat.is_tf_function(model):
             self.model = model
         else:
@@ -97,7 +98,7 @@ class TFBound(BoundModel):
     def _build_sample(self, clone: Any) -> None:
         """Call a fresh clone once on a 2-row float64 sample (builds subclassed models)."""
         sig = self.signature
-        u = tf.ones((2, *sig.unknown_shape), tf.float64) * 0.5
+        u = tf.ones((2, *sig.unknown_shape), self.tf_dtype) * 0.5
         ctx = tuple(tf.ones((2, *shape), tf.as_dtype(dt)) for shape, dt in sig.ctx)
         model, self.model = self.model, clone
         try:

@@ -92,12 +92,14 @@ def is_keras(model: Any) -> bool:
                for c in type(model).__mro__)
 
 
-def float64_copy(model: Any, build: Callable[[Any], None]) -> Any:
-    """A float64 clone of a Keras model with the same weights (the model itself where its
-    weights are float64 already), or raise InputError (:func:`batchjac._keras_compat.
-    float64_clone`)."""
+def float64_copy(model: Any, build: Callable[[Any], None], dtype: str = "float64") -> Any:
+    """A clone of a Keras model in ``dtype`` with the same weights (the model itself where
+    none is needed: float64 weights asked for float64, or a float32 model computing in float32),
+    or raise InputError (:func:`batchjac._keras_compat.float64_clone`)."""
     keras = compat.keras_module()
     assert keras is not None
-    if all(w.dtype == "float64" for w in model.weights):
+    if dtype == "float64" and all(w.dtype == "float64" for w in model.weights):
         return model
-    return _keras_compat.float64_clone(keras, model, build, compat.framework_versions())
+    if dtype != "float64" and not _keras_compat.computes_in_half(model):
+        return model
+    return _keras_compat.float64_clone(keras, model, build, compat.framework_versions(), dtype)
