@@ -29,6 +29,13 @@ from ._errors import InputError
 FLATTEN_LAYERS = "_flatten_layers"
 
 
+def is_keras(model: Any) -> bool:
+    """Whether ``model`` is a Keras (or tf_keras) object, by its classes' modules: nothing
+    imported, whatever backend Keras runs on."""
+    return any((c.__module__ or "").split(".")[0] in ("keras", "tf_keras")
+               for c in type(model).__mro__)
+
+
 def flattened(model: Any, *, include_self: bool, name: str | None = None) -> list[Any] | None:
     """Every layer nested in a Keras model (with the model first where ``include_self``), or
     None where this Keras cannot list them (``name``: the method, :data:`FLATTEN_LAYERS`)."""
@@ -80,6 +87,16 @@ def computes_in_half(model: Any) -> bool:
     """Whether a layer of the Keras ``model`` computes in half precision (its policy)."""
     layers = flattened(model, include_self=True) or [model, *getattr(model, "layers", [])]
     return any(str(getattr(layer, "compute_dtype", "")) in HALF for layer in layers)
+
+
+def clone_needed(model: Any, dtype: str) -> bool:
+    """Whether the Keras ``model`` computes in ``dtype`` only as a clone (its widened copy):
+    float64 asked of a model with weights of another float dtype, or any dtype asked of a
+    model whose layers compute in half precision."""
+    if computes_in_half(model):
+        return True
+    return dtype == "float64" and not all(
+        str(w.dtype) == "float64" for w in model.weights if "float" in str(w.dtype))
 
 
 def widen_config(cfg: Any, dtype: str = "float64") -> Any:

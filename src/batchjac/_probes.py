@@ -13,7 +13,7 @@ import numpy as np
 
 from ._backends import BoundModel
 from ._errors import BatchJacError, InputError, ModelError, NotConnectedError, RowInteractionError
-from ._keras_compat import flattened
+from ._keras_compat import flattened, is_keras as _is_keras
 from ._spec import BatchSpec
 
 PROBE_ROWS = 4
@@ -139,10 +139,6 @@ def _compare(y0: np.ndarray, y1: np.ndarray) -> tuple[np.ndarray, float, float]:
 
 
 # -- what the model object tells before it is called -------------------------------------------
-
-def _is_keras(model: Any) -> bool:
-    return any((c.__module__ or "").split(".")[0] in ("keras", "tf_keras") for c in type(model).__mro__)
-
 
 def _keras_layers(model: Any) -> list[Any]:
     layers = flattened(model, include_self=False)

@@ -619,9 +619,10 @@ class JaxBackend(Backend):
         if device is not None and not isinstance(device, jax.Device):
             raise InputError(f"backend_options['device'] must be a jax.Device (e.g. "
                              f"jax.devices()[0]); got {device!r}.")
+        dtype = np.dtype(signature.dtype).name
         if isinstance(model, kinds.KerasStateless) and (
-                signature.dtype == np.float64 or _keras_compat.computes_in_half(model.model)):
-            model = model.widened(*_sample(signature), np.dtype(signature.dtype).name)
+                dtype == "float64" or _keras_compat.clone_needed(model.model, dtype)):
+            model = model.widened(*_sample(signature), dtype)
         bound = JaxBound(model, signature, per_instance=bool(per_instance), device=device,
                          **kwargs)
         if guess:

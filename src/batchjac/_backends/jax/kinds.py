@@ -110,8 +110,7 @@ class KerasStateless:
         keras = sys.modules["keras"]
         versions = f"Keras {getattr(keras, '__version__', '?')}, JAX {jax.__version__}"
         wide = self
-        if _keras_compat.computes_in_half(model) or not all(
-                str(w.dtype) == dtype for w in model.weights if "float" in str(w.dtype)):
+        if _keras_compat.clone_needed(model, dtype):
             clone = _keras_compat.float64_clone(
                 keras, model, lambda c: c(_keras_inputs(sample, named), training=False), versions,
                 dtype)

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..._errors import InputError, ModelError, XLAFallbackWarning as XLAFallbackWarning
+from ..._keras_compat import is_keras
 from ..._spec import assemble
 from .._base import (
     UNTUNED,
@@ -40,7 +41,7 @@ from .._base import (
 )
 from . import compat
 from .builds import PATHS as PATHS, TFKernel as TFKernel
-from .keras import float64_copy, is_keras, output_shape as keras_output_shape
+from .keras import float64_copy, output_shape as keras_output_shape
 from .second import TFSecondKernel as TFSecondKernel
 
 # a differentiable call inside the caller's tf.function: batchjac's Python runs as it is

@@ -87,19 +87,12 @@ def output_shape(model: Any, row: tuple[int, ...] | None = None) -> tuple[int, .
 
 # -- the float64 clone -------------------------------------------------------------------------
 
-def is_keras(model: Any) -> bool:
-    return any((c.__module__ or "").split(".")[0] in ("keras", "tf_keras")
-               for c in type(model).__mro__)
-
-
 def float64_copy(model: Any, build: Callable[[Any], None], dtype: str = "float64") -> Any:
     """A clone of a Keras model in ``dtype`` with the same weights (the model itself where
     none is needed: float64 weights asked for float64, or a float32 model computing in float32),
     or raise InputError (:func:`batchjac._keras_compat.float64_clone`)."""
     keras = compat.keras_module()
     assert keras is not None
-    if dtype == "float64" and all(w.dtype == "float64" for w in model.weights):
-        return model
-    if dtype != "float64" and not _keras_compat.computes_in_half(model):
+    if not _keras_compat.clone_needed(model, dtype):
         return model
     return _keras_compat.float64_clone(keras, model, build, compat.framework_versions(), dtype)

@@ -44,6 +44,7 @@ from ..._errors import (
     NotConnectedError,
     TrainingModeWarning as TrainingModeWarning,
 )
+from ..._keras_compat import is_keras
 from ..._spec import assemble
 from .._base import (
     UNTUNED,
@@ -203,7 +204,7 @@ class TorchBound(BoundModel):
         self.model = model
         #: a Keras 3 model on the PyTorch backend (a torch.nn.Module): its inputs go in as
         #: Keras takes several, one list or one dict
-        self.is_keras = any((c.__module__ or "").startswith("keras") for c in type(model).__mro__)
+        self.is_keras = is_keras(model)
         self.module = _owner_module(model)
         self.train_mode = train_mode
         self.dtype: torch.dtype = getattr(torch, np.dtype(signature.dtype).name)
