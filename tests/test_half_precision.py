@@ -1,9 +1,8 @@
 """Half-precision models and inputs (issue 37): a model with bfloat16 or float16 weights, or a
 Keras model under a mixed-precision policy, is differentiated in float32 (its weights and
 layers widened, which is exact), so its Jacobians equal the float64 Jacobians of the same
-weights to float32's accuracy; float16 inputs are computed in float32; bfloat16 inputs are
-refused with the exact widening named. Keras on the PyTorch backend is the exception (its
-layers compute in their policy's precision): tests/test_keras_backends.py."""
+weights to float32's accuracy; float16 and bfloat16 inputs are computed in float32, a tensor
+of the same kind returned (tests/test_input_kinds.py for every framework)."""
 
 from __future__ import annotations
 
@@ -44,14 +43,12 @@ def test_a_half_precision_torch_module(half: str) -> None:
     jac = batchjac.jacobian(model, x)
     assert jac.dtype == np.float32
     assert _err(jac, ref) < TOL
-    if half == "float16":  # float16 tensors in: float32 tensors out, the same values
-        got = batchjac.jacobian(model, torch.from_numpy(x).half())
-        assert got.dtype == torch.float32
-        ref16 = _tanh_mlp_jacobians(w1, b1, w2, x.astype(np.float16))
-        assert _err(got.numpy(), ref16) < TOL
-    else:  # bfloat16 tensors: refused, the exact widening named
-        with pytest.raises(batchjac.InputTypeError, match=r"Widen it first, which is exact"):
-            batchjac.jacobian(model, torch.from_numpy(x).to(torch.bfloat16))
+    # half-precision tensors in: float32 tensors out, at the rounded values
+    given = torch.from_numpy(x).to(getattr(torch, half))
+    got = batchjac.jacobian(model, given)
+    assert got.dtype == torch.float32
+    ref_half = _tanh_mlp_jacobians(w1, b1, w2, given.double().numpy())
+    assert _err(got.numpy(), ref_half) < TOL
 
 
 def test_a_jax_function_of_bfloat16_params() -> None:

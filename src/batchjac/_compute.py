@@ -124,6 +124,8 @@ def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
         # mode falling back to the other is no news to the user
         budget = dataclasses.replace(budget, plan_race=True)
     if explain:
+        if bound.model_note:
+            sys.stderr.write(f"batchjac: model: {bound.model_note}\n")
         sys.stderr.write(f"batchjac: {plan.reason}\n")
     log.debug("batchjac plan: %s", plan.reason)
     new = not what.has_kernel(bound, plan)

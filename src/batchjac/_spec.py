@@ -216,3 +216,18 @@ def _release(a: np.memmap, lo: int, hi: int) -> None:
     end = min(len(mm), start + (hi - lo) * row)
     if end > begin:
         mm.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+
+def sample_inputs(signature: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Two rows of a model's inputs (halves and ones, in their dtypes) as numpy, as the model
+    takes them: positional, or by name (a Keras clone is built on them). ``signature``: the bound
+    model's :class:`batchjac._backends._base.Signature`."""
+    lay = signature.layout
+    u = np.full((2, *signature.unknown_shape), 0.5, signature.dtype)
+    ctx = tuple(np.ones((2, *shape), dt) for shape, dt in signature.ctx)
+    inputs = assemble(lay, u, ctx, concat=lambda xs: np.concatenate(xs, axis=-1),
+                      take=lambda x, idx: np.take(x, list(idx), axis=-1))
+    if lay.kind == "dict":
+        assert lay.keys is not None
+        return (), dict(zip(lay.keys, inputs))
+    return tuple(inputs), {}

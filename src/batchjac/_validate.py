@@ -57,7 +57,8 @@ def _table_to_numpy(obj: Any, name: str) -> np.ndarray:
 
 
 #: element types that have no numpy dtype of their own (ml_dtypes', torch's, TensorFlow's
-#: names): batchjac computes in float32/float64 and takes none of them yet
+#: names): batchjac computes in float32/float64; bfloat16 is widened to float32 on entry (exact,
+#: as float16 is), the narrower ones are refused
 _LOW_PRECISION = re.compile(r"\b(bfloat16|float8_\w+|float6_\w+|float4_\w+)\b")
 
 #: how to make a float32 array of one framework's array ("numpy" for anything else)
@@ -94,8 +95,8 @@ def _what(obj: Any) -> str:
 
 
 def _low_precision(dtype: Any) -> str | None:
-    """The name of a half-precision (or narrower) float type that batchjac does not take
-    (bfloat16, the float8s...), or None; float16 is taken (computed in float32)."""
+    """The name of a half-precision (or narrower) float type without a numpy dtype of its own
+    (bfloat16, the float8s...), or None; float16 is numpy's and taken (computed in float32)."""
     found = _LOW_PRECISION.search(str(dtype)) if dtype is not None else None
     return found.group(1) if found else None
 
@@ -104,8 +105,8 @@ def _refuse_low_precision(obj: Any, dtype_name: str, name: str) -> None:
     cast = _CAST_HINT[_framework(obj)].format(n=_as_code(name))
     raise InputTypeError(
         f"`{name}` is {dtype_name} ({_what(obj)}); batchjac computes in float32 or float64 "
-        f"and takes float16 inputs (computed in float32) but not {dtype_name} ones. Widen it "
-        f"first, which is exact: {cast}. A model of any precision is differentiated in "
+        f"and takes float16 and bfloat16 inputs (computed in float32) but not {dtype_name} "
+        f"ones. Widen it first, which is exact: {cast}. A model of any precision is differentiated in "
         f"float32 (its half-precision weights and layers widened).")
 
 
@@ -149,7 +150,7 @@ def _variable_value(obj: Any) -> Any:
 def examine(obj: Any, name: str) -> Any:
     """The first look at one input, before anything converts it: what batchjac cannot take
     is refused here, by name, with what was received and the fix (a sparse, ragged,
-    quantized or meta-device tensor, a symbolic value, an array of bfloat16 or float8), and a
+    quantized or meta-device tensor, a symbolic value, an array of float8), and a
     TensorFlow/Keras variable becomes its value. Everything else is returned as it is.
     Recognised without importing a framework (attributes and dtype names)."""
     if isinstance(obj, np.ndarray) and obj.dtype.kind != "V":
@@ -180,6 +181,10 @@ def examine(obj: Any, name: str) -> Any:
     if value is not None:
         obj = value
     low = _low_precision(getattr(obj, "dtype", None))
+    if low == "bfloat16":  # widened where it lives (a tensor stays a tensor), which is exact
+        from ._arrays import ops_of
+
+        return ops_of(obj).cast(obj, np.dtype(np.float32))
     if low is not None:
         _refuse_low_precision(obj, low, name)
     return obj
@@ -206,16 +211,18 @@ def to_numpy(obj: Any, name: str) -> np.ndarray:
                 f"`{name}` could not be read as an array (ragged rows? {e}). Give a numpy array, a framework "
                 f"tensor or nested lists with one equal-length row per instance."
             ) from None
+    if _low_precision(arr.dtype) == "bfloat16":  # nested lists of ml_dtypes' scalars: exact
+        arr = arr.astype(np.float32)
     _check_array(arr.dtype, arr.ndim, name)
     return arr
 
 
 def _check_array(dtype: np.dtype, ndim: int, name: str) -> None:
     low = _low_precision(dtype)
-    if low is not None:  # nested lists of ml_dtypes' scalars, say
+    if low is not None:  # nested lists of ml_dtypes' float8 scalars, say
         raise InputTypeError(
-            f"`{name}` holds {low} numbers; batchjac computes in float32 or float64 today and "
-            f"does not take {low} inputs. Cast them first: "
+            f"`{name}` holds {low} numbers; batchjac computes in float32 or float64 and takes "
+            f"float16 and bfloat16 inputs but not {low} ones. Cast them first: "
             f"np.asarray({_as_code(name)}, dtype=np.float32).")
     if dtype.kind not in "fiub":
         hint = " (ragged rows?)" if dtype == np.dtype(object) else ""

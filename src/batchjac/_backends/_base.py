@@ -439,6 +439,10 @@ class BoundModel(ABC):
     #: whether a kernel for a new chunk size costs a compilation (XLA, a traced graph); an
     #: eager framework's kernels are free to make, so callers may use any size they like
     compiles_kernels: bool = True
+    #: what computes in place of the model as given, for ``explain=True`` (the original of a
+    #: ``torch.compile``d module, a float32 clone of a half-precision Keras model); "" where
+    #: it is the model itself
+    model_note: str = ""
 
     #: kernels kept per bound model, the least recently used dropped first: each compiled
     #: one holds its executable (measured, 1.7 MB for a small JAX MLP, 2.6 MB for Keras), and

@@ -54,7 +54,7 @@ import numpy as np
 
 from ... import _keras_compat
 from ..._errors import InputError, ModelError, UnwatchedValuesWarning
-from ..._spec import assemble
+from ..._spec import assemble, sample_inputs
 from .._base import (
     UNTUNED,
     Backend,
@@ -538,20 +538,6 @@ class JaxBound(BoundModel):
         return JaxSecondKernel(self, kind, order, chunk_size, with_outputs, with_jacobian)
 
 
-def _sample(signature: Signature) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Two rows of the model's inputs (halves and ones, in their dtypes), as the model takes
-    them: positional, or by name (a Keras clone is built on them)."""
-    lay = signature.layout
-    u = np.full((2, *signature.unknown_shape), 0.5, signature.dtype)
-    ctx = tuple(np.ones((2, *shape), dt) for shape, dt in signature.ctx)
-    inputs = assemble(lay, u, ctx, concat=lambda xs: np.concatenate(xs, axis=-1),
-                      take=lambda x, idx: np.take(x, list(idx), axis=-1))
-    if lay.kind == "dict":
-        assert lay.keys is not None
-        return (), dict(zip(lay.keys, inputs))
-    return tuple(inputs), {}
-
-
 def _leaf_key(leaf: Any) -> Hashable:
     if _is_array(leaf):
         return ("array", tuple(np.shape(leaf)), str(leaf.dtype))
@@ -622,7 +608,7 @@ class JaxBackend(Backend):
         dtype = np.dtype(signature.dtype).name
         if isinstance(model, kinds.KerasStateless) and (
                 dtype == "float64" or _keras_compat.clone_needed(model.model, dtype)):
-            model = model.widened(*_sample(signature), dtype)
+            model = model.widened(*sample_inputs(signature), dtype)
         bound = JaxBound(model, signature, per_instance=bool(per_instance), device=device,
                          **kwargs)
         if guess:

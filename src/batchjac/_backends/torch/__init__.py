@@ -58,7 +58,7 @@ from .._base import (
     Signature,
     user_stacklevel,
 )
-from . import compat
+from . import compat, kinds
 from .builds import Engine, TorchKernel as TorchKernel
 from .errors import _explain_model_failure
 from .second import TorchSecondKernel as TorchSecondKernel
@@ -201,11 +201,25 @@ class TorchBound(BoundModel):
     def __init__(self, model: Any, signature: Signature, *, train_mode: bool = False,
                  device: Any = None) -> None:
         super().__init__(signature)
-        self.model = model
+        # a torch.compile'd model runs uncompiled: under torch.func's transforms TorchDynamo
+        # compiles it again for each chunk shape and derivative, which a call does not win back
+        plain = compat.uncompiled(model)
+        if plain is not None:
+            self.model_note = ("torch.compile'd: differentiated through the original module, "
+                               "uncompiled (compiling each chunk shape costs more than it saves)")
+            if not isinstance(plain, types.MethodType):  # (a module compiled in place: below)
+                model = plain
         #: a Keras 3 model on the PyTorch backend (a torch.nn.Module): its inputs go in as
-        #: Keras takes several, one list or one dict
+        #: Keras takes several, one list or one dict; one computing in half precision runs
+        #: as its float32 clone (:mod:`.kinds`)
         self.is_keras = is_keras(model)
+        self.model = kinds.keras_runner(model, signature) if self.is_keras else model
+        if isinstance(self.model, kinds.KerasWidened):
+            self.model_note = ("a Keras model computing in half precision: differentiated "
+                               "through a float32 clone that reads its weights")
         self.module = _owner_module(model)
+        #: what a plain call runs: the model, or a module compiled in place called uncompiled
+        self._call = plain if isinstance(plain, types.MethodType) else self.model
         self.train_mode = train_mode
         self.dtype: torch.dtype = getattr(torch, np.dtype(signature.dtype).name)
         self.device = torch.device(device) if device is not None else _model_device(self.module)
@@ -347,7 +361,7 @@ class TorchBound(BoundModel):
         if state:
             y = torch.func.functional_call(self.model, state, args, kwargs)
         else:
-            y = self.model(*args, **kwargs)
+            y = self._call(*args, **kwargs)
         return self._check_output(y)
 
     def _check_output(self, y: Any) -> torch.Tensor:

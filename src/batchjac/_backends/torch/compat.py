@@ -22,6 +22,10 @@ what (torch)                                 where it is gone or has changed
 ``warnings._filters_mutated`` (Python's)     the per-module warning caches are not reset
 ``"torch._dynamo" in sys.modules``           the cheap first builds are taken as if TorchDynamo
 (:func:`dynamo_loaded`)                      were not loaded
+``OptimizedModule._orig_mod``, a compiled    a ``torch.compile``d model is computed compiled
+function's ``_torchdynamo_orig_callable``,   (correct; its first call and each new chunk
+``Module._compiled_call_impl``               shape compile again)
+(:func:`uncompiled`)
 ATen names, ``overloadpacket.__name__``      every operation takes the Laplacian's general
 (:func:`aten_name`)                          rule; where the namespace cannot be read, no
                                              forward Laplacian (the order's own build)
@@ -43,6 +47,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+import types
 import warnings
 from types import ModuleType
 from typing import Any
@@ -171,6 +176,30 @@ def dynamo_loaded() -> bool:
     """Whether TorchDynamo is imported already (torch.func's transforms import it on their
     first use; the plain-autograd builds do not)."""
     return "torch._dynamo" in sys.modules
+
+
+#: where torch.compile keeps the original: of a module (``torch.compile(module)``, an
+#: ``OptimizedModule``), of a function, and the compiled call of a module compiled in place
+#: (``module.compile()``), which ``Module._call_impl`` bypasses
+_ORIG_MOD, _ORIG_CALLABLE, _COMPILED_CALL = ("_orig_mod", "_torchdynamo_orig_callable",
+                                             "_compiled_call_impl")
+
+
+def uncompiled(model: Any) -> Any | None:
+    """The model ``torch.compile`` compiled, called uncompiled: an ``OptimizedModule``'s
+    original module, a compiled function's original function, a module compiled in place
+    called through ``Module._call_impl``; None for a model that is not compiled (or whose
+    original cannot be read)."""
+    if isinstance(model, torch.nn.Module):
+        if type(model).__name__ == "OptimizedModule":
+            orig = getattr(model, _ORIG_MOD, None)
+            return orig if isinstance(orig, torch.nn.Module) else None
+        call = getattr(torch.nn.Module, "_call_impl", None)
+        if getattr(model, _COMPILED_CALL, None) is not None and callable(call):
+            return types.MethodType(call, model)
+        return None
+    orig = getattr(model, _ORIG_CALLABLE, None)
+    return orig if callable(orig) and orig is not model else None
 
 
 # -- #21: ATen operation names ------------------------------------------------------------------

@@ -271,13 +271,13 @@ class TorchSecondKernel(Kernel):
             self._select("plain", self.autograd_failed)
         self._guard(u, ctx)
         _load_forward_ad()  # (torch.func's forward mode, from here on)
-        if self.kind in ("diagonal", "laplacian") and self.order == "forward-over-forward":
-            return self._diagonal_ff(u, ctx)
-        if self.kind == "hessian" and self.order == "forward-over-forward":
-            return self._hessian_ff(u, ctx)
-        if v is not None and self.order == "forward-over-forward":
-            return self._hvp_ff(u, ctx, v)
         try:
+            if self.kind in ("diagonal", "laplacian") and self.order == "forward-over-forward":
+                return self._diagonal_ff(u, ctx)
+            if self.kind == "hessian" and self.order == "forward-over-forward":
+                return self._hessian_ff(u, ctx)
+            if v is not None and self.order == "forward-over-forward":
+                return self._hvp_ff(u, ctx, v)
             return self._over_reverse(u, ctx, v)
         except (BatchJacError, Warning):
             raise
@@ -285,11 +285,15 @@ class TorchSecondKernel(Kernel):
             once = self._once(u, ctx)
             if once:
                 raise self._not_twice(once, e) from e
-            if any(not form for _, form in self._custom(u, ctx).values()) and \
-                    self.variant != "autograd" and "autograd" not in self.autograd_failed:
-                # a Function torch.func refuses (forward(ctx, ...), or no jvp) whose backward
-                # autograd records: plain autograd's forward over reverse (the Laplacian's
-                # kernel has no such build of its own)
+            refused = isinstance(e, NotImplementedError) or any(
+                not form for _, form in self._custom(u, ctx).values())
+            if refused and self.variant != "autograd" and "autograd" not in self.autograd_failed:
+                # what torch.func cannot push a tangent through (an operation without a
+                # forward derivative, such as the CPU's LSTM and GRU kernels: torch raises
+                # NotImplementedError; a Function in the old form, or without jvp) but
+                # autograd differentiates twice: plain autograd's second order, as
+                # torch.autograd.functional.hessian computes it (the model's own errors are
+                # not retried)
                 found = self._autograd_over_reverse(u, ctx, v)
                 if found is not None:
                     self.variants = ("autograd",)
