@@ -200,3 +200,21 @@ def test_time_to_the_kth_answer_against_the_faster_native_variant_at_each_k() ->
     case["rounds"][0]["batchjac"]["calls_s"] = [3.0, 0.1, 0.1]
     assert cold.summarise(case)["kth"][1] == pytest.approx(2.0 / 1.5)  # median of 3.0 and 1.0
     assert "**1.33**" in "".join(cold.kth_lines(cold.by_key([case])))
+
+
+def test_the_steady_call_column() -> None:
+    """The steady call: the median of a process's calls after its first STEADY_FROM (batchjac's
+    warm-cache process), against the native variant fastest there, median over rounds."""
+    skip = cold.STEADY_FROM
+    case = _cold("W1", 1000, "keras-jax", [0.2, 0.2], [0.1, 0.1],
+                 {"B4 jit(vmap(jacrev))": [0.3, 0.3], "B4 jit(vmap(jacfwd))": [0.3, 0.3]})
+    for r, rnd in enumerate(case["rounds"]):
+        rnd["batchjac_warm"]["calls_s"] = [0.1] + [0.5] * (skip - 1) + [0.002 + r * 0.001] * 5
+        rnd["native"]["B4 jit(vmap(jacrev))"]["calls_s"] = [0.3] + [0.004] * 20
+        rnd["native"]["B4 jit(vmap(jacfwd))"]["calls_s"] = [0.3] + [0.003] * 20
+    s = cold.by_key([case])[("W1", 1000, "keras-jax")]
+    assert s["steady"] == pytest.approx(0.0025)  # (the slow calls before it left out)
+    assert s["steady_native"] == pytest.approx(0.003)
+    assert s["steady_ratio"] == pytest.approx(0.0025 / 0.003)
+    text = "\n".join(cold.section([case]))
+    assert "| 2.5 ms / 3 ms: 0.83 |" in text

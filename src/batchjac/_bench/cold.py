@@ -60,7 +60,8 @@ NATIVE_NAME = {"tensorflow": "B2 batch_jacobian+XLA", "torch": "B3 vmap({})",
                "jax": "B4 jit(vmap({}))"}
 #: Keras 3 models on another Keras backend (issue 37): the case's label -> the framework that
 #: computes them; the native side is that framework's transform of the model's own call (JAX:
-#: of its stateless call, the variables' values closed over)
+#: of its stateless function, the variables' values its arguments, as a JAX training loop
+#: passes them, read once when the function is built)
 KERAS = {"keras-jax": "jax", "keras-torch": "torch"}
 
 
@@ -111,14 +112,10 @@ def _native(backend: str, model: Any, variant: str | None, workload: str = "W1"
             ) -> Callable[[np.ndarray, np.ndarray | None], np.ndarray]:
     if _second.is_second(workload):
         return _second.native(workload, backend, model)
-    if backend == "keras-jax":  # the model's stateless call, its variables' values closed over
-        trainable = [v.value for v in model.trainable_variables]
-        fixed = [v.value for v in model.non_trainable_variables]
-        keras_model = model
+    if backend == "keras-jax":  # its stateless function, the variables' values its arguments
+        from . import jax_baselines as jb
 
-        def model(x: Any) -> Any:
-            return keras_model.stateless_call(trainable, fixed, x, training=False)[0]
-
+        return jb.stateless_jac(model, variant or "jacrev")
     backend = framework(backend)
     if backend == "tensorflow":
         from . import tf_baselines as tfb
@@ -489,6 +486,12 @@ def summarise(c: dict[str, Any]) -> dict[str, Any]:
         "err": max(errs) if errs else None, "errors": _errors(rounds),
         "rounds": len(rounds), "loop": None,
     }
+    # the steady call: a process's calls after the first STEADY_FROM (batchjac's warm-cache
+    # process, whose tuning decisions are recalled), against the native variant fastest there
+    steady_nat = [t for t in (_steady(rounds, "native", name) for name in names) if t is not None]
+    s["steady"], s["steady_native"] = _steady(rounds, "batchjac_warm"), min(steady_nat, default=None)
+    s["steady_ratio"] = s["steady"] / s["steady_native"] \
+        if s["steady"] is not None and s["steady_native"] else None
     s["kth"] = kth(rounds, "batchjac")
     s["kth_warm"] = kth(rounds, "batchjac_warm")
     loops_bj = [r["loop_batchjac"]["calls_s"] for r in rounds
@@ -509,6 +512,16 @@ def summarise(c: dict[str, Any]) -> dict[str, Any]:
             "ratio_rest": bj_rest / nat_rest if bj_rest is not None and nat_rest else None,
         }
     return s
+
+
+#: calls of a process before its steady ones (compilation, first races)
+STEADY_FROM = 10
+
+
+def _steady(rounds: list[dict[str, Any]], *path: str) -> float | None:
+    """The median over rounds of a process's median call after its first :data:`STEADY_FROM`."""
+    return _median([statistics.median(c[STEADY_FROM:])
+                    for c in _firsts(rounds, *path, field="calls_s") if len(c) > STEADY_FROM])
 
 
 def _cumulative(rounds: list[dict[str, Any]], *path: str) -> list[float]:
@@ -628,7 +641,9 @@ def section(cold: list[dict[str, Any]]) -> list[str]:
         "(workload, backend, round); then a process calls batchjac until its tuning has settled "
         "(no race due: the decisions a user's repeated calls write to the cache), and a last "
         "fresh process's first call reads them (warm cache). \"Second call\" is a second "
-        "call in the same process (the built native function called again). The error is "
+        "call in the same process (the built native function called again); the steady call "
+        f"is the median of a process's calls after its first {STEADY_FROM} (batchjac's "
+        "warm-cache process; the native variant fastest there). The error is "
         "max |J_batchjac - J_native| / max |J_native| "
         f"over the first {CHECK_ROWS} rows. Each process collects its garbage (`gc.collect()`) "
         "before the timer starts, on both sides: CPython's first full collection after a "
@@ -640,23 +655,25 @@ def section(cold: list[dict[str, Any]]) -> list[str]:
         "",
         "| workload | N | backend | batchjac first call | batchjac second call | native "
         "| native first call | native second call | batchjac / native | warm-cache first call "
-        "| warm / native | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| warm / native | steady call: batchjac / native | max rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (w, n, b), s in summaries.items():
         if s["best_name"] is None or s["t"] is None:
             lines.append(f"| {w} | {n:,} | {b} | failed: {'; '.join(s['errors'])[:300]} "
-                         "||||||||")
+                         "|||||||||")
             continue
         others = [f"{name}: {fmt_s(t)}" for name, t in s["natives"].items()
                   if name != s["best_name"] and t is not None]
         native = s["best_name"] + (f" (other: {', '.join(others)})" if others else "")
         err = "-" if s["err"] is None else f"{s['err']:.1e}"
+        steady = "-" if s["steady_ratio"] is None else (
+            f"{fmt_s(s['steady'])} / {fmt_s(s['steady_native'])}: {fmt_ratio(s['steady_ratio'])}")
         lines.append(
             f"| {w} | {n:,} | {b} | {fmt_s(s['t'])} | {fmt_s(s['t_second'])} | {native} | "
             f"{fmt_s(s['t_best'])} | {fmt_s(s['natives_second'][s['best_name']])} | "
             f"**{fmt_ratio(s['ratio'])}** | {fmt_s(s['t_warm'])} | {fmt_ratio(s['ratio_warm'])} | "
-            f"{err} |")
+            f"{steady} | {err} |")
     loops = [(key, s) for key, s in summaries.items() if s["loop"]]
     if loops:
         lines += ["", "JAX fresh-closure loop (each call a new `lambda z: model(z)`; native: "

@@ -36,6 +36,15 @@ def installed_backends() -> list[str]:
     return [b for b in BACKENDS if importlib.util.find_spec(b) is not None]
 
 
+def installed_keras_cases() -> list[str]:
+    """The Keras 3 cases (a Keras model on the JAX or PyTorch Keras backend) whose Keras and
+    framework are installed."""
+    if importlib.util.find_spec("keras") is None:
+        return []
+    return [case for case, framework in _cold.KERAS.items()
+            if importlib.util.find_spec(framework) is not None]
+
+
 def run_job(job: Job, backend: str, *, repeats: int, loop_rows: int, timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "batchjac._bench.worker", job.workload, backend, str(job.n),
            "--repeats", str(repeats), "--loop-rows", str(loop_rows)]
@@ -394,6 +403,9 @@ def main(*, quick: bool, output: Path, backends: list[str] | None, workloads: li
     t0 = time.perf_counter()
     jobs = [j for j in (QUICK if quick else FULL) if not workloads or j.workload in workloads]
     chosen = [b for b in installed_backends() if not backends or b in backends]
+    # the Keras cases: W1's first calls only (the steady table times each framework's own
+    # models; a Keras model's steady state is its framework's plus Keras's call)
+    keras_cases = [b for b in installed_keras_cases() if not backends or b in backends]
     repeats, loop_rows = (3, 10) if quick else (11, 100)
     results = []
     for job in [] if only_cold else jobs:
@@ -410,9 +422,13 @@ def main(*, quick: bool, output: Path, backends: list[str] | None, workloads: li
     cold_results: list[dict[str, Any]] = []
     if cold or only_cold:
         rounds = cold_rounds or (_cold.QUICK_ROUNDS if quick else _cold.FULL_ROUNDS)
-        cold_results = _cold.run_all(
-            cold_jobs(quick, workloads), chosen, rounds=rounds, log=log,
-            seconds=_cold.KTH_QUICK_SECONDS if quick else _cold.KTH_SECONDS)
+        seconds = _cold.KTH_QUICK_SECONDS if quick else _cold.KTH_SECONDS
+        jobs_cold = cold_jobs(quick, workloads)
+        cold_results = _cold.run_all(jobs_cold, chosen, rounds=rounds, log=log,
+                                     seconds=seconds) if chosen else []
+        if keras_cases and "W1" in jobs_cold:
+            cold_results += _cold.run_all({"W1": jobs_cold["W1"]}, keras_cases, rounds=rounds,
+                                          log=log, seconds=seconds)
         for key, cs in _cold.by_key(cold_results).items():
             log(f"cold {' '.join(map(str, key))}: batchjac {_cold.fmt_s(cs['t'])}, "
                 f"{cs['best_name']} {_cold.fmt_s(cs['t_best'])}, ratio {_cold.fmt_ratio(cs['ratio'])}, "

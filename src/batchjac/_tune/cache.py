@@ -192,9 +192,9 @@ class TuneKey:
 def versions(framework: str | None = None) -> str:
     """``"batchjac=0.1.0;python=3.11;torch=2.5.1"``: the versions a timing depends on.
 
-    The framework's versions come from the installed distributions' metadata
-    (:mod:`importlib.metadata`), so nothing is imported; a framework that is not installed
-    reads ``none``.
+    The framework's versions are an imported framework's ``__version__``, else the installed
+    distributions' metadata (:mod:`importlib.metadata`), so nothing is imported; a framework
+    that is not installed reads ``none``.
 
     >>> versions().startswith("batchjac=")
     True
@@ -213,6 +213,12 @@ def _versions(name: str | None) -> str:
              f"python={sys.implementation.name}-{sys.version_info[0]}.{sys.version_info[1]}"]
     if name is not None:
         for label, candidates in _FRAMEWORK_DISTRIBUTIONS.get(name, ((name, (name,)),)):
+            # an imported framework's own __version__ (its package's, as the metadata says):
+            # a metadata look-up parses files, a few milliseconds of a first call
+            found = getattr(sys.modules.get(label), "__version__", None)
+            if isinstance(found, str) and found:
+                parts.append(f"{label}={found}")
+                continue
             found = "none"
             for dist in candidates:
                 with contextlib.suppress(metadata.PackageNotFoundError):

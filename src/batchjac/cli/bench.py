@@ -18,8 +18,10 @@ SECTIONS = {"memory": "memory", "w5": "w5", "w8": "w8", "w10": "w10", "arrays": 
 @click.option("--quick", is_flag=True, help="Smaller batches and fewer repeats (about two minutes).")
 @click.option("--output", type=click.Path(dir_okay=False), default="BENCHMARKS.md", show_default=True,
               help="Markdown report to write; the PNG chart goes beside it.")
-@click.option("--backend", "backends", multiple=True, type=click.Choice(["tensorflow", "torch", "jax"]),
-              help="Only these backends (repeatable); default: every installed one.")
+@click.option("--backend", "backends", multiple=True,
+              type=click.Choice(["tensorflow", "torch", "jax", "keras-jax", "keras-torch"]),
+              help="Only these backends (repeatable); default: every installed one. keras-jax and "
+                   "keras-torch: a Keras 3 model on that Keras backend, W1's first calls only.")
 @click.option("--workload", "workloads", multiple=True,
               type=click.Choice(["W1", "W2", "W3", "W4", "W6", "W7", "W7H"]),
               help="Only these workloads (repeatable).")
