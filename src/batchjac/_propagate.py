@@ -56,6 +56,10 @@ class Propagation:
     method: str
     output_shape: tuple[int, ...]
     n_samples: int | None = None
+    #: how the input uncertainty was taken: "std", "std per instance", "diagonal (taken as
+    #: std)", "diagonal per instance (taken as std)", "low rank (r of k)", "dense" or "dense
+    #: per instance" (a structured ``cov`` costs what its structure needs, not ``k^2``)
+    sigma_form: str = ""
     #: unscented only: instances whose covariance had negative eigenvalues (negative centre
     #: weight) and was projected onto the nearest positive semi-definite matrix
     clipped: int = 0
@@ -71,7 +75,11 @@ class _Uncertainty:
     """The input covariance in one of its accepted forms, validated, served by instance range.
 
     ``kind``: "shared" (one (k, k) matrix), "stack" (N, k, k), "std_shared" (k,) or
-    "std_stack" (N, k).
+    "std_stack" (N, k). A ``cov`` with no entry off its diagonal becomes the standard
+    deviations it holds ("std_shared"; a stack of such matrices "diag_stack", its diagonals
+    read per range), and a shared one of rank ``r <= k / 2`` is sandwiched through its factor
+    (``(A L)(A L)^T``, ``L`` of ``k x r``): ``A Sigma A^T`` then costs ``m k`` or ``m k r``
+    a row where the dense product costs ``m k^2`` (``form`` says which was taken).
     """
 
     def __init__(self, cov: Any, std: Any, n: int, unknown_shape: tuple[int, ...]) -> None:
@@ -79,6 +87,7 @@ class _Uncertainty:
         self.k, self.n = k, n
         self.kind: str
         self.data: Any  # an array; per-instance stacks may be memory-mapped
+        self.form = ""  # how it is taken (Propagation.sigma_form)
         if (cov is None) == (std is None):
             raise InputError(
                 "Give the input uncertainty as exactly one of `cov` (a (k, k) matrix for all "
@@ -92,8 +101,10 @@ class _Uncertainty:
                 s = np.full(k, float(s))
             if s.shape in ((k,), ushape):
                 self.kind, self.data = "std_shared", s.reshape(k).astype(np.float64)
+                self.form = "std"
             elif s.shape in ((n, k), (n, *ushape)):
                 self.kind, self.data = "std_stack", s.reshape(n, k)
+                self.form = "std per instance"
             else:
                 raise InputError(
                     f"`std` has shape {s.shape}, which does not match the {k} unknowns (unknown "
@@ -116,6 +127,46 @@ class _Uncertainty:
                     f"({n}, {k}, {k}) per instance.{hint}"
                 )
             self._check_cov(c.dtype)
+            self._structure()
+
+    #: a shared covariance of at most this share of full rank is used through its factor
+    LOW_RANK = 0.5
+
+    def _structure(self) -> None:
+        """Take a diagonal ``cov`` as standard deviations, a low-rank shared one as its
+        factor (after :meth:`_check_cov`: symmetric, positive semi-definite)."""
+        k = self.k
+        if self.kind == "shared":
+            c = self.data
+            if not np.any(c - np.diag(np.diagonal(c))):
+                self.kind, self.data = "std_shared", np.sqrt(np.maximum(np.diagonal(c), 0.0))
+                self.form = "diagonal (taken as std)"
+                return
+            factor = self._shared_factor = _sqrt_psd(_sym(c)[None])[0]
+            # (the eigenvalues of eigh come ascending: the columns of the null space first)
+            norms = np.abs(factor).max(axis=0)
+            kept = norms > np.sqrt(100 * k * np.finfo(np.float64).eps) * max(norms.max(), 1e-300)
+            r = int(kept.sum())
+            if r <= self.LOW_RANK * k:
+                self._low = np.ascontiguousarray(factor[:, kept])
+                self.form = f"low rank ({r} of {k})"
+                return
+            self.form = "dense"
+            return
+        if self._all_diagonal:
+            self.kind, self.form = "diag_stack", "diagonal per instance (taken as std)"
+        else:
+            self.form = "dense per instance"
+
+    def _std_of(self, lo: int, hi: int) -> np.ndarray:
+        """Standard deviations, ``(k,)`` shared or ``(hi - lo, k)`` (the std kinds and a
+        stack of diagonal covariances)."""
+        if self.kind == "std_shared":
+            return self.data
+        if self.kind == "std_stack":
+            return np.asarray(self.data[lo:hi], np.float64)
+        diag = np.diagonal(np.asarray(self.data[lo:hi], np.float64), axis1=1, axis2=2)
+        return np.sqrt(np.maximum(diag, 0.0))
 
     def _check_std(self) -> None:
         for lo in range(0, self.n if self.kind == "std_stack" else 1, 65536):
@@ -134,14 +185,18 @@ class _Uncertainty:
         if self.kind == "shared":
             _check_psd(self.data[None], 0, shared=True, eps=eps)
             return
+        self._all_diagonal = True
+        off = ~np.eye(self.k, dtype=bool)
         for lo in range(0, self.n, 4096):
-            _check_psd(np.asarray(self.data[lo:lo + 4096]), lo, shared=False, eps=eps)
+            block = np.asarray(self.data[lo:lo + 4096])
+            _check_psd(block, lo, shared=False, eps=eps)
+            self._all_diagonal = self._all_diagonal and not np.any(block[:, off])
 
     def factor(self, lo: int, hi: int) -> np.ndarray:
         """``L`` with ``L L^T = Sigma``, (hi - lo, k, k), from the symmetric eigendecomposition
         (works for singular, positive semi-definite matrices where Cholesky does not)."""
-        if self.kind.startswith("std"):
-            s = self.data if self.kind == "std_shared" else np.asarray(self.data[lo:hi], np.float64)
+        if self.kind.startswith("std") or self.kind == "diag_stack":
+            s = self._std_of(lo, hi)
             eye = np.eye(self.k)
             return np.broadcast_to(eye * np.atleast_2d(s)[:, None, :], (hi - lo, self.k, self.k))
         if self.kind == "shared":
@@ -152,9 +207,13 @@ class _Uncertainty:
 
     def sandwich(self, a: np.ndarray, lo: int, hi: int) -> np.ndarray:
         """``A Sigma A^T`` for ``A`` (hi - lo, m, k)."""
-        if self.kind.startswith("std"):
-            s = self.data if self.kind == "std_shared" else np.asarray(self.data[lo:hi], np.float64)
+        if self.kind.startswith("std") or self.kind == "diag_stack":
+            s = self._std_of(lo, hi)
             b = a * (s if s.ndim == 1 else s[:, None, :])
+            return b @ b.transpose(0, 2, 1)
+        low = getattr(self, "_low", None)
+        if low is not None:
+            b = a @ low
             return b @ b.transpose(0, 2, 1)
         sigma = _sym(self.data) if self.kind == "shared" else \
             _sym(np.asarray(self.data[lo:hi], np.float64))
@@ -329,7 +388,7 @@ def propagate(
         except BatchJacError as e:
             raise add_context(e, context(spec, name)) from e
         return Propagation(mean=deliver(mean_out, delivery), cov=deliver(cov_out, delivery),
-                           method="second_order", output_shape=out_shape)
+                           method="second_order", output_shape=out_shape, sigma_form=unc.form)
     clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
         if method == "linear":
@@ -351,7 +410,7 @@ def propagate(
     return Propagation(mean=deliver(mean_out, delivery), cov=deliver(cov_out, delivery),
                        method=method, output_shape=out_shape,
                        n_samples=int(n_samples) if method == "monte_carlo" else None,
-                       clipped=clipped[0])
+                       clipped=clipped[0], sigma_form=unc.form)
 
 
 def _check_method_options(method: str, k: int, *, n_samples: int, alpha: float,
