@@ -113,7 +113,8 @@ def test_half_precision_inputs_are_computed_in_float32(kind: str, framework: str
         text = str(e.value)
         assert text.startswith("`x` is float8_e4m3fn"), text
         assert cast in text, text
-        assert "real numbers" not in text and "ragged" not in text, text
+        assert "real numbers" not in text, text
+        assert "ragged" not in text, text
 
 
 def test_float8_anywhere_in_a_call_is_named_and_bfloat16_anywhere_widened() -> None:
@@ -153,4 +154,5 @@ def test_float8_anywhere_in_a_call_is_named_and_bfloat16_anywhere_widened() -> N
     assert_close(jac, ref[:, :, :2])
     assert_close(batchjac.jacobian(model, [list(row) for row in bf]), ref)
     hess = batchjac.hessian(lambda v: torch.tanh(v @ wt).sum(-1), torch.from_numpy(x).bfloat16())
-    assert hess.dtype == torch.float32 and hess.shape == (7, 4, 4)
+    assert hess.dtype == torch.float32
+    assert hess.shape == (7, 4, 4)

@@ -125,8 +125,8 @@ def test_torch_recurrent_modules(kind: str) -> None:
     twin.head.double()
     one = lambda r: twin(r[None])[0]  # noqa: E731
     jac = np.stack([torch.autograd.functional.jacobian(one, r).numpy() for r in rows])
-    hess = np.stack([np.stack([torch.autograd.functional.hessian(lambda r: one(r)[o], r).numpy()
-                               for o in range(2)]) for r in rows])
+    hess = np.stack([np.stack([torch.autograd.functional.hessian(
+        lambda r, o=o: one(r)[o], r).numpy() for o in range(2)]) for r in rows])
     _assert_second_order(module, x, jac, hess)
 
 

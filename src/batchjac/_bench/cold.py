@@ -520,8 +520,8 @@ STEADY_FROM = 10
 
 def _steady(rounds: list[dict[str, Any]], *path: str) -> float | None:
     """The median over rounds of a process's median call after its first :data:`STEADY_FROM`."""
-    return _median([statistics.median(c[STEADY_FROM:])
-                    for c in _firsts(rounds, *path, field="calls_s") if len(c) > STEADY_FROM])
+    runs: list[Any] = _firsts(rounds, *path, field="calls_s")  # (each a list of calls)
+    return _median([statistics.median(c[STEADY_FROM:]) for c in runs if len(c) > STEADY_FROM])
 
 
 def _cumulative(rounds: list[dict[str, Any]], *path: str) -> list[float]:
