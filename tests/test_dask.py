@@ -444,3 +444,30 @@ def test_hvp_on_the_cluster_splits_the_inputs_and_v_alike(client: Any) -> None:
     np.testing.assert_allclose(jac, np.cos(x @ a.T)[:, :, None] * a[None], rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(hess, -np.sin(x @ a.T)[:, :, None, None] * a[None, :, :, None]
                                * a[None, :, None, :], rtol=1e-10, atol=1e-12)
+
+
+def test_products_on_the_cluster_split_the_inputs_and_directions_alike(client: Any) -> None:
+    """jvp, vjp and the exact divergence on Dask (issue 38): the rows of the inputs and of the
+    directions in the same blocks, numpy in: numpy out; Dask arrays in: a lazy result; against
+    the closed form of ``y = sin(x A^T)``: ``J = cos(x A^T) A``."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(72)
+    a = rng.normal(size=(4, 4))
+    at = torch.from_numpy(a)
+
+    def f(x: Any) -> Any:
+        return torch.sin(x @ at.T)
+
+    x, v, c = (rng.normal(size=(300, 4)) for _ in range(3))
+    jac = np.cos(x @ a.T)[:, :, None] * a[None]
+    got = batchjac.jvp(f, x, tangents=v, client=client, rows_per_task=70)
+    np.testing.assert_allclose(got, np.einsum("nmk,nk->nm", jac, v), rtol=1e-10, atol=1e-12)
+    lazy = batchjac.vjp(f, da.from_array(x, chunks=(100, 4)),
+                        cotangents=da.from_array(c, chunks=(120, 4)), client=client)
+    assert isinstance(lazy, da.Array)
+    np.testing.assert_allclose(client.compute(lazy, sync=True), np.einsum("nm,nmk->nk", c, jac),
+                               rtol=1e-10, atol=1e-12)
+    div = batchjac.divergence(f, x, client=client, rows_per_task=100)
+    np.testing.assert_allclose(div, np.trace(jac, axis1=1, axis2=2), rtol=1e-10, atol=1e-12)
+    with pytest.raises(batchjac.InputError, match="not offered on Dask yet"):
+        batchjac.divergence(f, x, client=client, estimator="hutchinson")

@@ -40,6 +40,7 @@ from ._errors import (
 )
 from ._hessian import hessian as hessian, hvp as hvp, laplacian as laplacian
 from ._jacobian import jacobian as jacobian
+from ._products import TraceEstimate as TraceEstimate, divergence as divergence, jvp as jvp, vjp as vjp
 from ._propagate import Propagation as Propagation, propagate as propagate
 from ._report import write_report as write_report
 from ._sensitivity import Sensitivity as Sensitivity, elasticities as elasticities, sensitivity as sensitivity
@@ -61,6 +62,10 @@ __all__ = [
     "hessian",
     "laplacian",
     "hvp",
+    "jvp",
+    "vjp",
+    "divergence",
+    "TraceEstimate",
     "ClosedForm",
     "check",
     "CheckReport",

@@ -468,6 +468,9 @@ class BoundModel(ABC):
 
     def __init__(self, signature: Signature) -> None:
         self.signature = signature
+        #: the compiled functions of :meth:`product`, by kind (a backend's ``products``
+        #: module fills it; cleared where the model's traces went stale)
+        self.products: dict[str, Any] = {}
         self.probed: bool = False
         self.output_shape: tuple[int, ...] | None = None
         #: :meth:`row_working_set` of the probes' rows (None: no estimate)
@@ -543,6 +546,17 @@ class BoundModel(ABC):
             f"The {type(self).__name__} backend does not compute second derivatives; "
             f"batchjac.hessian, hvp and laplacian need a TensorFlow, PyTorch or JAX model "
             f"(a batchjac.ClosedForm model carries its Jacobian only).")
+
+    def product(self, kind: str, u: Any, ctx: tuple[Any, ...], t: Any) -> tuple[Any, Any]:
+        """``(y, p)`` of a block of rows: the outputs and, for the ``d`` directions of ``t``
+        ``(rows, d, ...)``, ``J v`` (``kind="jvp"``) or ``c^T J`` (``"vjp"``), without forming
+        ``J`` (:mod:`batchjac._products`); numpy in and out."""
+        from .._errors import InputError
+
+        raise InputError(
+            f"batchjac.jvp, vjp and divergence need a TensorFlow, PyTorch or JAX model; this "
+            f"{type(self).__name__} has no forward or backward pass of its own (a "
+            f"batchjac.ClosedForm model carries its Jacobian only: multiply it).")
 
     def second_kernel(self, kind: SecondKind, order: Order, chunk_size: int,
                       with_outputs: bool, with_jacobian: bool) -> Kernel:

@@ -248,6 +248,7 @@ class JaxBound(BoundModel):
             self._model_split = _Split(self.model, self.device)
             self._params_split = _Split(self._params, self.device)
             self._kernels.clear()
+            self.products.clear()
             self.__dict__.pop("_second_kernels", None)
             self.failed.clear()
             self._forward = None
@@ -514,6 +515,11 @@ class JaxBound(BoundModel):
                 dependent.update(id(v) for v in eqn.outvars)
         tangents = jaxpr.outvars[len(jaxpr.outvars) // 2:]  # (y's leaves, then dy's)
         return any(id(v) in dependent for v in tangents)
+
+    def product(self, kind: str, u: Any, ctx: tuple[Any, ...], t: Any) -> tuple[Any, Any]:
+        from . import products
+
+        return products.product(self, kind, u, ctx, t)
 
     # -- kernels -----------------------------------------------------------------------------
     def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool

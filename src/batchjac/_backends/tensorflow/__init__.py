@@ -170,6 +170,11 @@ class TFBound(BoundModel):
         specs += [tf.TensorSpec((rows, *shape), tf.as_dtype(dt)) for shape, dt in sig.ctx]
         return specs
 
+    def product(self, kind: str, u: Any, ctx: tuple[Any, ...], t: Any) -> tuple[Any, Any]:
+        from . import products
+
+        return products.product(self, kind, u, ctx, t)
+
     # -- probes ------------------------------------------------------------------------------
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
         if self._graph_forward is None:

@@ -396,6 +396,11 @@ class TorchBound(BoundModel):
             )
         return y if y.dtype == self.dtype else y.to(self.dtype)
 
+    def product(self, kind: str, u: Any, ctx: tuple[Any, ...], t: Any) -> tuple[Any, Any]:
+        from . import products
+
+        return products.product(self, kind, u, ctx, t)
+
     # -- probes ------------------------------------------------------------------------------
     def forward(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> np.ndarray:
         ut, ct = self.tensors(u, ctx)

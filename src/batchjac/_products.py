@@ -1,0 +1,307 @@
+"""Products with the per-instance Jacobians: ``jvp`` (``J_i v_i``, tangents pushed forward) and
+``vjp`` (``c_i^T J_i``, cotangents pulled back), which never form ``J``, and ``divergence``
+(the trace of a square ``J_i``: exact, from a chunk of Jacobians at a time, or Hutchinson's
+estimate, from probes pushed forward).
+
+A product costs one forward-mode pass per direction (``jvp``) or one forward pass and one
+backward pass per direction (``vjp``), and holds ``d`` results a row where the Jacobian holds
+``k m``: on a GPU the bytes of J, not its arithmetic, bound the throughput. The rows go
+through the bound model's backend in blocks of a fixed size (the last one padded, so a
+compiled function is traced once), sized to the memory budget; each backend computes a block
+in its ``products`` module (:meth:`batchjac._backends.BoundModel.product`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ._arrays import OutputArg, deliver, on_host
+from ._dask import uses_dask
+from ._errors import BatchJacError, InputError, add_context
+from ._evaluate import bind, budget, context, in_elems, jacobian_chunks, output_size
+from ._loaders import as_model
+from ._runner import chunks, model_call, pad_args
+from ._spec import BatchSpec
+from ._validate import DTypeLike, NanPolicy, normalize, to_numpy
+
+Kind = Literal["jvp", "vjp"]
+Estimator = Literal["hutchinson"]
+
+#: most rows one block of a product call gets (fixed per call: one trace per shapes)
+MAX_BLOCK = 16384
+MIN_BLOCK = 16
+
+
+def jvp(model: Any, *inputs: Any, tangents: Any, wrt: Any = None, **options: Any) -> Any:
+    """Per-instance Jacobian-vector products ``J_i v_i``, without forming ``J``.
+
+    ``inputs`` as for :func:`batchjac.jacobian` (``x``; ``unknown, known``; a dict with
+    ``wrt``). ``tangents``: ``(N, *unknown_shape)``, one direction per instance, giving
+    ``(N, *output_shape)``; or ``(N, d, *unknown_shape)``, ``d`` directions per instance, giving
+    ``(N, d, *output_shape)``. One forward-mode pass per direction.
+
+    Options: ``dtype``, ``chunk_size`` (rows per block), ``max_memory``, ``return_outputs``
+    (then ``(y, Jv)``), ``nan_policy``, ``backend``, ``backend_options``, ``output``; on Dask
+    ``client=``, ``scheduler=`` or Dask arrays among the inputs and ``tangents`` (their rows
+    split into the same blocks, the result in memory). The result has the kind and device of
+    the inputs, or ``output=``'s."""
+    return _verb("jvp", model, inputs, tangents, wrt, options)
+
+
+def vjp(model: Any, *inputs: Any, cotangents: Any, wrt: Any = None, **options: Any) -> Any:
+    """Per-instance vector-Jacobian products ``c_i^T J_i``, without forming ``J``.
+
+    ``cotangents``: ``(N, *output_shape)``, one per instance, giving ``(N, *unknown_shape)``;
+    or ``(N, d, *output_shape)``, giving ``(N, d, *unknown_shape)``. One forward pass and one
+    backward pass per direction. Other arguments as for :func:`jvp`."""
+    return _verb("vjp", model, inputs, cotangents, wrt, options)
+
+
+@dataclass
+class TraceEstimate:
+    """A per-instance estimate of a trace: ``value`` ``(N,)``, its standard error ``stderr``
+    ``(N,)`` (the spread of the ``samples`` probes over the square root of their number), the
+    ``estimator`` and the ``seed``."""
+
+    value: Any
+    stderr: Any
+    samples: int
+    estimator: str
+    seed: int
+
+
+def divergence(model: Any, *inputs: Any, wrt: Any = None, estimator: Estimator | None = None,
+               samples: int = 16, seed: int = 0, **options: Any) -> Any:
+    """Per-instance divergence ``tr J_i`` of a model whose outputs match its unknowns
+    (``output_shape == unknown_shape``), without storing ``J``: ``(N,)``.
+
+    Exact (``estimator=None``): the Jacobians of a chunk of rows at a time, as
+    :func:`batchjac.jacobian` computes them (its mode and build), each reduced to its trace. With
+    ``estimator="hutchinson"``: ``samples`` Rademacher probes ``v`` per instance (drawn from
+    ``seed`` and the instance's index, so results do not depend on the blocks), ``v^T J_i v``
+    averaged, unbiased; returns a :class:`TraceEstimate` with the per-instance standard error.
+    Other arguments as for :func:`jvp` (no Dask for the estimator)."""
+    if estimator not in (None, "hutchinson"):
+        raise InputError(f"`estimator` must be None (exact) or 'hutchinson'; got {estimator!r}. "
+                         f"(Hutch++ is not offered yet.)")
+    if estimator is not None and (isinstance(samples, bool) or not isinstance(samples, int)
+                                  or samples < 2):
+        raise InputError(f"`samples` must be an int >= 2 (the standard error needs two); got "
+                         f"{samples!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"`seed` must be a non-negative int; got {seed!r}.")
+    return _verb("divergence", model, inputs, None, wrt, options,
+                 estimator=(estimator, samples, int(seed)))
+
+
+_OPTIONS = {"dtype", "chunk_size", "max_memory", "return_outputs", "nan_policy", "backend",
+            "backend_options", "output", "client", "scheduler", "rows_per_task"}
+
+
+def _verb(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, wrt: Any,
+          options: dict[str, Any], estimator: tuple[str | None, int, int] = (None, 0, 0)) -> Any:
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise InputError(f"{kind}() got unexpected keyword argument(s) {unknown}; it takes "
+                         f"{sorted(_OPTIONS)}.")
+    if not inputs:
+        raise InputError(f"{kind}() needs the model's inputs: {kind}(model, x, ...).")
+    client, scheduler = options.pop("client", None), options.pop("scheduler", None)
+    rows_per_task = options.pop("rows_per_task", None)
+    extra = () if vectors is None else (vectors,)
+    if client is not None or scheduler is not None or (
+            any(type(a) is not np.ndarray for a in (*inputs, *extra)) and
+            uses_dask((*inputs, *extra))):
+        if estimator[0] is not None:
+            raise InputError("divergence(estimator=...) is not offered on Dask yet: compute "
+                             "it locally, or the exact divergence on Dask.")
+        from . import _dask
+
+        output = options.pop("output", "auto")
+        name = {"jvp": "tangents", "vjp": "cotangents"}.get(kind)
+        kw = {"wrt": wrt, "kind": kind, **options}
+        with _dask.client_for(client, scheduler) as own:
+            return _dask.run(_task, model, inputs, client=own, rows_per_task=rows_per_task,
+                             out=None, kw=kw, output=output,
+                             rows_kw={name: vectors} if name else None)
+    return _local(kind, model, inputs, vectors, wrt=wrt, estimator=estimator, **options)
+
+
+def _task(model: Any, *inputs: Any, kind: str, tangents: Any = None, cotangents: Any = None,
+          **options: Any) -> Any:
+    """One Dask task: its block of rows (and of the vectors), computed locally."""
+    vectors = tangents if kind == "jvp" else cotangents
+    return _local(kind, model, inputs, vectors, **options)
+
+
+def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt: Any = None,
+           dtype: DTypeLike = None, chunk_size: int | None = None,
+           max_memory: int | str | None = None, return_outputs: bool = False,
+           nan_policy: NanPolicy = "raise", backend: str | None = None,
+           backend_options: dict[str, Any] | None = None, output: OutputArg = "auto",
+           estimator: tuple[str | None, int, int] = (None, 0, 0)) -> Any:
+    model = as_model(model)
+    if not isinstance(return_outputs, bool):
+        raise InputError(f"`return_outputs` must be True or False; got {return_outputs!r}.")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise InputError(f"`chunk_size` must be a positive int or None; got {chunk_size!r}.")
+    extra = () if vectors is None else (vectors,)
+    delivery = on_host((*inputs, *extra), output)
+    spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
+    name, bound = bind(model, spec, backend, backend_options)
+    assert bound.output_shape is not None
+    out_shape, ushape = tuple(bound.output_shape), tuple(spec.unknown_shape)
+    try:
+        if kind == "divergence":
+            if out_shape != ushape:
+                raise InputError(
+                    f"divergence() needs a square Jacobian: outputs shaped like the unknowns; "
+                    f"the model maps unknowns of shape {ushape} to outputs of shape "
+                    f"{out_shape}. Choose the unknowns with `wrt=` so that they match the "
+                    f"outputs, or compute batchjac.jacobian and reduce it.")
+            found = _divergence(bound, spec, estimator, chunk_size, max_memory, return_outputs)
+            y, div = found if return_outputs else (None, found)
+            if isinstance(div, TraceEstimate):  # (its arrays in the inputs' kind)
+                div.value, div.stderr = deliver((div.value, div.stderr), delivery)
+            else:
+                div = deliver(div, delivery)
+            return (deliver(y, delivery), div) if return_outputs else div
+        name_v = "tangents" if kind == "jvp" else "cotangents"
+        shape_v = ushape if kind == "jvp" else out_shape
+        v, single = _vectors(vectors, name_v, spec, shape_v, nan_policy)
+        result_shape = out_shape if kind == "jvp" else ushape
+        y, p = _run(bound, spec, kind, lambda lo, hi: v[lo:hi], v.shape[1],
+                    (v.shape[1], *result_shape), chunk_size, max_memory,
+                    with_outputs=return_outputs)
+        if single:
+            p = p[:, 0]
+    except BatchJacError as e:
+        raise add_context(e, context(spec, name)) from e
+    return deliver((y, p) if return_outputs else p, delivery)
+
+
+def _vectors(vectors: Any, name: str, spec: BatchSpec, shape: tuple[int, ...],
+             nan_policy: NanPolicy) -> tuple[np.ndarray, bool]:
+    """The tangents or cotangents as ``(N, d, *shape)`` in the compute dtype, and whether one
+    direction was given per instance (``(N, *shape)``)."""
+    if vectors is None:
+        raise InputError(f"`{name}` is required: one row per instance, ({spec.n}, "
+                         f"{', '.join(map(str, shape))}), or ({spec.n}, d, ...) for d "
+                         f"directions each.")
+    v = to_numpy(vectors, name)
+    if v.shape == (spec.n, *shape):
+        single, v = True, v[:, None]
+    elif v.ndim == len(shape) + 2 and v.shape[0] == spec.n and tuple(v.shape[2:]) == shape \
+            and v.shape[1] >= 1:
+        single = False
+    else:
+        raise InputError(
+            f"`{name}` has shape {v.shape}; it must be ({spec.n}, "
+            f"{', '.join(map(str, shape))}) (one direction per instance) or ({spec.n}, d, "
+            f"{', '.join(map(str, shape))}) (d directions per instance), for {spec.n} "
+            f"instances whose {'unknowns' if name == 'tangents' else 'outputs'} have shape "
+            f"{shape}.")
+    if v.dtype.kind not in "fiu":
+        raise InputError(f"`{name}` must hold real numbers; got dtype {v.dtype}.")
+    if nan_policy == "raise" and v.size and not np.isfinite(v).all():
+        row = int(np.argmax(~np.isfinite(v.reshape(v.shape[0], -1)).all(axis=1)))
+        raise InputError(f"`{name}` has a NaN or Inf in row {row}; give finite directions, or "
+                         f"nan_policy='propagate'.")
+    return np.ascontiguousarray(v, spec.dtype), single
+
+
+def _block_rows(spec: BatchSpec, m: int, d: int, chunk_size: int | None,
+                max_memory: int | str | None) -> int:
+    """Rows per block: ``chunk_size``, else what half the memory budget holds at the
+    product's bytes a row: inputs and outputs, and per direction its tangent, its result and
+    the activations it carries (a few times the inputs and outputs)."""
+    if chunk_size is not None:
+        return int(chunk_size)
+    item = spec.dtype.itemsize
+    per_row = 2 * item * ((1 + d) * 4 * (in_elems(spec) + m) + 2 * d * (spec.k + m))
+    return int(min(MAX_BLOCK, max(MIN_BLOCK, budget(max_memory) // 2 // per_row)))
+
+
+def _run(bound: Any, spec: BatchSpec, kind: str, directions: Any, d: int,
+         result_shape: tuple[int, ...], chunk_size: int | None, max_memory: int | str | None,
+         *, with_outputs: bool, reduce: Any = None) -> tuple[np.ndarray | None, np.ndarray]:
+    """The products of every row, block by block: ``directions(lo, hi)`` gives a block's
+    ``(rows, d, ...)`` (None: the backend makes them, the divergence's unit tangents);
+    ``result_shape`` is a row's result; ``reduce(lo, hi, t, p)``, where given, turns a block's
+    directions and products into its rows of the result."""
+    m = output_size(bound)
+    block = min(_block_rows(spec, m, d, chunk_size, max_memory), max(spec.n, 1))
+    assert bound.output_shape is not None
+    p = np.empty((spec.n, *result_shape), np.float64 if reduce is not None else spec.dtype)
+    y = np.empty((spec.n, *bound.output_shape), spec.dtype) if with_outputs else None
+    for chunk in chunks(spec.n, block):
+        lo, hi = chunk.lo, chunk.hi
+        u, ctx = spec.chunk(lo, hi)
+        t = directions(lo, hi)
+        tb = t
+        if hi - lo < block:  # (the last block padded: one trace per shapes)
+            u, ctx = pad_args(u, ctx, block)
+            if t is not None:
+                tb = np.concatenate([t, np.repeat(t[-1:], block - (hi - lo), axis=0)])
+        with model_call(f"the {kind} of rows {lo}:{hi}"):
+            yb, pb = bound.product(kind, u, ctx, None if tb is None else
+                                   np.ascontiguousarray(tb, spec.dtype))
+        pb = pb[: hi - lo]
+        p[lo:hi] = pb if reduce is None else reduce(t, pb)
+        if y is not None:
+            y[lo:hi] = yb[: hi - lo]
+    return y, p
+
+
+def _rademacher(seed: int, lo: int, hi: int, samples: int, shape: tuple[int, ...],
+                dtype: np.dtype) -> np.ndarray:
+    """``(hi - lo, samples, *shape)`` signs, each a function of ``(seed, instance, entry)``
+    only (SplitMix64 of its index): the same for an instance in any block, drawn at once."""
+    per = samples * math.prod(shape)
+    with np.errstate(over="ignore"):
+        z = (np.arange(lo, hi, dtype=np.uint64)[:, None] * np.uint64(per)
+             + np.arange(per, dtype=np.uint64)[None, :]) \
+            + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    signs = np.where(z >> np.uint64(63), -1.0, 1.0).astype(dtype)
+    return signs.reshape(hi - lo, samples, *shape)
+
+
+def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, int],
+                chunk_size: int | None, max_memory: int | str | None,
+                with_outputs: bool) -> Any:
+    """The trace of each square Jacobian: exact (the Jacobians of a chunk, as
+    :func:`batchjac.jacobian` computes them, reduced to their traces: no more than a chunk of
+    ``J`` at a time) or Hutchinson's estimate (Rademacher probes pushed forward)."""
+    how, samples, seed = estimator
+    k = spec.k
+    shape = tuple(spec.unknown_shape)
+    if how is None:  # batchjac's Jacobian kernels, chunk by chunk, each chunk's trace kept
+        y = np.empty((spec.n, *shape), spec.dtype) if with_outputs else None
+        trace = np.empty(spec.n, spec.dtype)
+        _, parts = jacobian_chunks(bound, spec, mode="auto", chunk_size=chunk_size,
+                                   max_memory=max_memory, with_outputs=with_outputs)
+        for lo, hi, yc, jac in parts:
+            trace[lo:hi] = np.einsum("njj->n", np.asarray(jac).reshape(hi - lo, k, k))
+            if y is not None:
+                y[lo:hi] = np.asarray(yc).reshape(hi - lo, *shape)
+        return (y, trace) if with_outputs else trace
+
+    def quad(t: np.ndarray, p: np.ndarray) -> np.ndarray:  # v^T J v of each probe
+        return np.einsum("nsk,nsk->ns", t.reshape(len(p), samples, k).astype(np.float64),
+                         p.reshape(len(p), samples, k).astype(np.float64))
+
+    y, q = _run(bound, spec, "jvp",
+                lambda lo, hi: _rademacher(seed, lo, hi, samples, shape, spec.dtype),
+                samples, (samples,), chunk_size, max_memory, with_outputs=with_outputs,
+                reduce=quad)
+    estimate = TraceEstimate(value=q.mean(axis=1), stderr=q.std(axis=1, ddof=1) /
+                             math.sqrt(samples), samples=samples, estimator=how, seed=seed)
+    return (y, estimate) if with_outputs else estimate

@@ -1,0 +1,197 @@
+"""Products that never form J (issue 38): ``jvp``, ``vjp`` and ``divergence`` in TensorFlow,
+PyTorch and JAX, against two independent references each: the product computed from
+batchjac's own per-instance Jacobians in float64, and the framework's own composition
+(``jax.vmap`` of ``jax.jvp``/``jax.vjp``, ``torch.func``'s, TensorFlow's forward accumulator and
+tape); one and several directions per instance, known inputs, ``wrt`` columns, rank-1 outputs;
+Hutchinson's divergence unbiased with standard errors that cover the exact value at the stated
+rate; bad directions refused by name."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchjac
+
+from .helpers import rng
+
+FRAMEWORKS = ["jax", "torch", "tensorflow"]
+
+
+def _mlp(framework: str, sizes: tuple[int, ...], seed: int) -> tuple[Any, list[np.ndarray]]:
+    """A tanh MLP of the framework (a batch function) and its weights."""
+    g = rng(seed)
+    ws = [g.normal(size=(a, b)) / np.sqrt(a) for a, b in itertools.pairwise(sizes)]
+    if framework == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+
+        def f(x: Any) -> Any:
+            for i, w in enumerate(ws):
+                x = x @ jnp.asarray(w, x.dtype)
+                x = jnp.tanh(x) if i < len(ws) - 1 else x
+            return x
+    elif framework == "torch":
+        torch = pytest.importorskip("torch")
+
+        def f(x: Any) -> Any:
+            for i, w in enumerate(ws):
+                x = x @ torch.as_tensor(w, dtype=x.dtype)
+                x = torch.tanh(x) if i < len(ws) - 1 else x
+            return x
+    else:
+        tf = pytest.importorskip("tensorflow")
+
+        def f(x: Any) -> Any:
+            for i, w in enumerate(ws):
+                x = tf.matmul(x, tf.constant(w, x.dtype))
+                x = tf.tanh(x) if i < len(ws) - 1 else x
+            return x
+    return f, ws
+
+
+def _jacobians(ws: list[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """The float64 closed form of the MLP's per-instance Jacobians, (N, m, k)."""
+    a = x.astype(np.float64)
+    jac = np.broadcast_to(np.eye(a.shape[1]), (len(a), a.shape[1], a.shape[1]))
+    for i, w in enumerate(ws):
+        a = a @ w
+        jac = np.einsum("nik,ij->njk", jac, w)
+        if i < len(ws) - 1:
+            jac = jac * (1 - np.tanh(a) ** 2)[:, :, None]
+            a = np.tanh(a)
+    return jac
+
+
+def _native_products(framework: str, f: Any, x: np.ndarray, v: np.ndarray, c: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The framework's own per-instance J v and c^T J (one direction each)."""
+    if framework == "jax":
+        import jax
+
+        one = lambda r: f(r[None])[0]  # noqa: E731
+        jv = jax.vmap(lambda r, t: jax.jvp(one, (r,), (t,))[1])(x, v)
+        cj = jax.vmap(lambda r, s: jax.vjp(one, r)[1](s)[0])(x, c)
+        return np.asarray(jv), np.asarray(cj)
+    if framework == "torch":
+        import torch
+
+        one = lambda r: f(r[None])[0]  # noqa: E731
+        xt, vt, ct = (torch.from_numpy(a) for a in (x, v, c))
+        jv = torch.func.vmap(lambda r, t: torch.func.jvp(one, (r,), (t,))[1])(xt, vt)
+        cj = torch.func.vmap(lambda r, s: torch.func.vjp(one, r)[1](s)[0])(xt, ct)
+        return jv.numpy(), cj.numpy()
+    import tensorflow as tf
+
+    xt = tf.constant(x)
+    with tf.autodiff.ForwardAccumulator(xt, tf.constant(v)) as acc:
+        y = f(xt)
+    jv = acc.jvp(y)
+    with tf.GradientTape() as tape:
+        tape.watch(xt)
+        y = f(xt)
+    return jv.numpy(), tape.gradient(y, xt, output_gradients=tf.constant(c)).numpy()
+
+
+def _close(got: Any, want: np.ndarray, rtol: float = 1e-5) -> None:
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    scale = float(np.abs(want).max())
+    assert scale > 0
+    assert float(np.abs(got - want).max()) <= rtol * scale, float(np.abs(got - want).max()) / scale
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_jvp_and_vjp_equal_both_references(framework: str) -> None:
+    f, ws = _mlp(framework, (6, 16, 4), seed=3810)
+    g = rng(3811)
+    x = g.normal(size=(23, 6)).astype(np.float32)
+    v, c = g.normal(size=(23, 6)).astype(np.float32), g.normal(size=(23, 4)).astype(np.float32)
+    jac = _jacobians(ws, x)
+    jv, cj = batchjac.jvp(f, x, tangents=v), batchjac.vjp(f, x, cotangents=c)
+    _close(jv, np.einsum("nmk,nk->nm", jac, v))
+    _close(cj, np.einsum("nm,nmk->nk", c, jac))
+    native_jv, native_cj = _native_products(framework, f, x, v, c)
+    _close(jv, native_jv.astype(np.float64))
+    _close(cj, native_cj.astype(np.float64))
+    # several directions per instance; the outputs of the same pass; small blocks
+    vs, cs = g.normal(size=(23, 3, 6)).astype(np.float32), g.normal(size=(23, 5, 4))
+    y, jvs = batchjac.jvp(f, x, tangents=vs, return_outputs=True, chunk_size=7)
+    _close(jvs, np.einsum("nmk,ndk->ndm", jac, vs))
+    _close(y, np.tanh(x.astype(np.float64) @ ws[0]) @ ws[1])  # (the model's outputs)
+    _close(batchjac.vjp(f, x, cotangents=cs.astype(np.float32), chunk_size=5),
+           np.einsum("ndm,nmk->ndk", cs, jac))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_known_inputs_wrt_and_a_rank_1_output(framework: str) -> None:
+    f, ws = _mlp(framework, (5, 8, 1), seed=3812)
+    g = rng(3813)
+    x = g.normal(size=(17, 5)).astype(np.float32)
+    jac = _jacobians(ws, x)  # (17, 1, 5)
+    v = g.normal(size=(17, 3)).astype(np.float32)
+    _close(batchjac.jvp(f, x[:, :3], x[:, 3:], tangents=v),
+           np.einsum("nmk,nk->nm", jac[:, :, :3], v))
+    c = g.normal(size=(17, 1)).astype(np.float32)
+    _close(batchjac.vjp(f, x, wrt=[1, 4], cotangents=c),
+           np.einsum("nm,nmk->nk", c, jac[:, :, [1, 4]]))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_divergence_exact_and_hutchinson(framework: str) -> None:
+    f, ws = _mlp(framework, (6, 32, 6), seed=3814)
+    x = rng(3815).normal(size=(40, 6)).astype(np.float32)
+    exact = np.trace(_jacobians(ws, x), axis1=1, axis2=2)
+    _close(batchjac.divergence(f, x, chunk_size=16), exact)
+    est = batchjac.divergence(f, x, estimator="hutchinson", samples=64, seed=7)
+    assert isinstance(est, batchjac.TraceEstimate)
+    value, stderr = np.asarray(est.value), np.asarray(est.stderr)
+    assert value.shape == stderr.shape == (40,)
+    assert np.all(stderr > 0)
+    # unbiased: the standard errors cover the exact traces at about the normal rate
+    z = (value - exact) / stderr
+    assert np.mean(np.abs(z) < 2.5) >= 0.85, z
+    assert abs(float(np.mean(z))) < 4 / np.sqrt(len(z)), z  # no bias beyond noise
+    again = batchjac.divergence(f, x, estimator="hutchinson", samples=64, seed=7, chunk_size=9)
+    np.testing.assert_allclose(np.asarray(again.value), value, rtol=1e-5)  # (blocks apart)
+
+
+def test_directions_of_the_wrong_shape_are_refused_by_name() -> None:
+    f, _ = _mlp("jax", (4, 8, 3), seed=3816)
+    x = rng(3817).normal(size=(10, 4)).astype(np.float32)
+    with pytest.raises(batchjac.InputError, match=r"`tangents` has shape \(10, 3\).*\(10, 4\)"):
+        batchjac.jvp(f, x, tangents=np.ones((10, 3)))
+    with pytest.raises(batchjac.InputError, match=r"`cotangents` has shape \(9, 3\)"):
+        batchjac.vjp(f, x, cotangents=np.ones((9, 3)))
+    t = np.ones((10, 4))
+    t[2, 1] = np.nan
+    with pytest.raises(batchjac.InputError, match=r"`tangents` has a NaN or Inf in row 2"):
+        batchjac.jvp(f, x, tangents=t)
+    with pytest.raises(batchjac.InputError, match=r"divergence\(\) needs a square Jacobian"):
+        batchjac.divergence(f, x)
+    with pytest.raises(batchjac.InputError, match=r"`estimator` must be None"):
+        batchjac.divergence(f, x[:, :3], estimator="hutch++")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        batchjac.jvp(f, x)  # type: ignore[call-arg]
+
+
+def test_torch_tensors_in_and_out_and_a_model_without_forward_derivatives() -> None:
+    """Tensors in, tensors out; a torch LSTM (no forward derivative on the CPU) pushes its
+    tangents through plain autograd's double backward."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(3818)
+    cell, head = torch.nn.LSTM(3, 6, batch_first=True), torch.nn.Linear(6, 2)
+
+    def f(x: Any) -> Any:
+        out, _ = cell(x.reshape(x.shape[0], 4, 3))
+        return head(out[:, -1])
+
+    x = torch.from_numpy(rng(3819).normal(size=(9, 12)).astype(np.float32))
+    v = torch.from_numpy(rng(3820).normal(size=(9, 12)).astype(np.float32))
+    got = batchjac.jvp(f, x, tangents=v)
+    assert isinstance(got, torch.Tensor)
+    jac = torch.stack([torch.autograd.functional.jacobian(lambda r: f(r[None])[0], r)
+                       for r in x])
+    _close(got.numpy(), np.einsum("nmk,nk->nm", jac.double().numpy(), v.double().numpy()))
