@@ -3,7 +3,8 @@ PyTorch, computed there (JAX: through the model's stateless call, its variables'
 kernel's arguments), equal to that framework's own Jacobians, Hessians and Laplacians; weight
 changes seen (JAX: without a new trace); models of several inputs, by position and by name;
 float64 computed where Keras keeps it and refused where Keras demotes it; a ``.keras`` file
-saved under one backend computed under another by the command line. Each case runs in a fresh
+saved under one backend computed under another by the command line (Jacobians, Hessians,
+Laplacians). Each case runs in a fresh
 process (KERAS_BACKEND is read once, when Keras is imported)."""
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ CHILD = textwrap.dedent("""
         model.save(sys.argv[1])
         np.save(sys.argv[1] + ".x.npy", x)
         np.save(sys.argv[1] + ".jac.npy", np.asarray(batchjac.jacobian(model, x), np.float64))
+        np.save(sys.argv[1] + ".hess.npy", np.asarray(batchjac.hessian(model, x[:8]), np.float64))
+        np.save(sys.argv[1] + ".x8.npy", x[:8])
     print(json.dumps(out))
 """)
 
@@ -174,3 +177,14 @@ def test_a_keras_model_on_another_keras_backend(backend: str, tmp_path: Path) ->
     got, want = np.load(jac), np.load(f"{saved}.jac.npy")
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # its Hessians and Laplacians by the command line too, against the saving backend's
+    hess = np.load(f"{saved}.hess.npy")  # (8, 3, 5, 5)
+    for flag, want2 in (("--mode=auto", hess), ("--laplacian", np.trace(hess, axis1=-2, axis2=-1))):
+        path = tmp_path / f"second{flag.replace('=', '-')}.npy"
+        run = _child(other, "hessian", str(saved), "-i", f"{saved}.x8.npy", "-o", str(path), flag,
+                     code=cli)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "TF-IMPORTED False" in run.stdout, (run.stdout, run.stderr[-2000:])
+        got2 = np.load(path)
+        assert got2.shape == want2.shape, (flag, got2.shape)
+        assert np.abs(got2 - want2).max() <= 1e-5 * np.abs(want2).max(), flag
