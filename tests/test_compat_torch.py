@@ -558,3 +558,27 @@ def test_custom_functions_that_cannot_be_read(how: str, monkeypatch: Any) -> Non
                                rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(batchjac.hessian(mlp(), x, mode="forward-over-reverse"), hess,
                                rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_models_whose_original_cannot_be_read(monkeypatch: Any) -> None:
+    """torch.compile's attributes renamed (``_orig_mod``, ``_torchdynamo_orig_callable``): the
+    compiled model is computed as it is, compiled (a counting backend sees its graphs), and
+    the Jacobians stay right against the uncompiled module's."""
+    torch.manual_seed(41)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    x = np.random.default_rng(41).normal(size=(6, 4)).astype(np.float32)
+    want = torch.func.vmap(torch.func.jacrev(module))(torch.from_numpy(x)).detach().numpy()
+    graphs: list[int] = []
+
+    def counting(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(1)
+        return gm.forward
+
+    compiled = torch.compile(module, backend=counting)
+    assert compat.uncompiled(compiled) is module
+    monkeypatch.setattr(compat, "_ORIG_MOD", "_renamed_orig_mod")
+    monkeypatch.setattr(compat, "_ORIG_CALLABLE", "_renamed_orig_callable")
+    assert compat.uncompiled(compiled) is None
+    assert compat.uncompiled(torch.compile(lambda v: module(v), backend=counting)) is None
+    got = batchjac.jacobian(compiled, x, mode="reverse")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -195,3 +195,49 @@ def test_torch_tensors_in_and_out_and_a_model_without_forward_derivatives() -> N
     jac = torch.stack([torch.autograd.functional.jacobian(lambda r: f(r[None])[0], r)
                        for r in x])
     _close(got.numpy(), np.einsum("nmk,nk->nm", jac.double().numpy(), v.double().numpy()))
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".zarr", ".h5"])
+def test_products_into_a_store_resume_byte_identical(tmp_path: Any, suffix: str) -> None:
+    """jvp and vjp into a store: killed by a failing chunk, made again, only the others are
+    computed, and the store holds what the in-memory call returns, bit for bit."""
+    if suffix == ".zarr":
+        pytest.importorskip("zarr")
+    if suffix == ".h5":
+        pytest.importorskip("h5py")
+    f, ws = _mlp("jax", (6, 16, 4), seed=3821)
+    g = rng(3822)
+    x = g.normal(size=(50, 6)).astype(np.float32)
+    v = g.normal(size=(50, 2, 6)).astype(np.float32)
+    state = {"calls": 0, "fail_at": 3}
+
+    def model(z: Any) -> Any:
+        if z.shape[0] == 16:  # a chunk of the store's (not the probes')
+            state["calls"] += 1
+            if state["calls"] == state["fail_at"]:
+                raise RuntimeError("interrupted")
+        return f(z)
+
+    path = tmp_path / f"jvps{suffix}"
+    store = batchjac.Store(path, model_id="mlp-3821")  # (the closure's counter is not the model)
+    with pytest.raises(batchjac.ModelError, match="interrupted"):
+        batchjac.jvp(model, x, tangents=v, out=store, chunk_size=16, return_outputs=True)
+    assert not path.exists()
+    state["fail_at"] = -1
+    res = batchjac.jvp(model, x, tangents=v, out=store, chunk_size=16, return_outputs=True)
+    assert (res.resumed_chunks, res.computed_chunks) == (2, 2)
+    assert res.shape == (50, 2, 4)
+    y, want = batchjac.jvp(f, x, tangents=v, chunk_size=16, return_outputs=True)
+    assert np.array_equal(np.asarray(res.open()), want)
+    assert np.array_equal(np.asarray(res.open("outputs")), y)
+    _close(np.asarray(res.open()), np.einsum("nmk,ndk->ndm", _jacobians(ws, x), v))
+    again = batchjac.jvp(model, x, tangents=v, out=store, chunk_size=16, return_outputs=True)
+    assert again.computed_chunks == 0
+    other = v.copy()
+    other[40, 0, 0] += 1.0  # other directions: the finished store's rows no longer match
+    with pytest.raises(batchjac.StoreError):
+        batchjac.jvp(model, x, tangents=other, out=store, chunk_size=16, return_outputs=True)
+    c = g.normal(size=(50, 4)).astype(np.float32)
+    stored = batchjac.vjp(f, x, cotangents=c, out=str(tmp_path / f"vjps{suffix}"), chunk_size=20)
+    assert np.array_equal(np.asarray(stored.open()), batchjac.vjp(f, x, cotangents=c,
+                                                                  chunk_size=20))

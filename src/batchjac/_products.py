@@ -23,8 +23,10 @@ from ._arrays import OutputArg, deliver, on_host
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._evaluate import bind, budget, context, in_elems, jacobian_chunks, output_size
+from ._hessian import TangentSpec
 from ._loaders import as_model
-from ._runner import chunks, model_call, pad_args
+from ._runner import chunks, model_call, pad_args, run_chunks
+from ._sinks import ArraySink
 from ._spec import BatchSpec
 from ._validate import DTypeLike, NanPolicy, normalize, to_numpy
 
@@ -45,7 +47,10 @@ def jvp(model: Any, *inputs: Any, tangents: Any, wrt: Any = None, **options: Any
     ``(N, d, *output_shape)``. One forward-mode pass per direction.
 
     Options: ``dtype``, ``chunk_size`` (rows per block), ``max_memory``, ``return_outputs``
-    (then ``(y, Jv)``), ``nan_policy``, ``backend``, ``backend_options``, ``output``; on Dask
+    (then ``(y, Jv)``), ``nan_policy``, ``backend``, ``backend_options``, ``output``, ``out``
+    (a store path, ``"jvp.zarr"``, ``.h5`` or ``.npy``, or a :class:`batchjac.Store`: written
+    chunk by chunk and resumed as :func:`batchjac.hessian`'s, the result ``"jvps"``/``"vjps"``
+    beside ``"outputs"``; returns its :class:`~batchjac.StoreResult`) with ``progress``; on Dask
     ``client=``, ``scheduler=`` or Dask arrays among the inputs and ``tangents`` (their rows
     split into the same blocks, the result in memory). The result has the kind and device of
     the inputs, or ``output=``'s."""
@@ -99,7 +104,8 @@ def divergence(model: Any, *inputs: Any, wrt: Any = None, estimator: Estimator |
 
 
 _OPTIONS = {"dtype", "chunk_size", "max_memory", "return_outputs", "nan_policy", "backend",
-            "backend_options", "output", "client", "scheduler", "rows_per_task"}
+            "backend_options", "output", "client", "scheduler", "rows_per_task", "out",
+            "progress"}
 
 
 def _verb(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, wrt: Any,
@@ -113,6 +119,8 @@ def _verb(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, wrt: Any
     client, scheduler = options.pop("client", None), options.pop("scheduler", None)
     rows_per_task = options.pop("rows_per_task", None)
     extra = () if vectors is None else (vectors,)
+    if options.get("out") is not None and kind == "divergence":
+        raise InputError("divergence() computes in memory; `out=` is not offered for it yet.")
     if client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in (*inputs, *extra)) and
             uses_dask((*inputs, *extra))):
@@ -121,6 +129,10 @@ def _verb(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, wrt: Any
                              "it locally, or the exact divergence on Dask.")
         from . import _dask
 
+        if options.get("out") is not None:
+            raise InputError(f"On Dask, {kind}() computes in memory (a Dask array for Dask "
+                             f"inputs); `out=` is not supported there yet. Compute locally to "
+                             f"fill a store, or drop it.")
         output = options.pop("output", "auto")
         name = {"jvp": "tangents", "vjp": "cotangents"}.get(kind)
         kw = {"wrt": wrt, "kind": kind, **options}
@@ -143,6 +155,7 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
            max_memory: int | str | None = None, return_outputs: bool = False,
            nan_policy: NanPolicy = "raise", backend: str | None = None,
            backend_options: dict[str, Any] | None = None, output: OutputArg = "auto",
+           out: Any = None, progress: bool | Any = False,
            estimator: tuple[str | None, int, int] = (None, 0, 0)) -> Any:
     model = as_model(model)
     if not isinstance(return_outputs, bool):
@@ -151,7 +164,7 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
                                    or chunk_size < 1):
         raise InputError(f"`chunk_size` must be a positive int or None; got {chunk_size!r}.")
     extra = () if vectors is None else (vectors,)
-    delivery = on_host((*inputs, *extra), output)
+    delivery = on_host((*inputs, *extra), output, out=out)
     spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
     name, bound = bind(model, spec, backend, backend_options)
     assert bound.output_shape is not None
@@ -174,15 +187,83 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
         name_v = "tangents" if kind == "jvp" else "cotangents"
         shape_v = ushape if kind == "jvp" else out_shape
         v, single = _vectors(vectors, name_v, spec, shape_v, nan_policy)
-        result_shape = out_shape if kind == "jvp" else ushape
-        y, p = _run(bound, spec, kind, lambda lo, hi: v[lo:hi], v.shape[1],
-                    (v.shape[1], *result_shape), chunk_size, max_memory,
-                    with_outputs=return_outputs)
-        if single:
-            p = p[:, 0]
+        d = v.shape[1]
+        result_shape = (*(() if single else (d,)), *(out_shape if kind == "jvp" else ushape))
+        with_v = TangentSpec(arrays=spec.arrays, layout=spec.layout, dtype=spec.dtype, n=spec.n,
+                             unknown_shape=spec.unknown_shape, names=spec.names,
+                             finite_check=spec.finite_check, tangents=v)
+        block = min(_block_rows(spec, output_size(bound), d, chunk_size, max_memory),
+                    max(spec.n, 1))
+        result = RESULT[kind]
+        if out is not None:
+            return _to_store(model, bound, with_v, name, kind, out, block, single,
+                             result_shape, chunk_size=chunk_size, max_memory=max_memory,
+                             return_outputs=return_outputs, nan_policy=nan_policy,
+                             options=backend_options or {}, progress=progress)
+        targets = {result: np.empty((spec.n, *result_shape), spec.dtype)}
+        if return_outputs:
+            targets["outputs"] = np.empty((spec.n, *out_shape), spec.dtype)
+        run_chunks(_ProductKernel(bound, kind, block, single, return_outputs), with_v,
+                   ArraySink(targets))
     except BatchJacError as e:
         raise add_context(e, context(spec, name)) from e
-    return deliver((y, p) if return_outputs else p, delivery)
+    p = targets[result]
+    return deliver((targets["outputs"], p) if return_outputs else p, delivery)
+
+
+#: the result's name, in memory and in a store
+RESULT = {"jvp": "jvps", "vjp": "vjps"}
+
+
+class _ProductKernel:
+    """A product over chunks of ``chunk_size`` rows, as the runner calls a kernel: the
+    directions come last among the chunk's arrays (:class:`batchjac._hessian.TangentSpec`)."""
+
+    def __init__(self, bound: Any, kind: str, chunk_size: int, single: bool,
+                 with_outputs: bool) -> None:
+        self.bound, self.kind, self.chunk_size = bound, kind, chunk_size
+        self.single, self.with_outputs = single, with_outputs
+
+    def __call__(self, u: Any, ctx: tuple[Any, ...]) -> dict[str, np.ndarray]:
+        *model_ctx, t = ctx
+        y, p = self.bound.product(self.kind, u, tuple(model_ctx), np.ascontiguousarray(t))
+        out = {RESULT[self.kind]: p[:, 0] if self.single else p}
+        if self.with_outputs:
+            out["outputs"] = y
+        return out
+
+
+def _to_store(model: Any, bound: Any, spec: BatchSpec, backend: str, kind: str, out: Any,
+              block: int, single: bool, result_shape: tuple[int, ...], *,
+              chunk_size: int | None, max_memory: int | str | None, return_outputs: bool,
+              nan_policy: NanPolicy, options: dict[str, Any], progress: Any) -> Any:
+    """The products written chunk by chunk into a resumable store (the protocol of
+    :mod:`batchjac._stores`, as the second-order results are): a chunk's rows and directions
+    hashed, a finished chunk never computed again."""
+    from ._stores import as_store, is_store_target
+    from ._stores.hessians import second_to_store
+
+    if not is_store_target(out):
+        raise InputError(f"`out` of {kind}() must be a store path ('{RESULT[kind]}.zarr', .h5 "
+                         f"or .npy) or a batchjac.Store; got {type(out).__name__}.")
+    named = "output" if kind == "jvp" else "unknown"
+    axes = (*(() if single else ("direction",)),
+            *[f"{named}{i}" for i in range(len(result_shape) - (0 if single else 1))])
+
+    def plan(_: Any) -> dict[str, Any]:
+        return {"order": "forward" if kind == "jvp" else "reverse", "chunk_size": block,
+                "chunks": -(-spec.n // block) if spec.n else 0, "rows": spec.n,
+                "reason": f"{kind}: chunks of {block} rows"}
+
+    return second_to_store(
+        model, spec, backend, store=as_store(out), name=RESULT[kind],
+        describe_options={"mode": kind, "chunk_size": chunk_size, "max_memory": max_memory,
+                          "backend_options": options, "nan_policy": nan_policy},
+        bind=lambda: bound, plan=plan,
+        kernel=lambda b, planned: _ProductKernel(b, kind, planned["chunk_size"], single,
+                                                 return_outputs),
+        with_outputs=return_outputs, with_jacobian=False, explain=False, progress=progress,
+        result=lambda _: (result_shape, axes))
 
 
 def _vectors(vectors: Any, name: str, spec: BatchSpec, shape: tuple[int, ...],

@@ -1,11 +1,12 @@
 """The second-order store: ``hessian(model, ..., out="hess.zarr")`` (and ``laplacian``,
-``hvp``) computed chunk by chunk into a resumable store, through the resume protocol
-(:mod:`.resume`) that Jacobian and solution stores run. This module only says what the job
-is: the Jacobian store's description (model, inputs, options) plus the kind of result, its
-arrays (``hessians`` ``(N, *output, *unknown, *unknown)``, ``diagonals``, ``laplacians`` or
-``hvps``, and ``outputs``/``jacobians`` when asked), its plan (order, chunk size) and how one
-chunk is computed. The plan and the kernel come from the verb (:mod:`batchjac._hessian`),
-which sits above this package.
+``hvp``, and the products ``jvp`` and ``vjp``) computed chunk by chunk into a resumable
+store, through the resume protocol (:mod:`.resume`) that Jacobian and solution stores run.
+This module only says what the job is: the Jacobian store's description (model, inputs,
+options) plus the kind of result, its arrays (``hessians`` ``(N, *output, *unknown,
+*unknown)``, ``diagonals``, ``laplacians``, ``hvps``, ``jvps`` or ``vjps``, and
+``outputs``/``jacobians`` when asked), its plan (order, chunk size) and how one chunk is
+computed. The plan and the kernel come from the verb (:mod:`batchjac._hessian`,
+:mod:`batchjac._products`), which sits above this package.
 """
 
 from __future__ import annotations
@@ -62,15 +63,18 @@ def second_to_store(model: Any, spec: BatchSpec, backend: str, *, store: Store, 
                     kernel: Callable[[Any, dict[str, Any]], Any], with_outputs: bool,
                     with_jacobian: bool, explain: bool,
                     progress: bool | Callable[[int], None],
-                    compute_chunks: Callable[[Any, BatchSpec, bool, Any], None] | None = None
-                    ) -> SecondStoreResult:
+                    compute_chunks: Callable[[Any, BatchSpec, bool, Any], None] | None = None,
+                    result: Callable[[tuple[int, ...]], tuple[tuple[int, ...], tuple[str, ...]]]
+                    | None = None) -> SecondStoreResult:
     """Compute the second-order result ``name`` into a resumable store (the guarantees of
     :mod:`batchjac._stores`). ``bind()`` binds and probes the model; ``plan(bound)`` is the
     store's plan (``order``, ``chunk_size``, ``chunks``, ``rows``, ``reason``);
     ``kernel(bound, plan)`` the kernel every chunk is computed with. ``describe_options``
     are the options that fix the result (recorded in the job). ``compute_chunks(bound, spec,
     with_outputs, pending)`` computes and writes the chunks still to do in place of the local
-    loop (the Dask path's, as for Jacobian stores)."""
+    loop (the Dask path's, as for Jacobian stores). ``result(output_shape)``: the per-row
+    shape and axis names of the result ``name``, where they are not a second-order kind's
+    (the products of :mod:`batchjac._products`)."""
     start = time.perf_counter()
     out = Path(store.path)
     fmt = second_format(out, name)
@@ -93,7 +97,8 @@ def second_to_store(model: Any, spec: BatchSpec, backend: str, *, store: Store, 
 
         # the tangents of a Hessian-vector product are inputs: their rows are hashed too
         return Job(description=description, probe=probe(bound, _plain(spec)),
-                   arrays=_arrays(name, y_shape, spec, with_outputs, with_jacobian),
+                   arrays=_arrays(name, y_shape, spec, with_outputs, with_jacobian,
+                                  None if result is None else result(y_shape)),
                    input_hash=lambda lo, hi: hash_arrays(_rows(spec, lo, hi)),
                    plan=lambda: plan(bound),
                    compute=lambda manifest: _chunks(kernel(bound, manifest["plan"]), spec),
@@ -136,12 +141,18 @@ def _chunks(kernel: Any, spec: BatchSpec) -> UnitFunction:
 
 
 def _arrays(name: str, y_shape: tuple[int, ...], spec: BatchSpec, with_outputs: bool,
-            with_jacobian: bool) -> list[ArraySpec]:
+            with_jacobian: bool, result: tuple[tuple[int, ...], tuple[str, ...]] | None = None
+            ) -> list[ArraySpec]:
     unk = spec.unknown_shape
-    trailing = _TRAILING[name]
-    shape = (*y_shape, *(unk * trailing))
-    prefixes = [f"unknown{i + 1}" for i in range(trailing)] if trailing > 1 else ["unknown"] * trailing
-    axes = ("row", *dims("output", y_shape), *[a for p in prefixes for a in dims(p, unk)])
+    if result is not None:
+        shape, named = result
+        axes = ("row", *named)
+    else:
+        trailing = _TRAILING[name]
+        shape = (*y_shape, *(unk * trailing))
+        prefixes = [f"unknown{i + 1}" for i in range(trailing)] if trailing > 1 \
+            else ["unknown"] * trailing
+        axes = ("row", *dims("output", y_shape), *[a for p in prefixes for a in dims(p, unk)])
     specs = [ArraySpec(name, shape, spec.dtype.name, axes, {})]
     if with_jacobian:
         specs.append(ArraySpec(JACOBIANS, (*y_shape, *unk), spec.dtype.name,
