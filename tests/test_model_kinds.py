@@ -182,6 +182,7 @@ def test_a_torch_compiled_model_is_differentiated_uncompiled(
     assert_jac_close(batchjac.hessian(first, x), hess_ref)
     assert_jac_close(batchjac.laplacian(first, x), np.trace(hess_ref, axis1=1, axis2=2))
     assert compiled == [], "torch.compile compiled a graph for batchjac"
-    compiled_module = torch.compile(module, backend=backend)
-    compiled_module(torch.from_numpy(x))  # (the user's own calls compile: the counter works)
+    # (a call of a compiled function of its own compiles: the counter works; a module's
+    # forward may have reached TorchDynamo's recompile limit in a process running many tests)
+    torch.compile(lambda v: torch.tanh(v) * 2.0, backend=backend)(torch.from_numpy(x))
     assert compiled

@@ -1,9 +1,10 @@
 """The ``batchjac`` command line: the click group :data:`cli` and :func:`main`.
 
-One module per subcommand (``compute``, ``hessian``, ``solve``, ``check``, ``propagate``, ``report``,
-``demo``, ``bench``), sharing their options (:mod:`.options`), the opening of input files and
-models (:mod:`.common`) and the exit codes (:mod:`.errors`). Frameworks and batchjac's
-numerics are imported inside the command functions only, so ``batchjac --help`` is fast.
+One module per subcommand (``compute``, ``hessian``, ``jvp``/``vjp``, ``solve``, ``check``,
+``propagate``, ``report``, ``demo``, ``bench``), sharing their options (:mod:`.options`), the
+opening of input files and models (:mod:`.common`) and the exit codes (:mod:`.errors`).
+Frameworks and batchjac's numerics are imported inside the command functions only, so
+``batchjac --help`` is fast.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import bench, check, compute, demo, hessian, propagate, report, solve
+    from . import bench, check, compute, demo, hessian, products, propagate, report, solve
 
     for module in (compute, hessian, solve, check, propagate, report, demo, bench):
         cli.add_command(module.command)
+    cli.add_command(products.jvp)
+    cli.add_command(products.vjp)
 
 
 _register()
