@@ -198,6 +198,22 @@ def float64_clone(keras: Any, model: Any, build: Callable[[Any], None], versions
     return clone
 
 
+def stateless_clone(keras: Any, model: Any, build: Callable[[Any], None], versions: str,
+                    dtype: str) -> Any:
+    """:func:`float64_clone` for a caller that runs the clone on the model's own variable
+    values (``stateless_call`` with the model's values, read at each call: the JAX and
+    PyTorch backends): the clone must hold variables of the same shapes, in the same order."""
+    clone = float64_clone(keras, model, build, versions, dtype)
+    shapes = [[tuple(v.shape) for v in m.trainable_variables] +
+              [tuple(v.shape) for v in m.non_trainable_variables] for m in (model, clone)]
+    if shapes[0] != shapes[1]:
+        raise InputError(
+            f"batchjac differentiates this Keras model in {dtype}, but the {dtype} clone of "
+            f"{type(model).__name__} holds other variables than the model ({versions}). "
+            f"Build the model with dtype='{dtype}'.")
+    return clone
+
+
 def _input_dtypes(model: Any) -> list[str]:
     """The dtypes of a Keras model's declared inputs (none for a subclassed model)."""
     try:

@@ -111,16 +111,9 @@ class KerasStateless:
         versions = f"Keras {getattr(keras, '__version__', '?')}, JAX {jax.__version__}"
         wide = self
         if _keras_compat.clone_needed(model, dtype):
-            clone = _keras_compat.float64_clone(
+            clone = _keras_compat.stateless_clone(
                 keras, model, lambda c: c(_keras_inputs(sample, named), training=False), versions,
                 dtype)
-            shapes = [[tuple(v.shape) for v in m.trainable_variables] +
-                      [tuple(v.shape) for v in m.non_trainable_variables] for m in (model, clone)]
-            if shapes[0] != shapes[1]:
-                raise InputError(
-                    f"{dtype} was asked for, but the {dtype} clone of {type(model).__name__} "
-                    f"holds other variables than the model ({versions}). Build the model with "
-                    f"dtype='{dtype}'.")
             wide = KerasStateless(model, None, clone)
         # Keras's own type promotion outside TensorFlow turns 64-bit results into 32-bit ones
         # (keras.backend.result_type: "aligned with JAX's default"): ops such as its tanh

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from ... import _keras_compat
-from ..._errors import InputError
 from ..._spec import sample_inputs
 
 
@@ -51,13 +50,5 @@ def keras_runner(model: Any, signature: Any) -> Any:
         sample = named if named else (list(args) if len(args) > 1 else args[0])
         clone(sample, training=False)
 
-    clone = _keras_compat.float64_clone(keras, model, build, versions, "float32")
-    shapes = [[tuple(v.shape) for v in m.trainable_variables] +
-              [tuple(v.shape) for v in m.non_trainable_variables] for m in (model, clone)]
-    if shapes[0] != shapes[1]:
-        raise InputError(
-            f"this Keras model computes in half precision (its dtype policy), and batchjac "
-            f"differentiates it in float32, but the float32 clone of {type(model).__name__} "
-            f"holds other variables than the model ({versions}). Build the model with "
-            f"dtype='float32'.")
-    return KerasWidened(model, clone)
+    return KerasWidened(model, _keras_compat.stateless_clone(keras, model, build, versions,
+                                                             "float32"))
