@@ -25,7 +25,7 @@ from ._errors import BatchJacError, InputError, add_context
 from ._evaluate import bind, budget, context, in_elems, jacobian_chunks, output_size
 from ._hessian import TangentSpec
 from ._loaders import as_model
-from ._runner import chunks, model_call, pad_args, run_chunks
+from ._runner import iter_results, run_chunks
 from ._sinks import ArraySink
 from ._spec import BatchSpec
 from ._validate import DTypeLike, NanPolicy, normalize, to_numpy
@@ -308,35 +308,18 @@ def _block_rows(spec: BatchSpec, m: int, d: int, chunk_size: int | None,
     return int(min(MAX_BLOCK, max(MIN_BLOCK, budget(max_memory) // 2 // per_row)))
 
 
-def _run(bound: Any, spec: BatchSpec, kind: str, directions: Any, d: int,
-         result_shape: tuple[int, ...], chunk_size: int | None, max_memory: int | str | None,
-         *, with_outputs: bool, reduce: Any = None) -> tuple[np.ndarray | None, np.ndarray]:
-    """The products of every row, block by block: ``directions(lo, hi)`` gives a block's
-    ``(rows, d, ...)`` (None: the backend makes them, the divergence's unit tangents);
-    ``result_shape`` is a row's result; ``reduce(lo, hi, t, p)``, where given, turns a block's
-    directions and products into its rows of the result."""
-    m = output_size(bound)
-    block = min(_block_rows(spec, m, d, chunk_size, max_memory), max(spec.n, 1))
-    assert bound.output_shape is not None
-    p = np.empty((spec.n, *result_shape), np.float64 if reduce is not None else spec.dtype)
-    y = np.empty((spec.n, *bound.output_shape), spec.dtype) if with_outputs else None
-    for chunk in chunks(spec.n, block):
-        lo, hi = chunk.lo, chunk.hi
-        u, ctx = spec.chunk(lo, hi)
-        t = directions(lo, hi)
-        tb = t
-        if hi - lo < block:  # (the last block padded: one trace per shapes)
-            u, ctx = pad_args(u, ctx, block)
-            if t is not None:
-                tb = np.concatenate([t, np.repeat(t[-1:], block - (hi - lo), axis=0)])
-        with model_call(f"the {kind} of rows {lo}:{hi}"):
-            yb, pb = bound.product(kind, u, ctx, None if tb is None else
-                                   np.ascontiguousarray(tb, spec.dtype))
-        pb = pb[: hi - lo]
-        p[lo:hi] = pb if reduce is None else reduce(t, pb)
-        if y is not None:
-            y[lo:hi] = yb[: hi - lo]
-    return y, p
+class _Probes:
+    """Hutchinson's probes of ``n`` instances, ``(n, samples, *shape)``, made when rows of
+    them are read (``probes[lo:hi]``, as a chunk reads its tangents): :func:`_rademacher`."""
+
+    def __init__(self, seed: int, n: int, samples: int, shape: tuple[int, ...],
+                 dtype: np.dtype) -> None:
+        self.seed, self.samples, self.dtype = seed, samples, dtype
+        self.shape = (n, samples, *shape)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        lo, hi, _ = rows.indices(self.shape[0])
+        return _rademacher(self.seed, lo, hi, self.samples, self.shape[2:], self.dtype)
 
 
 def _rademacher(seed: int, lo: int, hi: int, samples: int, shape: tuple[int, ...],
@@ -375,14 +358,23 @@ def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, i
                 y[lo:hi] = np.asarray(yc).reshape(hi - lo, *shape)
         return (y, trace) if with_outputs else trace
 
-    def quad(t: np.ndarray, p: np.ndarray) -> np.ndarray:  # v^T J v of each probe
-        return np.einsum("nsk,nsk->ns", t.reshape(len(p), samples, k).astype(np.float64),
-                         p.reshape(len(p), samples, k).astype(np.float64))
-
-    y, q = _run(bound, spec, "jvp",
-                lambda lo, hi: _rademacher(seed, lo, hi, samples, shape, spec.dtype),
-                samples, (samples,), chunk_size, max_memory, with_outputs=with_outputs,
-                reduce=quad)
+    # the probes as the chunks' last array (as jvp's tangents), drawn chunk by chunk
+    probes = _Probes(seed, spec.n, samples, shape, spec.dtype)
+    with_v = TangentSpec(arrays=spec.arrays, layout=spec.layout, dtype=spec.dtype, n=spec.n,
+                         unknown_shape=spec.unknown_shape, names=spec.names,
+                         finite_check=spec.finite_check, tangents=probes)
+    block = min(_block_rows(spec, output_size(bound), samples, chunk_size, max_memory),
+                max(spec.n, 1))
+    q = np.empty((spec.n, samples))  # v^T J v of each probe
+    y = np.empty((spec.n, *bound.output_shape), spec.dtype) if with_outputs else None
+    kernel = _ProductKernel(bound, "jvp", block, False, with_outputs)
+    for chunk, out, rows in iter_results(kernel, with_v, keep_rows=True):
+        assert rows is not None
+        v = rows[1][-1].reshape(chunk.rows, samples, k).astype(np.float64)
+        jv = out[RESULT["jvp"]].reshape(chunk.rows, samples, k).astype(np.float64)
+        q[chunk.lo:chunk.hi] = np.einsum("nsk,nsk->ns", v, jv)
+        if y is not None:
+            y[chunk.lo:chunk.hi] = out["outputs"]
     estimate = TraceEstimate(value=q.mean(axis=1), stderr=q.std(axis=1, ddof=1) /
                              math.sqrt(samples), samples=samples, estimator=how, seed=seed)
     return (y, estimate) if with_outputs else estimate
