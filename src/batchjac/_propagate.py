@@ -142,16 +142,18 @@ class _Uncertainty:
                 self.kind, self.data = "std_shared", np.sqrt(np.maximum(np.diagonal(c), 0.0))
                 self.form = "diagonal (taken as std)"
                 return
-            factor = self._shared_factor = _sqrt_psd(_sym(c)[None])[0]
-            # (the eigenvalues of eigh come ascending: the columns of the null space first)
-            norms = np.abs(factor).max(axis=0)
-            kept = norms > np.sqrt(100 * k * np.finfo(np.float64).eps) * max(norms.max(), 1e-300)
-            r = int(kept.sum())
-            if r <= self.LOW_RANK * k:
-                self._low = np.ascontiguousarray(factor[:, kept])
-                self.form = f"low rank ({r} of {k})"
+            # the rank from the eigenvalues the check computed; the factor only where it is
+            # used (a dense Sigma is sandwiched as it is: no eigendecomposition)
+            tol = 100 * k * np.finfo(np.float64).eps
+            r = int((self._eigenvalues > tol * max(self._eigenvalues.max(), 1e-300)).sum())
+            if r > self.LOW_RANK * k:
+                self.form = "dense"
                 return
-            self.form = "dense"
+            w, v = np.linalg.eigh(_sym(c))
+            kept = w > tol * max(w.max(), 1e-300)
+            self._shared_factor = v * np.sqrt(np.maximum(w, 0.0))
+            self._low = np.ascontiguousarray(self._shared_factor[:, kept])
+            self.form = f"low rank ({int(kept.sum())} of {k})"
             return
         if self._all_diagonal:
             self.kind, self.form = "diag_stack", "diagonal per instance (taken as std)"
@@ -183,7 +185,7 @@ class _Uncertainty:
     def _check_cov(self, dtype: np.dtype) -> None:
         eps = float(np.finfo(dtype).eps) if dtype.kind == "f" else float(np.finfo(np.float64).eps)
         if self.kind == "shared":
-            _check_psd(self.data[None], 0, shared=True, eps=eps)
+            self._eigenvalues = _check_psd(self.data[None], 0, shared=True, eps=eps)[0]
             return
         self._all_diagonal = True
         off = ~np.eye(self.k, dtype=bool)
@@ -236,9 +238,10 @@ def _sqrt_psd(a: np.ndarray) -> np.ndarray:
     return v * np.sqrt(np.maximum(w, 0.0))[:, None, :]
 
 
-def _check_psd(c: np.ndarray, offset: int, *, shared: bool, eps: float) -> None:
+def _check_psd(c: np.ndarray, offset: int, *, shared: bool, eps: float) -> np.ndarray:
     """Finite, symmetric and positive semi-definite up to the rounding of the given dtype
-    (machine epsilon ``eps``); otherwise say which instance is wrong and how."""
+    (machine epsilon ``eps``); otherwise say which instance is wrong and how. Returns the
+    eigenvalues, ascending, ``(len(c), k)``."""
     what = "`cov`" if shared else "`cov[{i}]` (instance {i})"
     c = np.asarray(c, np.float64)
     finite = np.isfinite(c).reshape(len(c), -1).all(axis=1)
@@ -270,6 +273,7 @@ def _check_psd(c: np.ndarray, offset: int, *, shared: bool, eps: float) -> None:
             f"symmetric positive semi-definite; build it as A @ A.T, or from standard deviations "
             f"and a valid correlation matrix."
         )
+    return w
 
 
 def propagate(
