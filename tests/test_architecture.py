@@ -141,7 +141,8 @@ LAYERS = [
     ["batchjac._version", "batchjac._errors", "batchjac._config", "batchjac._finite_diff",
      "batchjac._closures", "batchjac._keras_compat",
      "batchjac._fit"],
-    ["batchjac._spec", "batchjac._twins", "batchjac._xp", "batchjac._fingerprint", "batchjac._tune.cache",
+    ["batchjac._spec", "batchjac._twins", "batchjac._xp", "batchjac._fingerprint", "batchjac._chain",
+     "batchjac._tune.cache",
      "batchjac._tune.files", "batchjac._tune.state", "batchjac._tune.chooser"],
     ["batchjac._backends", "batchjac._loaders", "batchjac._examples"],  # the framework modules
     ["batchjac._plan", "batchjac._probes", "batchjac._sinks", "batchjac._runner",

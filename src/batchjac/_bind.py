@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from . import _backends
 from ._config import default_max_memory, parse_bytes, probes_enabled
 from ._errors import BatchJacError, RebindWarning
-from ._plan import ModeArg, Plan, make_plan
+from ._plan import ModeArg, Plan, in_mixed_mode, make_plan
 from ._probes import check_model, diagnose, run_probes
 from ._spec import BatchSpec
 from ._tune.policy import persist_probes, recall_probes
@@ -256,9 +256,14 @@ def plan_for(spec: BatchSpec, bound: _backends.BoundModel, *, mode: ModeArg,
     assert bound.output_shape is not None
     m = math.prod(bound.output_shape)
     in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
+    mixed = bound.accumulation() if mode == "auto" else None
     plan = make_plan(n=spec.n, k=spec.k, m=m, in_elems=in_elems, dtype=spec.dtype, mode=mode,
                      chunk_size=chunk_size, max_memory=memory_budget(bound, max_memory),
-                     forward_bias=bound.forward_bias)
+                     forward_bias=bound.forward_bias,
+                     basis=None if mixed is None else mixed[1].passes)
+    if mixed is not None:
+        plan = in_mixed_mode(plan, spec.n, why=mixed[1].describe(),
+                             result_row_bytes=spec.dtype.itemsize * m * (spec.k + 1))
     return plan
 
 

@@ -80,14 +80,15 @@ def check_options(mode: Any, chunk_size: Any, max_memory: Any) -> None:
         parse_bytes(max_memory)
 
 
-def bytes_per_row(k: int, m: int, in_elems: int, itemsize: int) -> int:
+def bytes_per_row(k: int, m: int, in_elems: int, itemsize: int, basis: int | None = None) -> int:
     """An estimate of the memory one instance needs during a chunk: the Jacobian (the kernel's
     output and its copy into the result) plus activations carried once per basis vector, with
     activations guessed from the input and output widths, times 2 for allocator slack and
     framework temporaries. Measured: TensorFlow's reverse mode on W2 uses ~160 kB a row, the
     estimate without the factor 2 (~155 kB); with it, max_memory="1GB" keeps TensorFlow's
-    working set near 0.5 GB above the process's idle size."""
-    basis = min(k, m)
+    working set near 0.5 GB above the process's idle size. ``basis``: the passes a row holds
+    at once where not ``min(k, m)`` (mixed mode: its widest piece's, :mod:`batchjac._chain`)."""
+    basis = min(k, m) if basis is None else basis
     activations = 2 * (in_elems + m) + 512
     return 2 * itemsize * (2 * m * k + (1 + basis) * activations)
 
@@ -107,13 +108,15 @@ def granule(n: int) -> int:
 def make_plan(
     *, n: int, k: int, m: int, in_elems: int, dtype: np.dtype, mode: ModeArg,
     chunk_size: int | None, max_memory: int, forward_bias: float = 1.0,
+    basis: int | None = None,
 ) -> Plan:
     """The mode and chunk size for ``n`` rows. A ``chunk_size`` more than MAX_PADDING_FACTOR
     times the rows is capped at them (rounded up as the planner rounds one chunk of all rows);
     one whose estimated memory exceeds ``max_memory`` is kept, with a
     :class:`ChunkMemoryWarning`. ``forward_bias``: see :func:`choose_mode`."""
     plan = _make_plan(n=n, k=k, m=m, in_elems=in_elems, dtype=dtype, mode=mode,
-                      chunk_size=chunk_size, max_memory=max_memory, forward_bias=forward_bias)
+                      chunk_size=chunk_size, max_memory=max_memory, forward_bias=forward_bias,
+                      basis=basis)
     if plan.memory_note:  # outside the cache: every such call says so
         warnings.warn(f"batchjac: {plan.memory_note}.", ChunkMemoryWarning, stacklevel=user_stacklevel())
     return plan
@@ -122,10 +125,10 @@ def make_plan(
 @functools.lru_cache(maxsize=256)  # called on every jacobian(); the inputs are small and hashable
 def _make_plan(
     *, n: int, k: int, m: int, in_elems: int, dtype: np.dtype, mode: ModeArg,
-    chunk_size: int | None, max_memory: int, forward_bias: float = 1.0,
+    chunk_size: int | None, max_memory: int, forward_bias: float = 1.0, basis: int | None = None,
 ) -> Plan:
     chosen, why = choose_mode(mode, k, m, forward_bias)
-    per_row = bytes_per_row(k, m, in_elems, dtype.itemsize)
+    per_row = bytes_per_row(k, m, in_elems, dtype.itemsize, basis)
     size, budget_rows, source, note = _chunking(n, per_row, chunk_size, max_memory)
     n_chunks = -(-n // size) if n else 0
     uncertain = mode == "auto" and max(k, m) <= UNSURE_RATIO * min(k, m)
@@ -210,6 +213,32 @@ def fit_cache(plan: AnyPlan, n: int, *, row_bytes: float | None, passes: int,
            f"{cache_bytes() / 2**20:.0f} MB cache: ~{temp / 1e3:.0f} KB a row by the trace)")
     return dataclasses.replace(plan, chunk_size=size, n_chunks=_ceil_div(n, size),
                                reason=f"{plan.reason.split('; chunks of')[0]}; {why}")
+
+
+#: the share of the CPU's cache a chunk's Jacobians take in mixed mode, where the rows take
+#: several chunks anyway: such chunks are bound by writing their Jacobians (a piece's Jacobians
+#: are narrow), and in chunks of a few rows those stay in the cache until they are copied out,
+#: where chunks of the memory budget's rows ran about twice as long; rows that fit one chunk
+#: stay one, whose Jacobians are the result, not copied (docs/thresholds.md, "Mixed mode")
+MIXED_CACHE_SHARE = 0.5
+
+
+def in_mixed_mode(plan: Plan, n: int, *, result_row_bytes: int, why: str) -> Plan:
+    """``plan`` computed in mixed mode (:mod:`batchjac._chain`; ``why``: the bracketing in
+    words): no race of the pure modes, and where the chunk size is the planner's and the rows
+    take several chunks, chunks whose Jacobians take at most :data:`MIXED_CACHE_SHARE` of
+    the cache."""
+    size = plan.chunk_size
+    chunks = "chunks of" + plan.reason.partition("; chunks of")[2]
+    if plan.budget_rows is not None and plan.n_chunks > 1:
+        fit = max(1, int(MIXED_CACHE_SHARE * cache_bytes() // max(1, result_row_bytes)))
+        if fit < size:
+            rows = _ceil_div(n, _ceil_div(n, fit))
+            size = min(fit, _ceil_div(rows, granule(rows)) * granule(rows))
+            chunks = (f"chunks of {size} rows (a chunk's Jacobians within {MIXED_CACHE_SHARE:g} "
+                      f"of the CPU's {cache_bytes() / 2**20:.0f} MB cache)")
+    return dataclasses.replace(plan, chunk_size=size, n_chunks=_ceil_div(n, size) if n else 0,
+                               uncertain=False, reason=f"{why}; {chunks}")
 
 
 # -- second order ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from .._spec import Layout
 from .._tune import chooser
 from .._tune.chooser import Build, timings
 from .._tune.state import TuningState
+
+if TYPE_CHECKING:
+    from .._chain import Accumulation
 
 Mode = Literal["forward", "reverse"]
 #: what a second-order kernel computes per instance (see :meth:`BoundModel.second_kernel`)
@@ -546,6 +549,12 @@ class BoundModel(ABC):
             f"The {type(self).__name__} backend does not compute second derivatives; "
             f"batchjac.hessian, hvp and laplacian need a TensorFlow, PyTorch or JAX model "
             f"(a batchjac.ClosedForm model carries its Jacobian only).")
+
+    def accumulation(self) -> tuple[Any, Accumulation] | None:
+        """Where the model's Jacobian is offered in mixed mode (:mod:`batchjac._chain`): the
+        backend's reading of its chain and the bracketing chosen; None (the default) where the
+        backend reads no chain or no bracketing beats the pure modes."""
+        return None
 
     def product(self, kind: str, u: Any, ctx: tuple[Any, ...], t: Any) -> tuple[Any, Any]:
         """``(y, p)`` of a block of rows: the outputs and, for the ``d`` directions of ``t``

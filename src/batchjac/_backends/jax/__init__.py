@@ -43,6 +43,7 @@ float64 needs JAX's x64 mode; batchjac never switches it on (that is a process-w
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import warnings
 from collections.abc import Callable, Hashable
@@ -250,6 +251,7 @@ class JaxBound(BoundModel):
             self._kernels.clear()
             self.products.clear()
             self.__dict__.pop("_second_kernels", None)
+            self.__dict__.pop("_accumulation", None)
             self.failed.clear()
             self._forward = None
             self.probed = False
@@ -515,6 +517,35 @@ class JaxBound(BoundModel):
                 dependent.update(id(v) for v in eqn.outvars)
         tangents = jaxpr.outvars[len(jaxpr.outvars) // 2:]  # (y's leaves, then dy's)
         return any(id(v) in dependent for v in tangents)
+
+    def accumulation(self) -> Any:
+        """The model's chain and its bracketing where mixed mode is offered
+        (:func:`batchjac._chain.choose`), else None: read once from a jaxpr of one instance
+        (:mod:`batchjac._backends.jax.chain`), only where the basis ``min(k, m)`` is wide
+        enough for a cut to pay (:data:`batchjac._chain.MIN_BASIS`)."""
+        if "_accumulation" not in self.__dict__:
+            self._accumulation = self._read_accumulation()
+        return self._accumulation
+
+    def _read_accumulation(self) -> Any:
+        from ..._chain import MIN_BASIS, choose
+        from . import chain as jax_chain
+
+        sig = self.signature
+        if self.output_shape is None or \
+                min(math.prod(sig.unknown_shape), math.prod(self.output_shape)) < MIN_BASIS:
+            return None
+        u = jax.ShapeDtypeStruct(tuple(sig.unknown_shape), sig.dtype)
+        ctx = tuple(jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dt))
+                    for shape, dt in sig.ctx)
+        try:
+            closed = jax.make_jaxpr(lambda a, u_i, c_i: self._instance_fn(a)(u_i, c_i))(
+                self.args, u, ctx)
+        except Exception:  # (the probes explain a model that cannot be traced)
+            return None
+        read = jax_chain.read(closed, len(jax.tree_util.tree_leaves(self.args)))
+        accumulation = None if read is None else choose(read.chain, self.forward_bias)
+        return None if accumulation is None else (read, accumulation)
 
     def product(self, kind: str, u: Any, ctx: tuple[Any, ...], t: Any) -> tuple[Any, Any]:
         from . import products

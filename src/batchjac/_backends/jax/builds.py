@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..._chain import SURE_GAIN
 from ..._errors import (
     ForwardModeFallbackWarning,
     InputError,
@@ -30,6 +31,7 @@ from .._base import (
     fallback_message,
     first_line,
     other_mode,
+    untimed_note,
     user_stacklevel,
 )
 from . import compat
@@ -37,6 +39,9 @@ from . import compat
 if TYPE_CHECKING:
     from . import JaxBound
     from .executables import Options
+
+#: the build that accumulates in mixed mode along the model's chain (:mod:`.chain`)
+MIXED = "mixed"
 
 #: why a mode fails in JAX, for the fallback's warning and error
 _CAUSES: dict[Mode, str] = {
@@ -119,7 +124,12 @@ class JaxKernel(Kernel):
                  budget: CallBudget = UNTUNED) -> None:
         self.mode, self.chunk_size, self.with_outputs = mode, chunk_size, with_outputs
         self._bound = bound
-        self._lowered: dict[int, Any] = {}  # block rows (the chunk size: no blocks) -> lowering
+        #: (block rows (the chunk size: no blocks), whether mixed) -> lowering
+        self._lowered: dict[tuple[int, bool], Any] = {}
+        #: the model's chain and bracketing where the "mixed" build is offered
+        #: (:meth:`~batchjac._backends.jax.JaxBound.accumulation`): not where the call asked
+        #: for a pure mode
+        self._accumulation = None if budget.mode_asked else bound.accumulation()
         self._compiled: dict[str, Any] = {}
         #: the mode computed: ``mode``, or the other one where ``mode`` fails for this model
         #: and the call did not ask for it (see :meth:`_compile_default`)
@@ -138,6 +148,9 @@ class JaxKernel(Kernel):
         if jax.default_backend() == "cpu":
             self._builds = ("default", "no-ynnpack")
         self._variants: tuple[str, ...] | None = None
+        if self._first == MIXED and self._accumulation is not None:
+            # (the pure builds raced only where the count is unsure)
+            self._variants = (MIXED,) if self._accumulation[1].sure else (MIXED, *self._builds)
         self._fn = self._compiled[self._first]
         self.variant, self.note = None, ""
 
@@ -188,6 +201,11 @@ class JaxKernel(Kernel):
                 if recalled is not None:
                     self._first, compiled = recalled
                 else:
+                    compiled = self._first_mixed(budget)
+                    if compiled is not None:
+                        self._first = MIXED
+                        self._compiled[MIXED] = compiled
+                        return
                     lowered = self._lowering(self.chunk_size)
                     self._first = self._first_build(budget)
                     try:
@@ -235,7 +253,7 @@ class JaxKernel(Kernel):
         if recalled is None or budget.variant is not None or not autotune_enabled():
             return None
         build, blocked, rows = recalled.partition("/")
-        if build not in self._OPTIONS or build == "quick":
+        if build not in self._OPTIONS or build == "quick" or self._accumulation is not None:
             return None
         block = int(rows) if rows.isdigit() else 0
         if blocked and not 0 < block < self.chunk_size:
@@ -297,6 +315,39 @@ class JaxKernel(Kernel):
         self._pending[variant] = jax_executables.BESIDE.submit(
             self._load_or_compile, lowered, self._OPTIONS[build], True)
 
+    def _first_mixed(self, budget: CallBudget) -> Any:
+        """The "mixed" build compiled, where it is the first build: offered for the model
+        (:attr:`_accumulation`) and not replaced by a build the caller fixed (a new store
+        takes it: the kernel's first); None where it
+        is not, or where the model's equations cannot be evaluated piece by piece (a pure
+        build then computes, and the mixed one is offered no more)."""
+        wanted = budget.variant
+        if self._accumulation is None or wanted not in (None, MIXED, FIRST_VARIANT):
+            return None
+        try:
+            return self._load_or_compile(self._lowering(self.chunk_size, True), {})
+        except Exception as e:
+            if isinstance(e, (Warning, InputError)):
+                raise
+            self.mixed_failure = first_line(e)
+            self._accumulation = None
+            return None
+
+    def _mixed_note(self) -> str:
+        """The "mixed" build's note, the bracketing being the plan's (said there)."""
+        assert self._accumulation is not None
+        plan = self._accumulation[1]
+        if plan.sure:
+            return (f"{MIXED} (the model's chain as the plan says; counted {plan.gain:.1f}x ahead "
+                    f"of the better pure mode, at least {SURE_GAIN:g}x: the pure builds are not "
+                    f"raced)")
+        return (f"{MIXED} (the model's chain as the plan says; counted {plan.gain:.1f}x ahead of "
+                f"the better pure mode: the pure builds race it once the work repays it; "
+                f"{untimed_note()})")
+
+    #: why the "mixed" build could not be made for this model, where it could not
+    mixed_failure = ""
+
     def _tiered(self) -> None:
         """At a call on the quick build: take the steady one, waiting for it where it is
         still compiling. The quick build answers the first call only: a call on it while the
@@ -355,6 +406,23 @@ class JaxKernel(Kernel):
                 sizes.append(-(-self.chunk_size // -(-self.chunk_size // rows)))
         return sizes
 
+    def _mixed_body(self, args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
+        """The Jacobians (and outputs) of the rows of ``u`` accumulated along the model's
+        chain (:func:`batchjac._backends.jax.chain.instance_jacobian`), ``vmap``-ed."""
+        from . import chain as jax_chain
+
+        assert self._accumulation is not None
+        read, plan = self._accumulation
+        weights = jax.tree_util.tree_leaves(args)
+
+        def row(u_i: Any, c_i: tuple[Any, ...]) -> tuple[Any, Any]:
+            y, j = jax_chain.instance_jacobian(
+                read, plan, [*weights, u_i, *jax.tree_util.tree_leaves(c_i)])
+            return y, j.reshape((*y.shape, *u_i.shape))
+
+        y, j = jax.vmap(row)(u, ctx)
+        return (y, j) if self.with_outputs else j
+
     def _body(self, args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
         """The Jacobians (and outputs) of the rows of ``u``: ``vmap(jacfwd|jacrev)``."""
         one = self._bound._instance_fn(args)
@@ -364,24 +432,26 @@ class JaxKernel(Kernel):
             return y, j
         return jax.vmap(jac(one))(u, ctx)
 
-    def _lowering(self, rows: int) -> Any:
+    def _lowering(self, rows: int, mixed: bool = False) -> Any:
         """The traced kernel computing the chunk ``rows`` rows at a time (the last block
-        padded with copies of the chunk's last row, whose results are dropped)."""
-        if rows in self._lowered:
-            return self._lowered[rows]
+        padded with copies of the chunk's last row, whose results are dropped); ``mixed``:
+        in mixed mode (:meth:`_mixed_body`), the chunk at once."""
+        if (rows, mixed) in self._lowered:
+            return self._lowered[rows, mixed]
         bound, size = self._bound, self.chunk_size
+        body = self._mixed_body if mixed else self._body
 
         def traced(args: Any, u: Any, ctx: tuple[Any, ...]) -> Any:
             bound.trace_count += 1
             if rows >= size:
-                return self._body(args, u, ctx)
-            return in_blocks(lambda b_u, b_c: self._body(args, b_u, b_c), rows, u, ctx)
+                return body(args, u, ctx)
+            return in_blocks(lambda b_u, b_c: body(args, b_u, b_c), rows, u, ctx)
 
         u_spec, ctx_spec = bound._specs(size)
-        jaxpr, self._lowered[rows] = compat.stage(traced, bound.args, u_spec, ctx_spec)
-        if rows >= size:
+        jaxpr, self._lowered[rows, mixed] = compat.stage(traced, bound.args, u_spec, ctx_spec)
+        if rows >= size and not mixed:
             self._jaxpr = jaxpr
-        return self._lowered[rows]
+        return self._lowered[rows, mixed]
 
     def _compile(self, variant: str, *, strict: bool = False) -> Any:
         """The executable of ``variant``. Where XLA refuses its build's options (a release
@@ -389,6 +459,10 @@ class JaxKernel(Kernel):
         then runs as "default" does, unless ``strict`` (the race: it leaves the build out)."""
         if variant not in self._compiled:
             build, _, rows = variant.partition("/")
+            if build == MIXED:  # (compiled first, where offered: only the store's fixed one)
+                self._compiled[variant] = self._load_or_compile(
+                    self._lowering(self.chunk_size, True), {})
+                return self._compiled[variant]
             lowered = self._lowering(int(rows) if rows else self.chunk_size)
             try:
                 pending = self._pending.pop(variant, None)  # compiling on the tier-up thread
@@ -416,6 +490,8 @@ class JaxKernel(Kernel):
 
     def _select(self, variant: str, note: str) -> None:
         self._fn = self._compile(variant)
+        if variant == MIXED and self._accumulation is not None and not note:  # (its only build)
+            note = self._mixed_note()
         if self._computes != self.mode:
             note = f"{note}; computed in {self._computes} mode ({self.failure})"
         self.variant, self.note = variant, note
@@ -438,7 +514,9 @@ class JaxKernel(Kernel):
         (docs/thresholds.md, "JAX's builds")."""
         self._check_asked(budget)
         fn = self._fn
-        if self.variant is None or self.variant == "quick":
+        if self._first == MIXED:  # (a ladder of chunk sizes compares them in it)
+            fn = self._compile(MIXED)
+        elif self.variant is None or self.variant == "quick":
             first = "default" if self._first == "quick" else self._first
             fn = self._compile(self._hinted(*(self._bound.hint or (first, False))))
         return self._result(fn(self._bound.args, u, tuple(ctx)), isinstance(u, jax.Array))()
@@ -480,6 +558,8 @@ class JaxKernel(Kernel):
     # without a race, "no-ynnpack" challenges it, then each build in blocks the one kept
 
     def build(self, name: str) -> Build:
+        if self._first == MIXED:  # the pure builds challenge the mixed one alike
+            return Build(name, int(name != MIXED))
         return Build(name, 2 if "/" in name else int(name != "default"))
 
     race_options = {"prune": PRUNE}  # noqa: RUF012 - read only
@@ -488,8 +568,9 @@ class JaxKernel(Kernel):
     def untimed_first(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget
                       ) -> tuple[str, str, bool]:
         from ..._config import autotune_enabled
-        from .._base import untimed_note
 
+        if self._first == MIXED:
+            return MIXED, self._mixed_note(), True
         if self._first == "quick":
             return "quick", (f"quick (XLA at optimization level 0, no fusion emitters: "
                              f"{self.work.elements:.2g} elements of elementwise work a chunk, "
@@ -532,7 +613,8 @@ class JaxKernel(Kernel):
     def raced_to(self, best: str, times: dict[str, float], u: Any) -> None:
         from .executables import release
 
-        self._bound.hint = (best.split("/")[0], "/" in best)
+        if best != MIXED:  # (a build of the model's chain is no hint for a pure kernel)
+            self._bound.hint = (best.split("/")[0], "/" in best)
         self._select(best, f"{best} (timed one chunk: {timings(times)})")
         # the race's executables are written now: a process that stops calling after its
         # race (the bench's settle loop) left them unwritten, and the warm process compiled

@@ -70,6 +70,11 @@ def _work(jaxpr: Any) -> Work:
     return total
 
 
+def equation(eqn: Any) -> Work:
+    """The work of one equation, its sub-jaxprs' included (raises where it cannot be read)."""
+    return _equation(eqn)
+
+
 def _size(var: Any) -> float:
     shape = getattr(getattr(var, "aval", None), "shape", ())
     return float(math.prod(shape)) if shape else 1.0
