@@ -344,6 +344,15 @@ class TorchBound(BoundModel):
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         return _to_torch(u, self.device), tuple(_to_torch(c, self.device) for c in ctx)
 
+    def accumulation(self) -> Any:
+        """The model's chain and its bracketing where mixed mode is offered, read once from a
+        recording of one row (:mod:`batchjac._backends.torch.chain`), else None."""
+        if "_accumulation" not in self.__dict__:
+            from . import chain
+
+            self._accumulation = chain.read(self)
+        return self._accumulation
+
     # -- model call --------------------------------------------------------------------------
     def apply(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The model's output for ``(u, ctx)``. Framework errors propagate unchanged (the

@@ -41,7 +41,9 @@ from .tensors import _basis, _to_numpy, _unknowns_require_grad
 if TYPE_CHECKING:
     from . import TorchBound
 
-Engine = Literal["func", "autograd", "replicated", "looped", "transposed"]
+Engine = Literal["func", "autograd", "replicated", "looped", "transposed", "mixed"]
+#: the build that accumulates in mixed mode along the model's chain (:mod:`.chain`)
+MIXED = "mixed"
 
 
 def jac_forward(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
@@ -250,6 +252,8 @@ class TorchKernel(Kernel):
         self.planned = mode  # ``mode`` becomes "reverse" where forward mode falls back
         self.variants = ("vmap", "replicated", "looped") if mode == "reverse" \
             else ("vmap", "transposed")
+        if not budget.mode_asked and bound.accumulation() is not None:
+            self.variants = (MIXED, *self.variants)  # (its first: a new store's too)
         self.variant = None
 
     def _select(self, variant: str, note: str) -> None:
@@ -259,6 +263,8 @@ class TorchKernel(Kernel):
 
     def _run(self, path: tuple[Mode, Engine], u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
              ) -> tuple[torch.Tensor, torch.Tensor]:
+        if path[1] == "mixed":
+            return self._mixed(u, ctx)
         if path == ("forward", "transposed"):
             return jac_transposed(self._bound, u, ctx, self._in_basis)
         if path[0] == "forward":
@@ -267,6 +273,64 @@ class TorchKernel(Kernel):
             with _FORWARD_AD:
                 return jac_forward(self._bound, u, ctx, self._in_basis)
         return jac_reverse(self._bound, u, ctx, self._out_basis, path[1])
+
+    def _mixed(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's Jacobians accumulated along the model's chain (:mod:`.chain`): its
+        pieces in forward mode need torch's forward-mode decompositions."""
+        from . import chain
+
+        found = self._bound.accumulation()
+        assert found is not None
+        read, plan = found
+        tape = chain.current(read, self._bound)
+        _load_forward_ad()
+        with _FORWARD_AD, torch.no_grad():
+            return chain.jacobians(read, plan, tape, u, ctx)
+
+    def _first_mixed(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first call in mixed mode, where the model offers it
+        (:meth:`~batchjac._backends.torch.TorchBound.accumulation`), the call asked for no
+        mode and no other build was fixed: untimed, the pure builds raced later where the
+        count is unsure (:data:`batchjac._chain.SURE_GAIN`). None where it is not offered, or
+        fails for the model (a pure build then computes)."""
+        from .._base import untimed_note
+
+        bound = self._bound
+        if budget.mode_asked or self._forced not in (None, MIXED):
+            return None
+        found = bound.accumulation()
+        if found is None:
+            return None
+        try:
+            out = self._run((self.mode, "mixed"), u, ctx)
+        except (ModelError, Warning):
+            raise
+        except Exception as e:  # an operation the pieces cannot re-run: no mixed build
+            bound.__dict__["_accumulation"] = None
+            self.mixed_failure = _first_line(e)
+            self.variants = tuple(v for v in self.variants if v != MIXED)
+            return None
+        plan = found[1]
+        self._path, self.variant = (self.mode, "mixed"), MIXED
+        if self._forced == MIXED:
+            self.note = f"{MIXED} ({self._forced_why})"
+        elif plan.sure:
+            self.variants = (MIXED,)
+            self.note = (f"{MIXED} (the model's chain as the plan says; counted "
+                         f"{plan.gain:.1f}x ahead of the better pure mode: the pure builds "
+                         f"are not raced)")
+        else:
+            self.variants = (MIXED, "vmap")
+            self.untimed = True
+            self.note = (f"{MIXED} (the model's chain as the plan says; counted "
+                         f"{plan.gain:.1f}x ahead of the better pure mode: the pure build "
+                         f"races it once the work repays it; {untimed_note()})")
+        return out
+
+    #: why the "mixed" build could not run for this model, where it could not
+    mixed_failure = ""
 
     def call(self, u: np.ndarray, ctx: tuple[np.ndarray, ...], budget: CallBudget = UNTUNED
              ) -> tuple[np.ndarray | None, np.ndarray]:
@@ -302,12 +366,17 @@ class TorchKernel(Kernel):
     races_on_calls = True
 
     def build(self, name: str) -> Build:
+        if MIXED in self.variants:  # the pure build challenges the mixed one
+            return Build(name, int(name != MIXED))
         return Build(name, int(name != "vmap"))
 
     @property
     def retunable(self) -> bool:
-        """An untimed plain-autograd first build: the race against torch.func's it skipped."""
+        """An untimed plain-autograd first build: the race against torch.func's it skipped;
+        an untimed mixed one, the race against the pure build."""
         path = self._path
+        if path is not None and path[1] == "mixed":
+            return len(self.variants) > 1
         if path == ("forward", "transposed"):
             return True
         return path is not None and path[0] == "reverse" and path[1] in _PLAIN_ENGINES \
@@ -334,6 +403,8 @@ class TorchKernel(Kernel):
         chunk of the build in use took under ``REPLICATED_BELOW`` (the ledger's seconds per
         row), as the first call's race admits it by torch.func's chunk."""
         assert self._path is not None
+        if self._path[1] == "mixed":
+            return self.variants
         if self._path[0] == "forward":
             return "vmap", "transposed"
         per_row = self._bound.tuning.ledger.seconds_per_row
@@ -411,6 +482,9 @@ class TorchKernel(Kernel):
         then torch.func's reverse mode, then plain autograd's), then the chooser's choice
         between that path's builds. Returns the call's answer."""
         self._rows = budget.rows or self._rows
+        out = self._first_mixed(u, ctx, budget)
+        if out is not None:
+            return out
         out = self._first_plain(u, ctx, budget)
         if out is not None:
             return out
@@ -552,5 +626,5 @@ class TorchKernel(Kernel):
 
 #: the reverse-mode builds of :class:`TorchKernel` and the engine each runs on
 _VARIANT_ENGINE: dict[str, Engine] = {"vmap": "func", "replicated": "replicated", "looped": "looped",
-                                      "transposed": "transposed"}
+                                      "transposed": "transposed", MIXED: "mixed"}
 _PLAIN_ENGINES = ("func", "replicated", "looped", "transposed")
