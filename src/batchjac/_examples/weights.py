@@ -26,6 +26,8 @@ WORKLOADS: dict[str, Workload] = {
     # the second-order workloads' own model (W6 uses W1's): a PINN-style MLP, every input unknown
     "W7": Workload("W7", "mlp", (3, 128, 128, 128, 1), 3, "PINN: MLP 3-128-128-128-1"),
     # a physics-informed training step (differentiable=True): every input unknown
+    "W9": Workload("W9", "mlp", (512, 256, 16, 256, 512), 512,
+                   "bottleneck: MLP 512-256-16-256-512"),
     "W10": Workload("W10", "mlp", (2, 64, 64, 64, 1), 2, "PINN step: MLP 2-64-64-64-1"),
 }
 

@@ -113,6 +113,22 @@ class TFBound(BoundModel):
                 dst.assign(tf.cast(src, dst.dtype))
         return False  # the kernels read the variables: none is stale
 
+    def accumulation(self) -> Any:
+        """The Keras model's chain and its bracketing where mixed mode is offered, read once
+        from its layers (:mod:`batchjac._backends.tensorflow.chain`), else None."""
+        if "_accumulation" not in self.__dict__:
+            from . import chain
+
+            self._accumulation = chain.read(self)
+        return self._accumulation
+
+    def drop_accumulation(self, why: str) -> None:
+        """No mixed mode for this model: its pieces failed to build (``why``)."""
+        self._accumulation, self.mixed_failure = None, why
+
+    #: why the mixed path failed for this model, where it did
+    mixed_failure = ""
+
     # -- model call --------------------------------------------------------------------------
     def apply(self, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], twice: bool = False,
               model: Any = None) -> tf.Tensor:

@@ -43,7 +43,11 @@ PATHS = ("forward", "reverse", "forward-loop", "reverse-loop")
 
 
 _PATH_NAMES = {"forward": "forward mode", "reverse": "reverse mode",
-               "forward-loop": "forward mode in a loop", "reverse-loop": "reverse mode in a loop"}
+               "forward-loop": "forward mode in a loop", "reverse-loop": "reverse mode in a loop",
+               "mixed": "mixed mode"}
+#: the path that accumulates in mixed mode along a Keras model's chain (:mod:`.chain`): not
+#: one of PATHS, which a kernel falls back along; taken first where the model offers it
+MIXED = "mixed"
 
 
 def _path_mode(path: str) -> Mode:
@@ -145,7 +149,12 @@ def jac_forward(bound: TFBound, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], pfor: 
 
 def jacobian_fn(bound: TFBound, path: str) -> Callable[[tf.Tensor, tuple[tf.Tensor, ...]],
                                                      tuple[tf.Tensor, tf.Tensor]]:
-    """``(u, ctx) -> (y, J)`` for one of :data:`PATHS`."""
+    """``(u, ctx) -> (y, J)`` for one of :data:`PATHS`, or :data:`MIXED`."""
+    if path == MIXED:
+        from . import chain
+
+        return lambda u, ctx: chain.jacobians(bound, u, ctx, forward=jac_forward,
+                                              reverse=jac_reverse)
     jac = jac_forward if _path_mode(path) == "forward" else jac_reverse
     pfor = not path.endswith("-loop")
     return lambda u, ctx: jac(bound, u, ctx, pfor)
@@ -199,7 +208,9 @@ class TFKernel(Kernel):
 
     @property
     def computes(self) -> Mode:
-        return self.mode if self.path is None else _path_mode(self.path)
+        """The kernel's mode, or the other where it fell back (a mixed path is neither: the
+        kernel's own, for the checks of a mode asked for)."""
+        return self.mode if self.path in (None, MIXED) else _path_mode(self.path)
 
     def _enter(self, path: str) -> None:
         """Compute by ``path`` from now on; nothing is traced until it is used (the untimed
@@ -262,7 +273,7 @@ class TFKernel(Kernel):
         if established is not None:
             out = established[0]
         else:
-            if self.path is not None and _path_mode(self.path) != self.mode and \
+            if self.path is not None and self.computes != self.mode and \
                     budget.mode_asked:  # an earlier call fell back; this one asks the mode
                 raise self._asked_failed()
             out = self._call_selected(u, ctx)
@@ -307,7 +318,9 @@ class TFKernel(Kernel):
             raise self._asked_failed()
         failures: list[tuple[str, str]] = []
         errors: list[tuple[str, Exception]] = []  # the paths tried by this call that failed
-        for path in self._paths():
+        found = None if budget.mode_asked else bound.accumulation()
+        mixed = [MIXED] if found is not None and found[1].sure else []
+        for path in [*mixed, *self._paths()]:
             if path in bound.failed:
                 failures.append((path, bound.failed[path]))
                 continue
@@ -322,6 +335,9 @@ class TFKernel(Kernel):
                 if isinstance(e, Warning) or _out_of_memory(e):  # warnings as errors, OOM
                     self._reset()
                     raise
+                if path == MIXED:  # a piece the reader could not make: the pure paths, silently
+                    bound.drop_accumulation(first_line(e))
+                    continue
                 failures.append((path, first_line(e)))
                 errors.append((path, e))
                 continue
@@ -329,7 +345,12 @@ class TFKernel(Kernel):
                 if not _at_run_time(error):
                     bound.failed[failed] = first_line(error)
             self.failures = failures
-            if _path_mode(path) != self.mode and budget.mode_asked:
+            if path == MIXED:
+                plan = found[1]  # type: ignore[index]
+                self.note = (f"{self.note}; {MIXED} (the model's chain as the plan says; counted "
+                             f"{plan.gain:.1f}x ahead of the better pure mode: the pure paths "
+                             f"are not tried)")
+            if self.computes != self.mode and budget.mode_asked:
                 self._reset()  # (the other mode only showed that the failure is the mode's)
                 raise self._asked_failed() from (errors[0][1] if errors else None)
             self._warn_fallback(budget)
