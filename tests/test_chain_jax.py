@@ -215,3 +215,16 @@ def test_a_store_records_the_mixed_build_and_resumes_in_it(tmp_path: Any) -> Non
     assert again.resumed_chunks == 3
     assert manifest["plan"]["variant"] == "mixed"
     assert_jac_close(np.asarray(again.open()[:]), jax_reference(f, x))
+
+
+@pytest.mark.parametrize("workload", ["W1", "W2", "W3", "W4"])
+def test_the_other_benchmark_workloads_read_no_chain(workload: str) -> None:
+    """W1-W4 keep their pure modes: no cut narrower than min(k, m), or too narrow a basis."""
+    from batchjac.examples import workload_inputs, workload_model
+
+    model = workload_model(workload, "jax")
+    unknown, known = workload_inputs(workload, 4)
+    batchjac.jacobian(model, unknown, *(() if known is None else (known,)))
+    bound = bound_of(model)
+    assert bound.accumulation() is None
+    assert all(k.variant != "mixed" for k in bound._kernels.values())

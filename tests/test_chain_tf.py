@@ -127,3 +127,24 @@ def test_a_plain_tf_function_has_no_chain() -> None:
     jac = batchjac.jacobian(f, x)
     assert bound_of(f).accumulation() is None
     assert_jac_close(jac, tf_reference(f, x))
+
+
+@pytest.mark.parametrize("workload", ["W1", "W2", "W3", "W4"])
+def test_the_other_benchmark_workloads_read_no_chain(workload: str) -> None:
+    from batchjac.examples import workload_inputs, workload_model
+
+    model = workload_model(workload, "tensorflow")
+    unknown, known = workload_inputs(workload, 4)
+    batchjac.jacobian(model, unknown, *(() if known is None else (known,)))
+    assert bound_of(model).accumulation() is None
+    assert kernel_of(model).path != "mixed"
+
+
+def test_w9_reads_its_bottleneck() -> None:
+    from batchjac.examples import workload_inputs, workload_model
+
+    model = workload_model("W9", "tensorflow")
+    unknown, _ = workload_inputs("W9", 3)
+    jac = batchjac.jacobian(model, unknown)
+    assert kernel_of(model).path == "mixed"
+    assert_jac_close(jac, tf_reference(model, unknown))

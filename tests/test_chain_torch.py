@@ -157,3 +157,14 @@ def test_a_store_records_the_mixed_build_and_resumes_in_it(tmp_path: Any) -> Non
     assert again.resumed_chunks == 3
     assert json.loads((tmp_path / "j.manifest.json").read_text())["plan"]["variant"] == "mixed"
     assert_jac_close(np.asarray(again.open()[:]), torch_reference(model, x))
+
+
+@pytest.mark.parametrize("workload", ["W1", "W2", "W3", "W4"])
+def test_the_other_benchmark_workloads_read_no_chain(workload: str) -> None:
+    from batchjac.examples import workload_inputs, workload_model
+
+    model = workload_model(workload, "torch")
+    unknown, known = workload_inputs(workload, 4)
+    batchjac.jacobian(model, unknown, *(() if known is None else (known,)))
+    assert bound_of(model).accumulation() is None
+    assert kernel_of(model).variant != "mixed"
