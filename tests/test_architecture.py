@@ -146,7 +146,8 @@ LAYERS = [
      "batchjac._tune.files", "batchjac._tune.state", "batchjac._tune.chooser"],
     ["batchjac._backends", "batchjac._loaders", "batchjac._examples"],  # the framework modules
     ["batchjac._plan", "batchjac._probes", "batchjac._sinks", "batchjac._runner",
-     "batchjac._validate", "batchjac._io", "batchjac._tune.fastpath", "batchjac._arrays"],
+     "batchjac._validate", "batchjac._io", "batchjac._tune.fastpath", "batchjac._arrays",
+     "batchjac._estimators"],
     ["batchjac._tune.races", "batchjac._tune.policy", "batchjac._bind", "batchjac._tune",
      "batchjac._compute"],
     ["batchjac._stores", "batchjac._dask"],

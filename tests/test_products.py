@@ -171,8 +171,8 @@ def test_directions_of_the_wrong_shape_are_refused_by_name() -> None:
         batchjac.jvp(f, x, tangents=t)
     with pytest.raises(batchjac.InputError, match=r"divergence\(\) needs a square Jacobian"):
         batchjac.divergence(f, x)
-    with pytest.raises(batchjac.InputError, match=r"`estimator` must be None"):
-        batchjac.divergence(f, x[:, :3], estimator="hutch++")  # type: ignore[arg-type]
+    with pytest.raises(batchjac.InputError, match=r"`estimator` of divergence\(\) must be None"):
+        batchjac.divergence(f, x[:, :3], estimator="hutchpp")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         batchjac.jvp(f, x)  # type: ignore[call-arg]
 

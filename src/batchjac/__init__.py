@@ -38,9 +38,10 @@ from ._errors import (
     XLAFallbackWarning as XLAFallbackWarning,
     ZeroJacobianWarning as ZeroJacobianWarning,
 )
+from ._estimators import DiagonalEstimate as DiagonalEstimate, TraceEstimate as TraceEstimate
 from ._hessian import hessian as hessian, hvp as hvp, laplacian as laplacian
 from ._jacobian import jacobian as jacobian
-from ._products import TraceEstimate as TraceEstimate, divergence as divergence, jvp as jvp, vjp as vjp
+from ._products import divergence as divergence, jvp as jvp, vjp as vjp
 from ._propagate import Propagation as Propagation, propagate as propagate
 from ._report import write_report as write_report
 from ._sensitivity import Sensitivity as Sensitivity, elasticities as elasticities, sensitivity as sensitivity
@@ -66,6 +67,7 @@ __all__ = [
     "vjp",
     "divergence",
     "TraceEstimate",
+    "DiagonalEstimate",
     "ClosedForm",
     "check",
     "CheckReport",

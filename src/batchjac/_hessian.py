@@ -17,18 +17,29 @@ import logging
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from . import _backends, _differentiable
-from ._arrays import OutputArg, deliver, named_results, native_options, resolve
+from ._arrays import OutputArg, deliver, named_results, native_options, on_host, resolve
 from ._backends._base import SECOND_RESULT
 from ._bind import BackendName, beside_probes, memory_budget, prepare
 from ._compute import Derivative, check_out, compute, context
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, OrderFailedError, add_context
+from ._estimators import (
+    ESTIMATORS,
+    DiagonalEstimate,
+    EstimateKernel,
+    Estimator,
+    Probes,
+    TraceEstimate,
+    check as check_estimator,
+    probes_per_row,
+    run as run_estimate,
+)
 from ._loaders import as_model
 from ._plan import (
     OrderArg,
@@ -37,27 +48,15 @@ from ._plan import (
     check_options,
     choose_order,
     make_second_plan,
+    second_bytes_per_row,
 )
-from ._runner import Results, run_chunks, run_single
-from ._spec import BatchSpec, check_finite_rows
+from ._runner import Results, call, run_chunks, run_single
+from ._spec import BatchSpec, TangentSpec, check_finite_rows
 from ._stores import StoreError, as_store, is_store_target, progress_bar
 from ._stores.hessians import SecondStoreResult, second_to_store
 from ._validate import DTypeLike, NanPolicy, as_native, normalize
 
 log = logging.getLogger("batchjac")
-
-
-@dataclass
-class TangentSpec(BatchSpec):
-    """A batch whose chunks carry the tangents ``v`` of a Hessian-vector product after the
-    model's own arrays: ``(u, (*ctx, v))``, as an ``hvp`` kernel takes them (of the batch's
-    array kind, cut and cast where they live)."""
-
-    tangents: Any = None
-
-    def chunk(self, lo: int, hi: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-        u, ctx = super().chunk(lo, hi)
-        return u, (*ctx, self.xp.cast(self.tangents[lo:hi], self.dtype))
 
 
 def hessian(
@@ -83,6 +82,9 @@ def hessian(
     rows_per_task: int | None = None,
     output: OutputArg = "auto",
     differentiable: bool = False,
+    estimator: Estimator | None = None,
+    samples: int = 16,
+    seed: int = 0,
 ) -> Any:
     """Per-instance Hessians ``H[i] = d^2 model(inputs_i) / d unknown_i^2``.
 
@@ -119,6 +121,15 @@ def hessian(
     through the same resume protocol (:func:`batchjac._dask.store_chunks_on_cluster`). Not yet
     on Dask: ``return_jacobian`` in memory, ``out=`` arrays, and ``hvp``.
 
+    ``estimator`` (with ``laplacian=True`` or ``diagonal=True``; ``samples`` products a
+    instance, ``seed``): the Laplacian or the diagonal estimated from Hessian-vector products
+    instead of computed, for many unknowns: ``"hutchinson"`` (``v^T H v``, or ``v * Hv`` for
+    the diagonal, over Rademacher probes) or, for the Laplacian, ``"hutch++"`` (a third of the
+    products sketch each output's ``H``, whose part of the trace is then exact). Returns a
+    :class:`batchjac.TraceEstimate` or :class:`batchjac.DiagonalEstimate` (``value`` and a
+    per-instance ``stderr``), or ``(outputs, estimate)`` with ``return_outputs``; in memory,
+    not on Dask (:mod:`batchjac._estimators`).
+
     ``differentiable=True`` (here, in :func:`laplacian` and in :func:`hvp`): the result inside
     the framework's graph, as :func:`batchjac.jacobian`'s (a physics-informed loss on the
     Laplacian trains the model): the order is chosen from the shapes, the forward Laplacian's
@@ -137,6 +148,19 @@ def hessian(
         raise InputError("`diagonal=True` and `laplacian=True` ask for two results; pass one "
                          "(the Laplacian is the sum of the diagonal over the unknowns).")
     kind: SecondKindArg = "laplacian" if laplacian else "diagonal" if diagonal else "hessian"
+    if estimator is not None:  # randomized, from Hessian-vector products
+        asked = {"out": out, "client": client, "scheduler": scheduler,
+                 "differentiable": differentiable, "return_jacobian": return_jacobian,
+                 "progress": progress, "rows_per_task": rows_per_task}
+        _refuse_with_estimator(kind, estimator, {n: v for n, v in asked.items() if v})
+        check_estimator(estimator, samples, seed,
+                        ESTIMATORS if kind == "laplacian" else ("hutchinson",),
+                        "laplacian" if laplacian else "hessian")
+        return _estimated(model, inputs, kind, estimator=estimator, samples=int(samples),
+                          seed=int(seed), wrt=wrt, mode=mode, chunk_size=chunk_size,
+                          max_memory=max_memory, dtype=dtype, return_outputs=return_outputs,
+                          nan_policy=nan_policy, backend=backend,
+                          backend_options=backend_options, output=output, explain=explain)
     if differentiable is not False:  # in the framework's graph, for a training loss
         _differentiable.refuse(out=out, client=client, scheduler=scheduler, progress=progress)
         return _differentiable.derivatives(
@@ -245,6 +269,75 @@ _HVP_DIFFERENTIABLE = {"chunk_size", "max_memory", "dtype", "return_outputs", "r
 def _hvp_task(model: Any, *inputs: Any, v: Any, **options: Any) -> Any:
     """One Dask task of :func:`hvp`: its block of rows and of ``v``, computed locally."""
     return hvp(model, *inputs, v=v, **options)
+
+
+def _refuse_with_estimator(kind: str, estimator: str, asked: dict[str, Any]) -> None:
+    """What an estimate does not offer, refused by name before anything is bound."""
+    if kind == "hessian":
+        raise InputError(f"estimator={estimator!r} estimates the Laplacian or the Hessian's "
+                         f"diagonal: pass laplacian=True (or batchjac.laplacian) or "
+                         f"diagonal=True; a full Hessian is computed, not estimated.")
+    if asked:
+        names = ", ".join(f"{name}=" for name in asked)
+        raise InputError(f"With estimator={estimator!r}, {names} is not offered: an estimate "
+                         f"is computed in memory, outside the framework's graph, without the "
+                         f"Jacobians. Drop {names}, or compute the exact result "
+                         f"(estimator=None).")
+
+
+def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, estimator: str,
+               samples: int, seed: int, wrt: Any, mode: OrderArg, chunk_size: int | None,
+               max_memory: int | str | None, dtype: DTypeLike, return_outputs: bool,
+               nan_policy: NanPolicy, backend: BackendName | None,
+               backend_options: dict[str, Any] | None, output: OutputArg, explain: bool) -> Any:
+    """The Laplacian or the Hessian's diagonal estimated from Hessian-vector products
+    (:mod:`batchjac._estimators`): each chunk's rows repeated once per direction into the
+    ``hvp`` kernel, of the order :func:`hvp` takes."""
+    model = as_model(model)
+    check_options("auto", chunk_size, max_memory)
+    delivery = on_host(inputs, output)
+    spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy=nan_policy)
+    name = backend or _backends.detect(model)
+    try:
+        bound = prepare(model, spec, name, backend_options or {})
+        assert bound.output_shape is not None
+        out_shape, ushape = tuple(bound.output_shape), tuple(spec.unknown_shape)
+        k, m = spec.k, math.prod(out_shape)
+        order, why = choose_order(mode, "hvp", k, m)
+        # the directions a row pushes at once (Hutch++'s second round: each output's own)
+        count = probes_per_row(estimator, samples)
+        widest = count * (m if estimator == "hutch++" else 1)
+        in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
+        per_row = second_bytes_per_row("hvp", order, k, m, in_elems, spec.dtype.itemsize)
+        rows = chunk_size or max(1, memory_budget(bound, max_memory) // (per_row * widest))
+        rows = min(rows, max(spec.n, 1))
+
+        def apply(u: Any, ctx: tuple[Any, ...], v: np.ndarray) -> tuple[Any, np.ndarray]:
+            n, d = v.shape[:2]
+            kernel = bound.second_kernel("hvp", order, n * d, return_outputs, False)
+            found = call(kernel, np.repeat(u, d, axis=0),
+                         (*(np.repeat(c, d, axis=0) for c in ctx), v.reshape(n * d, *ushape)),
+                         "Hessian-vector products", zero_check=False)
+            y = found.get("outputs")
+            hv = np.asarray(found[SECOND_RESULT["hvp"]]).reshape(n, d, m, k)
+            return (None if y is None else np.asarray(y)[::d]), hv
+
+        shape = (*out_shape, *(ushape if kind == "diagonal" else ()))
+        kernel = EstimateKernel(apply, rows, estimator, samples, shape, kind == "diagonal",
+                                return_outputs)
+        if explain:
+            print(f"batchjac: {kind} by {estimator}: {samples} products an instance, "
+                  f"Hessian-vector products in {order} ({why}); chunks of {rows} rows, each "
+                  f"row pushed along up to {widest} directions at once", file=sys.stderr)
+        y, value, stderr = run_estimate(kernel, spec, Probes(seed, spec.n, count, ushape,
+                                                             spec.dtype),
+                                        out_shape if return_outputs else None)
+    except BatchJacError as e:
+        raise add_context(e, context(spec, name)) from e
+    cls = DiagonalEstimate if kind == "diagonal" else TraceEstimate
+    value, stderr = deliver((value, stderr), delivery)
+    found = cls(value=value, stderr=stderr, samples=samples, estimator=estimator, seed=seed)
+    return (deliver(y, delivery), found) if return_outputs else found
 
 
 def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wrt: Any = None,
@@ -365,9 +458,7 @@ def _with_tangents(spec: BatchSpec, v: Any, nan_policy: NanPolicy, device: Any =
         cast = xp.cast(arr, spec.dtype)
         if xp.kind == "numpy" or not xp.all_finite(cast):  # (on the device: a bool comes back)
             check_finite_rows(xp.to_numpy(cast), "v", 0, whole=True)
-    return TangentSpec(arrays=spec.arrays, layout=spec.layout, dtype=spec.dtype, n=spec.n,
-                       unknown_shape=spec.unknown_shape, names=spec.names,
-                       finite_check=spec.finite_check, xp=xp, tangents=arr)
+    return TangentSpec.of(spec, arr)
 
 
 def plan_second(spec: BatchSpec, bound: _backends.BoundModel, kind: SecondKindArg, *,

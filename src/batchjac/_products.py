@@ -13,8 +13,6 @@ in its ``products`` module (:meth:`batchjac._backends.BoundModel.product`).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -22,16 +20,24 @@ import numpy as np
 from ._arrays import OutputArg, deliver, on_host
 from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
+from ._estimators import (
+    ESTIMATORS,
+    EstimateKernel,
+    Estimator,
+    Probes,
+    TraceEstimate,
+    check as check_estimator,
+    probes_per_row,
+    run as run_estimate,
+)
 from ._evaluate import bind, budget, context, in_elems, jacobian_chunks, output_size
-from ._hessian import TangentSpec
 from ._loaders import as_model
-from ._runner import iter_results, run_chunks
+from ._runner import run_chunks
 from ._sinks import ArraySink
-from ._spec import BatchSpec
+from ._spec import BatchSpec, TangentSpec
 from ._validate import DTypeLike, NanPolicy, normalize, to_numpy
 
 Kind = Literal["jvp", "vjp"]
-Estimator = Literal["hutchinson"]
 
 #: most rows one block of a product call gets (fixed per call: one trace per shapes)
 MAX_BLOCK = 16384
@@ -66,19 +72,6 @@ def vjp(model: Any, *inputs: Any, cotangents: Any, wrt: Any = None, **options: A
     return _verb("vjp", model, inputs, cotangents, wrt, options)
 
 
-@dataclass
-class TraceEstimate:
-    """A per-instance estimate of a trace: ``value`` ``(N,)``, its standard error ``stderr``
-    ``(N,)`` (the spread of the ``samples`` probes over the square root of their number), the
-    ``estimator`` and the ``seed``."""
-
-    value: Any
-    stderr: Any
-    samples: int
-    estimator: str
-    seed: int
-
-
 def divergence(model: Any, *inputs: Any, wrt: Any = None, estimator: Estimator | None = None,
                samples: int = 16, seed: int = 0, **options: Any) -> Any:
     """Per-instance divergence ``tr J_i`` of a model whose outputs match its unknowns
@@ -88,16 +81,14 @@ def divergence(model: Any, *inputs: Any, wrt: Any = None, estimator: Estimator |
     :func:`batchjac.jacobian` computes them (its mode and build), each reduced to its trace. With
     ``estimator="hutchinson"``: ``samples`` Rademacher probes ``v`` per instance (drawn from
     ``seed`` and the instance's index, so results do not depend on the blocks), ``v^T J_i v``
-    averaged, unbiased; returns a :class:`TraceEstimate` with the per-instance standard error.
-    Other arguments as for :func:`jvp` (no Dask for the estimator)."""
-    if estimator not in (None, "hutchinson"):
-        raise InputError(f"`estimator` must be None (exact) or 'hutchinson'; got {estimator!r}. "
-                         f"(Hutch++ is not offered yet.)")
-    if estimator is not None and (isinstance(samples, bool) or not isinstance(samples, int)
-                                  or samples < 2):
-        raise InputError(f"`samples` must be an int >= 2 (the standard error needs two); got "
-                         f"{samples!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    averaged, unbiased; ``estimator="hutch++"``: Hutch++ over the same number of products (a
+    third sketch ``J_i``'s range, whose part of the trace is then exact, Hutchinson's on the
+    rest: far closer where a few directions dominate ``J_i``). Either returns a
+    :class:`TraceEstimate` with the per-instance standard error (:mod:`batchjac._estimators`).
+    Other arguments as for :func:`jvp` (no Dask for the estimators)."""
+    if estimator is not None:
+        check_estimator(estimator, samples, seed, ESTIMATORS, "divergence")
+    elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise InputError(f"`seed` must be a non-negative int; got {seed!r}.")
     return _verb("divergence", model, inputs, None, wrt, options,
                  estimator=(estimator, samples, int(seed)))
@@ -189,9 +180,7 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
         v, single = _vectors(vectors, name_v, spec, shape_v, nan_policy)
         d = v.shape[1]
         result_shape = (*(() if single else (d,)), *(out_shape if kind == "jvp" else ushape))
-        with_v = TangentSpec(arrays=spec.arrays, layout=spec.layout, dtype=spec.dtype, n=spec.n,
-                             unknown_shape=spec.unknown_shape, names=spec.names,
-                             finite_check=spec.finite_check, tangents=v)
+        with_v = TangentSpec.of(spec, v)
         block = min(_block_rows(spec, output_size(bound), d, chunk_size, max_memory),
                     max(spec.n, 1))
         result = RESULT[kind]
@@ -217,7 +206,7 @@ RESULT = {"jvp": "jvps", "vjp": "vjps"}
 
 class _ProductKernel:
     """A product over chunks of ``chunk_size`` rows, as the runner calls a kernel: the
-    directions come last among the chunk's arrays (:class:`batchjac._hessian.TangentSpec`)."""
+    directions come last among the chunk's arrays (:class:`batchjac._spec.TangentSpec`)."""
 
     def __init__(self, bound: Any, kind: str, chunk_size: int, single: bool,
                  with_outputs: bool) -> None:
@@ -308,36 +297,6 @@ def _block_rows(spec: BatchSpec, m: int, d: int, chunk_size: int | None,
     return int(min(MAX_BLOCK, max(MIN_BLOCK, budget(max_memory) // 2 // per_row)))
 
 
-class _Probes:
-    """Hutchinson's probes of ``n`` instances, ``(n, samples, *shape)``, made when rows of
-    them are read (``probes[lo:hi]``, as a chunk reads its tangents): :func:`_rademacher`."""
-
-    def __init__(self, seed: int, n: int, samples: int, shape: tuple[int, ...],
-                 dtype: np.dtype) -> None:
-        self.seed, self.samples, self.dtype = seed, samples, dtype
-        self.shape = (n, samples, *shape)
-
-    def __getitem__(self, rows: slice) -> np.ndarray:
-        lo, hi, _ = rows.indices(self.shape[0])
-        return _rademacher(self.seed, lo, hi, self.samples, self.shape[2:], self.dtype)
-
-
-def _rademacher(seed: int, lo: int, hi: int, samples: int, shape: tuple[int, ...],
-                dtype: np.dtype) -> np.ndarray:
-    """``(hi - lo, samples, *shape)`` signs, each a function of ``(seed, instance, entry)``
-    only (SplitMix64 of its index): the same for an instance in any block, drawn at once."""
-    per = samples * math.prod(shape)
-    with np.errstate(over="ignore"):
-        z = (np.arange(lo, hi, dtype=np.uint64)[:, None] * np.uint64(per)
-             + np.arange(per, dtype=np.uint64)[None, :]) \
-            + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    signs = np.where(z >> np.uint64(63), -1.0, 1.0).astype(dtype)
-    return signs.reshape(hi - lo, samples, *shape)
-
-
 def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, int],
                 chunk_size: int | None, max_memory: int | str | None,
                 with_outputs: bool) -> Any:
@@ -359,22 +318,17 @@ def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, i
         return (y, trace) if with_outputs else trace
 
     # the probes as the chunks' last array (as jvp's tangents), drawn chunk by chunk
-    probes = _Probes(seed, spec.n, samples, shape, spec.dtype)
-    with_v = TangentSpec(arrays=spec.arrays, layout=spec.layout, dtype=spec.dtype, n=spec.n,
-                         unknown_shape=spec.unknown_shape, names=spec.names,
-                         finite_check=spec.finite_check, tangents=probes)
-    block = min(_block_rows(spec, output_size(bound), samples, chunk_size, max_memory),
+
+    def apply(u: Any, ctx: tuple[Any, ...], v: np.ndarray) -> tuple[Any, np.ndarray]:
+        y, jv = bound.product("jvp", u, ctx, v)
+        return y, np.asarray(jv).reshape(v.shape[0], v.shape[1], 1, k)
+
+    count = probes_per_row(how, samples)  # (Hutch++'s second round pushes as many)
+    block = min(_block_rows(spec, output_size(bound), count, chunk_size, max_memory),
                 max(spec.n, 1))
-    q = np.empty((spec.n, samples))  # v^T J v of each probe
-    y = np.empty((spec.n, *bound.output_shape), spec.dtype) if with_outputs else None
-    kernel = _ProductKernel(bound, "jvp", block, False, with_outputs)
-    for chunk, out, rows in iter_results(kernel, with_v, keep_rows=True):
-        assert rows is not None
-        v = rows[1][-1].reshape(chunk.rows, samples, k).astype(np.float64)
-        jv = out[RESULT["jvp"]].reshape(chunk.rows, samples, k).astype(np.float64)
-        q[chunk.lo:chunk.hi] = np.einsum("nsk,nsk->ns", v, jv)
-        if y is not None:
-            y[chunk.lo:chunk.hi] = out["outputs"]
-    estimate = TraceEstimate(value=q.mean(axis=1), stderr=q.std(axis=1, ddof=1) /
-                             math.sqrt(samples), samples=samples, estimator=how, seed=seed)
+    kernel = EstimateKernel(apply, block, how, samples, (), False, with_outputs)
+    y, value, stderr = run_estimate(kernel, spec, Probes(seed, spec.n, count, shape, spec.dtype),
+                                    tuple(bound.output_shape) if with_outputs else None)
+    estimate = TraceEstimate(value=value, stderr=stderr, samples=samples, estimator=how,
+                             seed=seed)
     return (y, estimate) if with_outputs else estimate

@@ -166,6 +166,27 @@ class BatchSpec:
                          unknown_shape=self.unknown_shape, names=self.names)
 
 
+@dataclass
+class TangentSpec(BatchSpec):
+    """A batch whose chunks carry per-instance directions after the model's own arrays:
+    ``(u, (*ctx, v))``, as an ``hvp`` kernel takes its tangents and the products and
+    estimators their directions and probes (of the batch's array kind, cut and cast where they
+    live; ``tangents`` may be lazy: anything whose row slices ``[lo:hi]`` give those rows)."""
+
+    tangents: Any = None
+
+    @classmethod
+    def of(cls, spec: BatchSpec, tangents: Any) -> TangentSpec:
+        """``spec``'s batch with ``tangents`` beside it."""
+        return cls(arrays=spec.arrays, layout=spec.layout, dtype=spec.dtype, n=spec.n,
+                   unknown_shape=spec.unknown_shape, names=spec.names,
+                   finite_check=spec.finite_check, xp=spec.xp, tangents=tangents)
+
+    def chunk(self, lo: int, hi: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        u, ctx = super().chunk(lo, hi)
+        return u, (*ctx, self.xp.cast(self.tangents[lo:hi], self.dtype))
+
+
 def _cast(a: Any, dtype: np.dtype, xp: ArrayOps = NUMPY) -> Any:
     """Floating arrays go to the compute dtype; integer and bool inputs (ids, flags) stay."""
     if xp.dtype_of(a).kind == "f":
