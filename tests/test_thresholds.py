@@ -33,7 +33,8 @@ WORKLOAD = re.compile(r"\bW[1-9]H?\b")
 FIGURE = re.compile(r"\d\s*(ms|s|us|µs|ns)\b|\b\d+(\.\d+)?x\b|x native|\d\s*%")
 
 #: the modules whose upper-case numbers are thresholds: each of those is a row of the table
-TUNING = ("_plan.py", "_chain.py", "_bind.py", "_config.py", "_probes.py", "_runner.py", "_sinks.py",
+TUNING = ("_plan.py", "_chain.py", "_products.py", "_estimators.py", "_bind.py", "_config.py",
+          "_probes.py", "_runner.py", "_sinks.py",
           "_tune/*.py", "_backends/_base.py", "_backends/*/builds.py", "_backends/*/second.py",
           "_backends/jax/executables.py")
 #: modules under those patterns whose numbers are not speed or memory decisions: the tuning

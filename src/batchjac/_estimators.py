@@ -38,6 +38,11 @@ from ._spec import BatchSpec, TangentSpec
 Estimator = Literal["hutchinson", "hutch++"]
 ESTIMATORS = ("hutchinson", "hutch++")
 
+#: the bytes a block of rows of a product or an estimate may take by its estimate, below the
+#: memory budget: blocks whose temporaries stay near the CPU's caches run as fast or faster
+#: than larger ones, and the peak memory stays far below the Jacobians' (docs/thresholds.md)
+WORKING_SET = 64 << 20
+
 #: ``apply(u, ctx, V)``: for directions ``V`` ``(rows, d, k)``, the outputs ``(rows, *out)`` (or
 #: None) and the products ``(rows, d, m, k)``, one ``k``-vector per direction and output
 Apply = Callable[[np.ndarray, tuple[np.ndarray, ...], np.ndarray], tuple[Any, np.ndarray]]

@@ -31,6 +31,7 @@ from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, OrderFailedError, add_context
 from ._estimators import (
     ESTIMATORS,
+    WORKING_SET,
     DiagonalEstimate,
     EstimateKernel,
     Estimator,
@@ -309,7 +310,8 @@ def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, esti
         widest = count * (m if estimator == "hutch++" else 1)
         in_elems = sum(math.prod(a.shape[1:]) for a in spec.arrays)
         per_row = second_bytes_per_row("hvp", order, k, m, in_elems, spec.dtype.itemsize)
-        rows = chunk_size or max(1, memory_budget(bound, max_memory) // (per_row * widest))
+        fits = min(memory_budget(bound, max_memory), WORKING_SET)
+        rows = chunk_size or max(1, fits // (per_row * widest))
         rows = min(rows, max(spec.n, 1))
 
         def apply(u: Any, ctx: tuple[Any, ...], v: np.ndarray) -> tuple[Any, np.ndarray]:

@@ -22,6 +22,7 @@ from ._dask import uses_dask
 from ._errors import BatchJacError, InputError, add_context
 from ._estimators import (
     ESTIMATORS,
+    WORKING_SET,
     EstimateKernel,
     Estimator,
     Probes,
@@ -287,14 +288,15 @@ def _vectors(vectors: Any, name: str, spec: BatchSpec, shape: tuple[int, ...],
 
 def _block_rows(spec: BatchSpec, m: int, d: int, chunk_size: int | None,
                 max_memory: int | str | None) -> int:
-    """Rows per block: ``chunk_size``, else what half the memory budget holds at the
-    product's bytes a row: inputs and outputs, and per direction its tangent, its result and
-    the activations it carries (a few times the inputs and outputs)."""
+    """Rows per block: ``chunk_size``, else what half the memory budget, at most
+    :data:`batchjac._estimators.WORKING_SET`, holds at the product's bytes a row: inputs and
+    outputs, and per direction its tangent, its result and the activations it carries (a few
+    times the inputs and outputs)."""
     if chunk_size is not None:
         return int(chunk_size)
     item = spec.dtype.itemsize
     per_row = 2 * item * ((1 + d) * 4 * (in_elems(spec) + m) + 2 * d * (spec.k + m))
-    return int(min(MAX_BLOCK, max(MIN_BLOCK, budget(max_memory) // 2 // per_row)))
+    return int(min(MAX_BLOCK, max(MIN_BLOCK, min(budget(max_memory) // 2, WORKING_SET) // per_row)))
 
 
 def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, int],
