@@ -153,7 +153,7 @@ def run_case(backend: str, case: str, impl: str) -> dict[str, Any]:
             fn = _native_divergence(backend)
         else:
             model = _flow_model(backend)
-            est = None if impl == "batchjac" else impl
+            est: Any = None if impl == "batchjac" else impl
             fn = (lambda a: batchjac.divergence(model, a)) if est is None else \
                 (lambda a: batchjac.divergence(model, a, estimator=est, samples=SAMPLES).value)
     else:
@@ -168,7 +168,8 @@ def run_case(backend: str, case: str, impl: str) -> dict[str, Any]:
                 fn = lambda a: batchjac.propagate(model, a, cov=sigma).cov  # noqa: E731
             else:  # a diagonal Sigma, dense or as its standard deviations
                 std = np.sqrt(np.diag(sigma)).astype(np.float32)
-                kw = {"cov": np.diag(std ** 2)} if impl == "diagonal cov" else {"std": std}
+                kw: dict[str, Any] = {"cov": np.diag(std ** 2)} if impl == "diagonal cov" else \
+                    {"std": std}
                 fn = lambda a: batchjac.propagate(model, a, **kw).cov  # noqa: E731
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
