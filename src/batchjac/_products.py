@@ -311,8 +311,10 @@ def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, i
     if how is None:  # batchjac's Jacobian kernels, chunk by chunk, each chunk's trace kept
         y = np.empty((spec.n, *shape), spec.dtype) if with_outputs else None
         trace = np.empty(spec.n, spec.dtype)
+        # (chunks within the working set: the peak stays far below J's, as fast or faster)
+        fits = min(budget(max_memory), WORKING_SET)
         _, parts = jacobian_chunks(bound, spec, mode="auto", chunk_size=chunk_size,
-                                   max_memory=max_memory, with_outputs=with_outputs)
+                                   max_memory=fits, with_outputs=with_outputs)
         for lo, hi, yc, jac in parts:
             trace[lo:hi] = np.einsum("njj->n", np.asarray(jac).reshape(hi - lo, k, k))
             if y is not None:

@@ -10,8 +10,9 @@ from .errors import guard
 from .options import CONTEXT
 
 #: the extra sections of a full run, and the modules of batchjac._bench that hold them
-SECTIONS = {"memory": "memory", "w5": "w5", "w8": "w8", "w9": "w9", "w10": "w10", "products": "products", "arrays": "arrays",
-            "solve": "solve_bench", "dask": "dask_bench"}
+SECTIONS = {"memory": "memory", "w5": "w5", "w8": "w8", "w9": "w9", "w10": "w10",
+            "products": "products", "arrays": "arrays", "solve": "solve_bench",
+            "dask": "dask_bench"}
 
 
 @click.command("bench", context_settings=CONTEXT)
@@ -39,7 +40,8 @@ def bench(quick: bool, output: str, backends: tuple[str, ...], workloads: tuple[
     W1-W7H: out-of-core memory (W2, N=100,000), W5 (10M rows streamed to Zarr), W8 (10M
     Hessians streamed to Zarr), W9 (a bottleneck: mixed mode against the pure modes and a
     hand-written split), W10 (a physics-informed training step with
-    differentiable=True), products without J (the divergence, J Sigma J^T), native arrays in and out (W2), the solver against scipy, and Dask
+    differentiable=True), products without J (the divergence, J Sigma J^T), native arrays
+    in and out (W2), the solver against scipy, and Dask
     against the local path.
     --quick runs W1-W7H only, on smaller batches."""
     import importlib
