@@ -219,9 +219,18 @@ class _Uncertainty:
             return b @ b.transpose(0, 2, 1)
         if self.kind == "shared":  # (in the Jacobians' dtype: float32 J, float32 products)
             sigma = _sym(self.data).astype(a.dtype, copy=False)
-            return _sym(np.asarray(_times(a, sigma) @ a.transpose(0, 2, 1), np.float64))
+            out = np.empty((a.shape[0], a.shape[1], a.shape[1]))
+            for i in range(0, a.shape[0], SANDWICH_ROWS):  # (J Sigma a slice at a time)
+                part = a[i:i + SANDWICH_ROWS]
+                out[i:i + SANDWICH_ROWS] = _times(part, sigma) @ part.transpose(0, 2, 1)
+            return _sym(out)
         sigma = _sym(np.asarray(self.data[lo:hi], np.float64))
         return _sym(a @ sigma @ a.transpose(0, 2, 1))
+
+
+#: instances whose ``J Sigma`` is formed at once (the rest of the chunk's J waits): the
+#: product's temporary stays a slice of the chunk's Jacobians, not their size again
+SANDWICH_ROWS = 1024
 
 
 def _times(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -474,9 +483,12 @@ def _warn_clipped(clipped: int, spec: BatchSpec, *, alpha: float, beta: float,
 def _linear(bound: Any, spec: BatchSpec, unc: _Uncertainty, sink: ArraySink, m: int, *,
             mode: ModeArg, chunk_size: int | None, max_memory: int | str | None) -> None:
     k = spec.k
+    # a row keeps its product with Sigma and its covariance, and its own Sigma where each
+    # instance has one (a shared one is held once)
+    kept = 2 * m * k + 2 * m * m + (k * k if unc.kind == "stack" else 0)
     _, chunks = jacobian_chunks(bound, spec, mode=mode, chunk_size=chunk_size,
                                 max_memory=max_memory, with_outputs=True,
-                                extra_bytes_per_row=8 * (2 * m * k + 2 * m * m + k * k))
+                                extra_bytes_per_row=8 * kept)
     for lo, hi, y, jac in chunks:
         assert y is not None
         a = np.asarray(jac).reshape(hi - lo, m, k)  # (a float32 J stays so for the products)
