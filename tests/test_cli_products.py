@@ -77,3 +77,39 @@ def test_a_directions_file_of_the_wrong_shape_is_named(folder: Path, tmp_path: P
                     "--cotangents", folder / "v.npy", "-o", tmp_path / "p.zarr")
     assert result.exit_code != 0
     assert "`cotangents` has shape (70, 5)" in result.stderr
+
+
+def test_divergence_command_exact_and_estimated(tmp_path: Path) -> None:
+    import keras
+    import zarr
+
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(6)])
+    model.save(tmp_path / "flow.keras")
+    x = np.random.default_rng(11).normal(size=(N, 6)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    exact = batchjac.divergence(model, x)
+    out = tmp_path / "div.zarr"
+    args = ["divergence", tmp_path / "flow.keras", "-i", tmp_path / "x.npy", "-o", out,
+            "--chunk-size", 32, "--json"]
+    result = invoke(*args)
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    assert json.loads(result.stdout)["computed_chunks"] == 3
+    stored = np.asarray(zarr.open(str(out), mode="r")["divergences"])
+    np.testing.assert_allclose(stored, exact, rtol=1e-5, atol=1e-6)
+    again = invoke(*args)
+    assert again.exit_code == 0
+    assert json.loads(again.stdout)["computed_chunks"] == 0
+    est_out = tmp_path / "est.zarr"
+    result = invoke("divergence", tmp_path / "flow.keras", "-i", tmp_path / "x.npy", "-o", est_out,
+                    "--estimator", "hutch++", "--samples", 9, "--seed", 3, "--json")
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    stored = np.asarray(zarr.open(str(est_out), mode="r")["divergences"])
+    want = batchjac.divergence(model, x, estimator="hutch++", samples=9, seed=3)
+    assert stored.shape == (N, 2)
+    np.testing.assert_allclose(stored[:, 0], want.value, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stored[:, 1], want.stderr, rtol=1e-5, atol=1e-6)
+    bad = invoke("divergence", tmp_path / "flow.keras", "-i", tmp_path / "x.npy", "-o",
+                 tmp_path / "bad.zarr", "--estimator", "hutch++", "--samples", 3)
+    assert bad.exit_code != 0
+    assert "`samples` must be an int >= 4" in bad.stderr

@@ -241,3 +241,41 @@ def test_products_into_a_store_resume_byte_identical(tmp_path: Any, suffix: str)
     stored = batchjac.vjp(f, x, cotangents=c, out=str(tmp_path / f"vjps{suffix}"), chunk_size=20)
     assert np.array_equal(np.asarray(stored.open()), batchjac.vjp(f, x, cotangents=c,
                                                                   chunk_size=20))
+
+
+@pytest.mark.parametrize("estimator", [None, "hutchinson", "hutch++"])
+def test_the_divergence_into_a_store_resumes_byte_identical(tmp_path: Any, estimator: Any) -> None:
+    """The divergence, exact or estimated, into a store: stopped after two chunks (its
+    progress callback raises), made again, only the others computed, the store equal to the
+    in-memory call bit for bit (an estimate as (N, 2): each value and its standard error);
+    another seed is another job."""
+    pytest.importorskip("zarr")
+    f, ws = _mlp("jax", (6, 16, 6), seed=3831)
+    x = rng(3832).normal(size=(50, 6)).astype(np.float32)
+    seen: list[int] = []
+
+    def stop(rows: int) -> None:
+        seen.append(rows)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    kw: dict[str, Any] = {} if estimator is None else {"estimator": estimator, "samples": 9,
+                                                       "seed": 4}
+    store = batchjac.Store(tmp_path / "div.zarr", model_id="mlp-3831")
+    with pytest.raises(KeyboardInterrupt):
+        batchjac.divergence(f, x, out=store, chunk_size=16, progress=stop, **kw)
+    res = batchjac.divergence(f, x, out=store, chunk_size=16, **kw)
+    assert (res.resumed_chunks, res.computed_chunks) == (2, 2)
+    want = batchjac.divergence(f, x, chunk_size=16, **kw)
+    got = np.asarray(res.open())
+    exact = np.trace(_jacobians(ws, x), axis1=1, axis2=2)
+    if estimator is None:
+        assert got.shape == (50,)
+        assert np.array_equal(got, np.asarray(want))
+        _close(got, exact)
+    else:
+        assert got.shape == (50, 2)
+        assert np.array_equal(got[:, 0], np.asarray(want.value))
+        assert np.array_equal(got[:, 1], np.asarray(want.stderr))
+        with pytest.raises(batchjac.StoreError):
+            batchjac.divergence(f, x, out=store, chunk_size=16, **{**kw, "seed": 5})

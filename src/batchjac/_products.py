@@ -33,7 +33,7 @@ from ._estimators import (
 )
 from ._evaluate import bind, budget, context, in_elems, jacobian_chunks, output_size
 from ._loaders import as_model
-from ._runner import run_chunks
+from ._runner import results, run_chunks
 from ._sinks import ArraySink
 from ._spec import BatchSpec, TangentSpec
 from ._validate import DTypeLike, NanPolicy, normalize, to_numpy
@@ -86,7 +86,10 @@ def divergence(model: Any, *inputs: Any, wrt: Any = None, estimator: Estimator |
     third sketch ``J_i``'s range, whose part of the trace is then exact, Hutchinson's on the
     rest: far closer where a few directions dominate ``J_i``). Either returns a
     :class:`TraceEstimate` with the per-instance standard error (:mod:`batchjac._estimators`).
-    Other arguments as for :func:`jvp` (no Dask for the estimators)."""
+    Other arguments as for :func:`jvp` (no Dask for the estimators). ``out=`` a store path
+    (``"div.zarr"``, ``.h5``, ``.npy``) or :class:`batchjac.Store`: written chunk by chunk and
+    resumed as :func:`jvp`'s; the result ``"divergences"`` is ``(N,)``, or ``(N, 2)`` for an
+    estimate (each value and its standard error)."""
     if estimator is not None:
         check_estimator(estimator, samples, seed, ESTIMATORS, "divergence")
     elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -111,8 +114,6 @@ def _verb(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, wrt: Any
     client, scheduler = options.pop("client", None), options.pop("scheduler", None)
     rows_per_task = options.pop("rows_per_task", None)
     extra = () if vectors is None else (vectors,)
-    if options.get("out") is not None and kind == "divergence":
-        raise InputError("divergence() computes in memory; `out=` is not offered for it yet.")
     if client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in (*inputs, *extra)) and
             uses_dask((*inputs, *extra))):
@@ -169,6 +170,11 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
                     f"the model maps unknowns of shape {ushape} to outputs of shape "
                     f"{out_shape}. Choose the unknowns with `wrt=` so that they match the "
                     f"outputs, or compute batchjac.jacobian and reduce it.")
+            if out is not None:
+                return _divergence_to_store(model, bound, spec, name, out, estimator,
+                                            chunk_size=chunk_size, max_memory=max_memory,
+                                            return_outputs=return_outputs, nan_policy=nan_policy,
+                                            options=backend_options or {}, progress=progress)
             found = _divergence(bound, spec, estimator, chunk_size, max_memory, return_outputs)
             y, div = found if return_outputs else (None, found)
             if isinstance(div, TraceEstimate):  # (its arrays in the inputs' kind)
@@ -256,6 +262,100 @@ def _to_store(model: Any, bound: Any, spec: BatchSpec, backend: str, kind: str, 
         result=lambda _: (result_shape, axes))
 
 
+def _divergence_to_store(model: Any, bound: Any, spec: BatchSpec, backend: str, out: Any,
+                         estimator: tuple[str | None, int, int], *, chunk_size: int | None,
+                         max_memory: int | str | None, return_outputs: bool,
+                         nan_policy: NanPolicy, options: dict[str, Any], progress: Any) -> Any:
+    """The divergences written chunk by chunk into a resumable store, as the products are
+    (:func:`_to_store`): exact (``"divergences"`` ``(N,)``, the Jacobian kernel of the plan's
+    mode, its first build: the same bytes in every run) or an estimate (``(N, 2)``: the value
+    and its standard error; the probes are functions of the seed and the instance, hashed with
+    the rows)."""
+    from ._backends import FIRST_VARIANT
+    from ._bind import plan_for
+    from ._stores import as_store, is_store_target
+    from ._stores.hessians import second_to_store
+
+    if not is_store_target(out):
+        raise InputError(f"`out` of divergence() must be a store path ('div.zarr', .h5 or .npy) "
+                         f"or a batchjac.Store; got {type(out).__name__}.")
+    how, samples, seed = estimator
+    k, shape = spec.k, tuple(spec.unknown_shape)
+    fits = min(budget(max_memory), WORKING_SET)
+    if how is None:
+        planned = plan_for(spec, bound, mode="auto", chunk_size=chunk_size, max_memory=fits)
+        mode, block, target = planned.mode, planned.chunk_size, spec
+        reason = (f"divergence: the Jacobians in {mode} mode, chunks of {block} rows, each "
+                  f"reduced to its trace")
+
+        def make(b: Any, p: dict[str, Any]) -> Any:
+            return _TraceKernel(b.kernel(p["order"], p["chunk_size"], return_outputs,
+                                         variant=FIRST_VARIANT), k)
+
+        per_row: tuple[tuple[int, ...], tuple[str, ...]] = ((), ())
+        what = "exact"
+    else:
+        count = probes_per_row(how, samples)
+        block = min(_block_rows(spec, output_size(bound), count, chunk_size, max_memory),
+                    max(spec.n, 1))
+        mode, target = "forward", TangentSpec.of(spec, Probes(seed, spec.n, count, shape,
+                                                               spec.dtype))
+        reason = f"divergence by {how}: {samples} products an instance, chunks of {block} rows"
+
+        def make(b: Any, p: dict[str, Any]) -> Any:
+            return _Paired(EstimateKernel(_pushed(b, k), p["chunk_size"], how, samples, (), False,
+                                          return_outputs))
+
+        per_row = ((2,), ("estimate",))
+        what = f"{how}, samples={samples}, seed={seed}"
+
+    def plan(_: Any) -> dict[str, Any]:
+        return {"order": mode, "chunk_size": block, "chunks": -(-spec.n // block) if spec.n else 0,
+                "rows": spec.n, "reason": reason}
+
+    return second_to_store(
+        model, target, backend, store=as_store(out), name="divergences",
+        describe_options={"mode": f"divergence ({what})", "chunk_size": chunk_size,
+                          "max_memory": max_memory, "backend_options": options,
+                          "nan_policy": nan_policy},
+        bind=lambda: bound, plan=plan, kernel=make, with_outputs=return_outputs,
+        with_jacobian=False, explain=False, progress=progress, result=lambda _: per_row)
+
+
+class _TraceKernel:
+    """A Jacobian kernel's chunk reduced to each row's trace: ``"divergences"`` ``(rows,)``."""
+
+    def __init__(self, kernel: Any, k: int) -> None:
+        self.kernel, self.k, self.chunk_size = kernel, k, kernel.chunk_size
+
+    def __call__(self, u: Any, ctx: tuple[Any, ...]) -> dict[str, np.ndarray]:
+        out = results(self.kernel(u, ctx))
+        jac = np.asarray(out.pop("jacobians")).reshape(-1, self.k, self.k)
+        return {**out, "divergences": np.einsum("njj->n", jac)}
+
+
+class _Paired:
+    """An estimate's chunk as one stored array: ``"divergences"`` ``(rows, 2)``, the value and
+    its standard error."""
+
+    def __init__(self, kernel: EstimateKernel) -> None:
+        self.kernel, self.chunk_size = kernel, kernel.chunk_size
+
+    def __call__(self, u: Any, ctx: tuple[Any, ...]) -> dict[str, np.ndarray]:
+        out = self.kernel(u, ctx)
+        pair = np.stack([out.pop("estimates"), out.pop("stderrs")], -1).astype(u.dtype)
+        return {**out, "divergences": pair}
+
+
+def _pushed(bound: Any, k: int) -> Any:
+    """The products of an estimate of ``tr J``: ``J v`` for each direction, as ``(rows, d, 1, k)``."""
+    def apply(u: Any, ctx: tuple[Any, ...], v: np.ndarray) -> tuple[Any, np.ndarray]:
+        y, jv = bound.product("jvp", u, ctx, v)
+        return y, np.asarray(jv).reshape(v.shape[0], v.shape[1], 1, k)
+
+    return apply
+
+
 def _vectors(vectors: Any, name: str, spec: BatchSpec, shape: tuple[int, ...],
              nan_policy: NanPolicy) -> tuple[np.ndarray, bool]:
     """The tangents or cotangents as ``(N, d, *shape)`` in the compute dtype, and whether one
@@ -322,15 +422,10 @@ def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, i
         return (y, trace) if with_outputs else trace
 
     # the probes as the chunks' last array (as jvp's tangents), drawn chunk by chunk
-
-    def apply(u: Any, ctx: tuple[Any, ...], v: np.ndarray) -> tuple[Any, np.ndarray]:
-        y, jv = bound.product("jvp", u, ctx, v)
-        return y, np.asarray(jv).reshape(v.shape[0], v.shape[1], 1, k)
-
     count = probes_per_row(how, samples)  # (Hutch++'s second round pushes as many)
     block = min(_block_rows(spec, output_size(bound), count, chunk_size, max_memory),
                 max(spec.n, 1))
-    kernel = EstimateKernel(apply, block, how, samples, (), False, with_outputs)
+    kernel = EstimateKernel(_pushed(bound, k), block, how, samples, (), False, with_outputs)
     y, value, stderr = run_estimate(kernel, spec, Probes(seed, spec.n, count, shape, spec.dtype),
                                     tuple(bound.output_shape) if with_outputs else None)
     estimate = TraceEstimate(value=value, stderr=stderr, samples=samples, estimator=how,

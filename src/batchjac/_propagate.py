@@ -228,6 +228,11 @@ class _Uncertainty:
         return _sym(a @ sigma @ a.transpose(0, 2, 1))
 
 
+#: the most bytes a chunk of the linear method takes (its Jacobians and what it keeps beside
+#: them), below the memory budget: the Jacobians are reduced chunk by chunk, so larger chunks
+#: gain little and the peak stays below the size of all the Jacobians (docs/thresholds.md)
+LINEAR_BUDGET = 512 << 20
+
 #: instances whose ``J Sigma`` is formed at once (the rest of the chunk's J waits): the
 #: product's temporary stays a slice of the chunk's Jacobians, not their size again
 SANDWICH_ROWS = 1024
@@ -487,8 +492,8 @@ def _linear(bound: Any, spec: BatchSpec, unc: _Uncertainty, sink: ArraySink, m: 
     # instance has one (a shared one is held once)
     kept = 2 * m * k + 2 * m * m + (k * k if unc.kind == "stack" else 0)
     _, chunks = jacobian_chunks(bound, spec, mode=mode, chunk_size=chunk_size,
-                                max_memory=max_memory, with_outputs=True,
-                                extra_bytes_per_row=8 * kept)
+                                max_memory=min(budget(max_memory), LINEAR_BUDGET),
+                                with_outputs=True, extra_bytes_per_row=8 * kept)
     for lo, hi, y, jac in chunks:
         assert y is not None
         a = np.asarray(jac).reshape(hi - lo, m, k)  # (a float32 J stays so for the products)

@@ -31,6 +31,7 @@ def _register() -> None:
         cli.add_command(module.command)
     cli.add_command(products.jvp)
     cli.add_command(products.vjp)
+    cli.add_command(products.divergence)
 
 
 _register()
