@@ -185,6 +185,11 @@ class _Uncertainty:
     def _check_cov(self, dtype: np.dtype) -> None:
         eps = float(np.finfo(dtype).eps) if dtype.kind == "f" else float(np.finfo(np.float64).eps)
         if self.kind == "shared":
+            c = self.data
+            diag = np.diagonal(c)
+            if np.isfinite(c).all() and (diag >= 0).all() and not np.any(c - np.diag(diag)):
+                self._eigenvalues = diag.copy()  # (a diagonal's: no eigendecomposition)
+                return
             self._eigenvalues = _check_psd(self.data[None], 0, shared=True, eps=eps)[0]
             return
         self._all_diagonal = True
