@@ -157,6 +157,19 @@ class EstimateKernel:
         return out
 
 
+class Paired:
+    """An estimate's chunk as one stored array ``name``, ``(rows, *shape, 2)``: each value and
+    its standard error (what a store holds of an estimate)."""
+
+    def __init__(self, kernel: EstimateKernel, name: str) -> None:
+        self.kernel, self.name, self.chunk_size = kernel, name, kernel.chunk_size
+
+    def __call__(self, u: Any, ctx: tuple[Any, ...]) -> dict[str, np.ndarray]:
+        out = self.kernel(u, ctx)
+        pair = np.stack([out.pop("estimates"), out.pop("stderrs")], -1).astype(u.dtype)
+        return {**out, self.name: pair}
+
+
 def hutchpp(apply: Apply, u: Any, ctx: tuple[Any, ...], v: np.ndarray, width: int
             ) -> tuple[Any, np.ndarray]:
     """Hutch++ of a chunk: ``v`` ``(rows, width + rest, k)`` holds the sketch's probes, then the

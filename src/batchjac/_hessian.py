@@ -35,6 +35,7 @@ from ._estimators import (
     DiagonalEstimate,
     EstimateKernel,
     Estimator,
+    Paired,
     Probes,
     TraceEstimate,
     check as check_estimator,
@@ -128,8 +129,10 @@ def hessian(
     the diagonal, over Rademacher probes) or, for the Laplacian, ``"hutch++"`` (a third of the
     products sketch each output's ``H``, whose part of the trace is then exact). Returns a
     :class:`batchjac.TraceEstimate` or :class:`batchjac.DiagonalEstimate` (``value`` and a
-    per-instance ``stderr``), or ``(outputs, estimate)`` with ``return_outputs``; in memory,
-    not on Dask (:mod:`batchjac._estimators`).
+    per-instance ``stderr``), or ``(outputs, estimate)`` with ``return_outputs``; or, with
+    ``out=`` a store path or :class:`batchjac.Store`, the estimates written chunk by chunk as
+    ``(N, *shape, 2)`` (value and standard error), resumably; not on Dask
+    (:mod:`batchjac._estimators`).
 
     ``differentiable=True`` (here, in :func:`laplacian` and in :func:`hvp`): the result inside
     the framework's graph, as :func:`batchjac.jacobian`'s (a physics-informed loss on the
@@ -150,10 +153,11 @@ def hessian(
                          "(the Laplacian is the sum of the diagonal over the unknowns).")
     kind: SecondKindArg = "laplacian" if laplacian else "diagonal" if diagonal else "hessian"
     if estimator is not None:  # randomized, from Hessian-vector products
-        asked = {"out": out, "client": client, "scheduler": scheduler,
-                 "differentiable": differentiable, "return_jacobian": return_jacobian,
-                 "progress": progress, "rows_per_task": rows_per_task}
-        _refuse_with_estimator(kind, estimator, {n: v for n, v in asked.items() if v})
+        asked = {"out": out if out is not None and not is_store_target(out) else None,
+                 "client": client, "scheduler": scheduler, "differentiable": differentiable,
+                 "return_jacobian": return_jacobian, "rows_per_task": rows_per_task}
+        _refuse_with_estimator(kind, estimator, {n: v for n, v in asked.items()
+                                                 if v is not None and v is not False})
         check_estimator(estimator, samples, seed,
                         ESTIMATORS if kind == "laplacian" else ("hutchinson",),
                         "laplacian" if laplacian else "hessian")
@@ -161,7 +165,8 @@ def hessian(
                           seed=int(seed), wrt=wrt, mode=mode, chunk_size=chunk_size,
                           max_memory=max_memory, dtype=dtype, return_outputs=return_outputs,
                           nan_policy=nan_policy, backend=backend,
-                          backend_options=backend_options, output=output, explain=explain)
+                          backend_options=backend_options, output=output, explain=explain,
+                          out=out, progress=progress)
     if differentiable is not False:  # in the framework's graph, for a training loss
         _differentiable.refuse(out=out, client=client, scheduler=scheduler, progress=progress)
         return _differentiable.derivatives(
@@ -281,8 +286,8 @@ def _refuse_with_estimator(kind: str, estimator: str, asked: dict[str, Any]) -> 
     if asked:
         names = ", ".join(f"{name}=" for name in asked)
         raise InputError(f"With estimator={estimator!r}, {names} is not offered: an estimate "
-                         f"is computed in memory, outside the framework's graph, without the "
-                         f"Jacobians. Drop {names}, or compute the exact result "
+                         f"is computed in memory or into a store path (out='lap.zarr'), "
+                         f"outside the framework's graph, without the Jacobians. Drop {names}, or compute the exact result "
                          f"(estimator=None).")
 
 
@@ -290,10 +295,12 @@ def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, esti
                samples: int, seed: int, wrt: Any, mode: OrderArg, chunk_size: int | None,
                max_memory: int | str | None, dtype: DTypeLike, return_outputs: bool,
                nan_policy: NanPolicy, backend: BackendName | None,
-               backend_options: dict[str, Any] | None, output: OutputArg, explain: bool) -> Any:
+               backend_options: dict[str, Any] | None, output: OutputArg, explain: bool,
+               out: Any = None, progress: bool | Callable[[int], None] = False) -> Any:
     """The Laplacian or the Hessian's diagonal estimated from Hessian-vector products
     (:mod:`batchjac._estimators`): each chunk's rows repeated once per direction into the
-    ``hvp`` kernel, of the order :func:`hvp` takes."""
+    ``hvp`` kernel, of the order :func:`hvp` takes; in memory, or into a store (``out``) as
+    ``(N, *shape, 2)``, each value and its standard error."""
     model = as_model(model)
     check_options("auto", chunk_size, max_memory)
     delivery = on_host(inputs, output)
@@ -327,12 +334,32 @@ def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, esti
         shape = (*out_shape, *(ushape if kind == "diagonal" else ()))
         kernel = EstimateKernel(apply, rows, estimator, samples, shape, kind == "diagonal",
                                 return_outputs)
+        reason = (f"{kind} by {estimator}: {samples} products an instance, Hessian-vector "
+                  f"products in {order} ({why}); chunks of {rows} rows, each row pushed along "
+                  f"up to {widest} directions at once")
+        probes = Probes(seed, spec.n, count, ushape, spec.dtype)
+        if out is not None:
+            result = SECOND_RESULT[kind]
+            axes = (*[f"output{i}" for i in range(len(out_shape))],
+                    *([f"unknown{i}" for i in range(len(ushape))] if kind == "diagonal" else []),
+                    "estimate")
+            return second_to_store(
+                model, TangentSpec.of(spec, probes), name, store=as_store(out), name=result,
+                describe_options={"mode": f"{kind} ({estimator}, samples={samples}, "
+                                          f"seed={seed}, {order})",
+                                  "chunk_size": chunk_size, "max_memory": max_memory,
+                                  "backend_options": backend_options or {},
+                                  "nan_policy": nan_policy},
+                bind=lambda: bound,
+                plan=lambda _: {"order": order, "chunk_size": rows,
+                                "chunks": -(-spec.n // rows) if spec.n else 0, "rows": spec.n,
+                                "reason": reason},
+                kernel=lambda b, p: Paired(kernel, result), with_outputs=return_outputs,
+                with_jacobian=False, explain=explain, progress=progress,
+                result=lambda _: ((*shape, 2), axes))
         if explain:
-            print(f"batchjac: {kind} by {estimator}: {samples} products an instance, "
-                  f"Hessian-vector products in {order} ({why}); chunks of {rows} rows, each "
-                  f"row pushed along up to {widest} directions at once", file=sys.stderr)
-        y, value, stderr = run_estimate(kernel, spec, Probes(seed, spec.n, count, ushape,
-                                                             spec.dtype),
+            print(f"batchjac: {reason}", file=sys.stderr)
+        y, value, stderr = run_estimate(kernel, spec, probes,
                                         out_shape if return_outputs else None)
     except BatchJacError as e:
         raise add_context(e, context(spec, name)) from e

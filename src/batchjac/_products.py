@@ -25,6 +25,7 @@ from ._estimators import (
     WORKING_SET,
     EstimateKernel,
     Estimator,
+    Paired,
     Probes,
     TraceEstimate,
     check as check_estimator,
@@ -303,8 +304,8 @@ def _divergence_to_store(model: Any, bound: Any, spec: BatchSpec, backend: str, 
         reason = f"divergence by {how}: {samples} products an instance, chunks of {block} rows"
 
         def make(b: Any, p: dict[str, Any]) -> Any:
-            return _Paired(EstimateKernel(_pushed(b, k), p["chunk_size"], how, samples, (), False,
-                                          return_outputs))
+            return Paired(EstimateKernel(_pushed(b, k), p["chunk_size"], how, samples, (), False,
+                                         return_outputs), "divergences")
 
         per_row = ((2,), ("estimate",))
         what = f"{how}, samples={samples}, seed={seed}"
@@ -332,19 +333,6 @@ class _TraceKernel:
         out = results(self.kernel(u, ctx))
         jac = np.asarray(out.pop("jacobians")).reshape(-1, self.k, self.k)
         return {**out, "divergences": np.einsum("njj->n", jac)}
-
-
-class _Paired:
-    """An estimate's chunk as one stored array: ``"divergences"`` ``(rows, 2)``, the value and
-    its standard error."""
-
-    def __init__(self, kernel: EstimateKernel) -> None:
-        self.kernel, self.chunk_size = kernel, kernel.chunk_size
-
-    def __call__(self, u: Any, ctx: tuple[Any, ...]) -> dict[str, np.ndarray]:
-        out = self.kernel(u, ctx)
-        pair = np.stack([out.pop("estimates"), out.pop("stderrs")], -1).astype(u.dtype)
-        return {**out, "divergences": pair}
 
 
 def _pushed(bound: Any, k: int) -> Any:
