@@ -287,8 +287,8 @@ def _refuse_with_estimator(kind: str, estimator: str, asked: dict[str, Any]) -> 
         names = ", ".join(f"{name}=" for name in asked)
         raise InputError(f"With estimator={estimator!r}, {names} is not offered: an estimate "
                          f"is computed in memory or into a store path (out='lap.zarr'), "
-                         f"outside the framework's graph, without the Jacobians. Drop {names}, or compute the exact result "
-                         f"(estimator=None).")
+                         f"outside the framework's graph, without the Jacobians. Drop "
+                         f"{names}, or compute the exact result (estimator=None).")
 
 
 def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, estimator: str,
