@@ -86,3 +86,29 @@ def test_help_lists_the_command() -> None:
     result = invoke("hessian", "-h")
     for option in ("--diagonal", "--laplacian", "--with-jacobian", "--mode", "--out"):
         assert option in result.output
+
+
+@pytest.mark.parametrize(("flag", "estimator", "name", "shape"), [
+    ("--laplacian", "hutch++", "laplacians", (N, 4, 2)),
+    ("--diagonal", "hutchinson", "diagonals", (N, 4, 5, 2))])
+def test_hessian_command_estimates(folder: Path, tmp_path: Path, flag: str, estimator: str,
+                                   name: str, shape: tuple[int, ...]) -> None:
+    """--estimator: the store holds each estimate and its standard error, as the API's."""
+    import zarr
+
+    out = tmp_path / "e.zarr"
+    result = invoke("hessian", folder / "seed.keras", "-i", folder / "u.npy", "-k",
+                    folder / "k.npy", "-o", out, flag, "--estimator", estimator, "--samples", 6,
+                    "--seed", 2, "--json")
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    assert tuple(json.loads(result.stdout)["shape"]) == shape
+    stored = zarr.open_group(str(out), mode="r")[name][:]
+    u, k = np.load(folder / "u.npy"), np.load(folder / "k.npy")
+    want = batchjac.hessian(seed_model("tensorflow"), u, k, estimator=estimator, samples=6,
+                            seed=2, diagonal=flag == "--diagonal", laplacian=flag == "--laplacian")
+    np.testing.assert_allclose(stored[..., 0], want.value, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stored[..., 1], want.stderr, rtol=1e-5, atol=1e-6)
+    bad = invoke("hessian", folder / "seed.keras", "-i", folder / "u.npy", "-k",
+                 folder / "k.npy", "-o", tmp_path / "f.zarr", "--estimator", "hutchinson")
+    assert bad.exit_code == 4, (bad.stderr, bad.exception)
+    assert "pass laplacian=True" in bad.stderr

@@ -49,6 +49,14 @@ if TYPE_CHECKING:
               help="Only the diagonal of each Hessian, (N, *outputs, *unknowns).")
 @click.option("--laplacian", is_flag=True,
               help="Only the Laplacian (trace over the unknowns), (N, *outputs).")
+@click.option("--estimator", type=click.Choice(["hutchinson", "hutch++"]),
+              help="With --laplacian or --diagonal: estimate it from Hessian-vector products "
+                   "(hutch++: the Laplacian only); the store holds (..., 2), each estimate and "
+                   "its standard error.")
+@click.option("--samples", type=click.IntRange(min=2), default=16, show_default=True,
+              help="Products an instance, with --estimator (hutch++: at least 4).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the probes, with --estimator.")
 @click.option("--with-outputs", is_flag=True, help="Store the model's outputs beside them.")
 @click.option("--with-jacobian", is_flag=True, help="Store the Jacobians of the same pass.")
 @click.option("--mode", type=click.Choice(["auto", "forward-over-reverse", "forward-over-forward"]),
@@ -66,14 +74,16 @@ if TYPE_CHECKING:
 @explain_option("the chosen order and chunk size")
 @guard("hessian", interrupted="finished chunks are kept: run the same command again to continue.")
 def hessian(model: str, inputs: str, known: str | None, wrt: str | None, out: str,
-            diagonal: bool, laplacian: bool, with_outputs: bool, with_jacobian: bool,
+            diagonal: bool, laplacian: bool, estimator: str | None, samples: int, seed: int,
+            with_outputs: bool, with_jacobian: bool,
             mode: OrderArg, chunk_size: int | None, max_memory: str | None,
             backend: str | None, dtype: str | None, trust_model: bool, nan_policy: NanPolicy,
             overwrite: bool, quiet: bool, as_json: bool, explain: bool) -> None:
     """Hessians of MODEL over the rows of --inputs, written to --out chunk by chunk.
 
     --diagonal or --laplacian store only that reduction, computed without the full k x k
-    Hessian per output. If the run stops, the same command continues from the finished chunks.
+    Hessian per output, or estimated with --estimator. If the run stops, the same command
+    continues from the finished chunks.
     """
     from .._errors import InputError
     from .._hessian import hessian as compute_hessian
@@ -93,7 +103,8 @@ def hessian(model: str, inputs: str, known: str | None, wrt: str | None, out: st
             loaded.model, *args, wrt=columns, diagonal=diagonal, laplacian=laplacian,
             mode=mode, chunk_size=chunk_size, max_memory=max_memory, dtype=dtype,
             return_outputs=with_outputs, return_jacobian=with_jacobian, nan_policy=nan_policy,
-            out=store, explain=explain, progress=not quiet, backend=backend_of(backend, loaded))
+            out=store, explain=explain, progress=not quiet, backend=backend_of(backend, loaded),
+            estimator=estimator, samples=samples, seed=seed)  # type: ignore[arg-type]
     summary = result.summary()
     if as_json:
         summary["output"] = summary.pop("path")
