@@ -469,5 +469,20 @@ def test_products_on_the_cluster_split_the_inputs_and_directions_alike(client: A
                                rtol=1e-10, atol=1e-12)
     div = batchjac.divergence(f, x, client=client, rows_per_task=100)
     np.testing.assert_allclose(div, np.trace(jac, axis1=1, axis2=2), rtol=1e-10, atol=1e-12)
-    with pytest.raises(batchjac.InputError, match="not offered on Dask yet"):
-        batchjac.divergence(f, x, client=client, estimator="hutchinson")
+    # the estimates on Dask: each block draws its own instances' probes, so they equal the
+    # local call's, whatever the blocks; numpy in, and Dask arrays in (lazy value and stderr)
+    for estimator in ("hutchinson", "hutch++"):
+        here = batchjac.divergence(f, x, estimator=estimator, samples=6, seed=3)
+        there = batchjac.divergence(f, x, client=client, rows_per_task=70, estimator=estimator,
+                                    samples=6, seed=3)
+        assert isinstance(there, batchjac.TraceEstimate)
+        np.testing.assert_allclose(there.value, here.value, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(there.stderr, here.stderr, rtol=1e-10, atol=1e-12)
+    y, lazy_est = batchjac.divergence(f, da.from_array(x, chunks=(110, 4)), client=client,
+                                      estimator="hutchinson", samples=6, seed=3,
+                                      return_outputs=True)
+    assert isinstance(lazy_est.value, da.Array)
+    np.testing.assert_allclose(client.compute(lazy_est.value, sync=True),
+                               batchjac.divergence(f, x, estimator="hutchinson", samples=6,
+                                                   seed=3).value, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(client.compute(y, sync=True), np.sin(x @ a.T), rtol=1e-12)

@@ -221,3 +221,26 @@ def test_estimates_into_a_store_resume_byte_identical(tmp_path: Any, kind: str,
     assert np.array_equal(got[..., 1], np.asarray(want.stderr))
     with pytest.raises(batchjac.StoreError):
         batchjac.hessian(f, x, out=store, **{**kw, "seed": 7})
+
+
+def test_hutchpp_does_not_depend_on_rounding_where_its_sketch_is_degenerate() -> None:
+    """Two sketch probes equal up to sign leave A S of rank 1: the second column of Q would
+    be decided by rounding alone (it was: the same call gave other estimates on a Dask worker).
+    It is dropped, so products that differ by rounding give the same estimate, and it equals
+    the estimate with the duplicate probe removed from the sketch."""
+    from batchjac._estimators import hutchpp
+
+    g = rng(3908)
+    a = g.normal(size=(30, 5, 5))
+    v = np.sign(g.normal(size=(30, 5, 5)))
+    v[:, 1] = -v[:, 0]  # a degenerate sketch in every row
+
+    def apply(u: Any, ctx: Any, d: np.ndarray, noise: float = 0.0) -> Any:
+        out = np.einsum("rij,rdj->rdi", a, d)[:, :, None, :]
+        return None, out + noise * g.normal(size=out.shape)
+
+    _, clean = hutchpp(apply, None, (), v, 2)
+    _, noisy = hutchpp(lambda u, c, d: apply(u, c, d, 1e-13), None, (), v, 2)
+    np.testing.assert_allclose(noisy, clean, rtol=1e-9, atol=1e-9)
+    _, single = hutchpp(apply, None, (), v[:, [0, 2, 3, 4]], 1)  # the sketch without the duplicate
+    np.testing.assert_allclose(clean, single, rtol=1e-9, atol=1e-9)

@@ -85,6 +85,11 @@ def _flatten(inputs: tuple[Any, ...]) -> tuple[str, list[Any], tuple[str, ...] |
     return "single", [x], None
 
 
+def row_count(inputs: tuple[Any, ...]) -> int:
+    """The instances of the inputs (their first array's rows)."""
+    return int(_flatten(inputs)[1][0].shape[0])
+
+
 def _pack(form: str, keys: tuple[str, ...] | None, blocks: Sequence[Any]) -> tuple[Any, ...]:
     if form == "pair":
         return tuple(blocks)

@@ -95,16 +95,18 @@ def sketch(samples: int) -> int:
 
 class Probes:
     """The probes of ``n`` instances, ``(n, count, *shape)``, made when rows of them are read
-    (``probes[lo:hi]``, as a chunk reads its tangents): :func:`rademacher`."""
+    (``probes[lo:hi]``, as a chunk reads its tangents): :func:`rademacher`; ``first``: the
+    index of the first instance among all (a Dask block's offset)."""
 
     def __init__(self, seed: int, n: int, count: int, shape: tuple[int, ...],
-                 dtype: np.dtype) -> None:
-        self.seed, self.count, self.dtype = seed, count, dtype
+                 dtype: np.dtype, first: int = 0) -> None:
+        self.seed, self.count, self.dtype, self.first = seed, count, dtype, first
         self.shape = (n, count, *shape)
 
     def __getitem__(self, rows: slice) -> np.ndarray:
         lo, hi, _ = rows.indices(self.shape[0])
-        return rademacher(self.seed, lo, hi, self.count, self.shape[2:], self.dtype)
+        return rademacher(self.seed, self.first + lo, self.first + hi, self.count,
+                          self.shape[2:], self.dtype)
 
 
 def rademacher(seed: int, lo: int, hi: int, count: int, shape: tuple[int, ...],
@@ -180,11 +182,15 @@ def hutchpp(apply: Apply, u: Any, ctx: tuple[Any, ...], v: np.ndarray, width: in
     rest)``: their mean is the estimate, their spread its error."""
     rows, _, k = v.shape
     s, g = v[:, :width], v[:, width:].astype(np.float64)
-    _, a_s = apply(u, ctx, s)
+    _, a_s = apply(u, ctx, np.ascontiguousarray(s))
     m = a_s.shape[2]
     # Q_o: an orthonormal basis of range(A_o S), (rows, m, k, width') with width' = min(width, k)
-    q, _ = np.linalg.qr(np.moveaxis(np.asarray(a_s, np.float64), 1, -1))
-    q = np.moveaxis(q, -1, 2)  # (rows, m, width', k)
+    q, r = np.linalg.qr(np.moveaxis(np.asarray(a_s, np.float64), 1, -1))
+    # a sketch of lower rank (two probes equal up to sign, a singular A_o) leaves columns of Q
+    # that rounding alone decides: they are dropped, so the estimate is the same on any machine
+    size = np.abs(np.diagonal(r, axis1=-2, axis2=-1))  # (rows, m, width')
+    tol = 1000 * np.finfo(v.dtype).eps * size.max(-1, keepdims=True)
+    q = np.moveaxis(q * (size > tol)[..., None, :], -1, 2)  # (rows, m, width', k)
     # the residual's probes, each projected off Q_o: (rows, m, rest, k)
     pg = g[:, None] - np.einsum("rmwk,rmsw->rmsk", q, np.einsum("rsk,rmwk->rmsw", g, q))
     directions = np.concatenate([q, pg], axis=2)  # (rows, m, d, k)

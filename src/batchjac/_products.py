@@ -87,7 +87,7 @@ def divergence(model: Any, *inputs: Any, wrt: Any = None, estimator: Estimator |
     third sketch ``J_i``'s range, whose part of the trace is then exact, Hutchinson's on the
     rest: far closer where a few directions dominate ``J_i``). Either returns a
     :class:`TraceEstimate` with the per-instance standard error (:mod:`batchjac._estimators`).
-    Other arguments as for :func:`jvp` (no Dask for the estimators). ``out=`` a store path
+    Other arguments as for :func:`jvp`; on Dask, each block's probes are its instances'. ``out=`` a store path
     (``"div.zarr"``, ``.h5``, ``.npy``) or :class:`batchjac.Store`: written chunk by chunk and
     resumed as :func:`jvp`'s; the result ``"divergences"`` is ``(N,)``, or ``(N, 2)`` for an
     estimate (each value and its standard error)."""
@@ -118,9 +118,6 @@ def _verb(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, wrt: Any
     if client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in (*inputs, *extra)) and
             uses_dask((*inputs, *extra))):
-        if estimator[0] is not None:
-            raise InputError("divergence(estimator=...) is not offered on Dask yet: compute "
-                             "it locally, or the exact divergence on Dask.")
         from . import _dask
 
         if options.get("out") is not None:
@@ -130,18 +127,42 @@ def _verb(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, wrt: Any
         output = options.pop("output", "auto")
         name = {"jvp": "tangents", "vjp": "cotangents"}.get(kind)
         kw = {"wrt": wrt, "kind": kind, **options}
+        rows_kw = {name: vectors} if name else None
+        if estimator[0] is not None:  # each block's probes drawn for its own instances
+            kw["estimator"] = estimator
+            rows_kw = {"instances": np.arange(_dask.row_count(inputs))}
         with _dask.client_for(client, scheduler) as own:
-            return _dask.run(_task, model, inputs, client=own, rows_per_task=rows_per_task,
-                             out=None, kw=kw, output=output,
-                             rows_kw={name: vectors} if name else None)
+            found = _dask.run(_task, model, inputs, client=own, rows_per_task=rows_per_task,
+                              out=None, kw=kw, output=output, rows_kw=rows_kw)
+        if estimator[0] is None:
+            return found
+        return estimate_of(found, estimator, options.get("return_outputs", False))
     return _local(kind, model, inputs, vectors, wrt=wrt, estimator=estimator, **options)
 
 
 def _task(model: Any, *inputs: Any, kind: str, tangents: Any = None, cotangents: Any = None,
-          **options: Any) -> Any:
-    """One Dask task: its block of rows (and of the vectors), computed locally."""
+          instances: Any = None, **options: Any) -> Any:
+    """One Dask task: its block of rows (and of the vectors), computed locally; an estimate's
+    as one array, ``(rows, 2)`` (value and standard error), its probes those of the block's
+    ``instances``."""
     vectors = tangents if kind == "jvp" else cotangents
-    return _local(kind, model, inputs, vectors, **options)
+    if instances is None:
+        return _local(kind, model, inputs, vectors, **options)
+    first = int(instances[0]) if len(instances) else 0
+    found = _local(kind, model, inputs, vectors, first_row=first, **options)
+    y, est = found if options.get("return_outputs") else (None, found)
+    pair = np.stack([np.asarray(est.value), np.asarray(est.stderr)], -1)
+    return pair if y is None else (y, pair)
+
+
+def estimate_of(found: Any, estimator: tuple[str | None, int, int], with_outputs: bool) -> Any:
+    """The :class:`TraceEstimate` of the Dask path's ``(N, 2)`` result (lazy for Dask inputs)."""
+    y, pair = found if with_outputs else (None, found)
+    how, samples, seed = estimator
+    assert how is not None
+    est = TraceEstimate(value=pair[:, 0], stderr=pair[:, 1], samples=samples, estimator=how,
+                        seed=seed)
+    return est if y is None else (y, est)
 
 
 def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt: Any = None,
@@ -150,7 +171,7 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
            nan_policy: NanPolicy = "raise", backend: str | None = None,
            backend_options: dict[str, Any] | None = None, output: OutputArg = "auto",
            out: Any = None, progress: bool | Any = False,
-           estimator: tuple[str | None, int, int] = (None, 0, 0)) -> Any:
+           estimator: tuple[str | None, int, int] = (None, 0, 0), first_row: int = 0) -> Any:
     model = as_model(model)
     if not isinstance(return_outputs, bool):
         raise InputError(f"`return_outputs` must be True or False; got {return_outputs!r}.")
@@ -176,7 +197,8 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
                                             chunk_size=chunk_size, max_memory=max_memory,
                                             return_outputs=return_outputs, nan_policy=nan_policy,
                                             options=backend_options or {}, progress=progress)
-            found = _divergence(bound, spec, estimator, chunk_size, max_memory, return_outputs)
+            found = _divergence(bound, spec, estimator, chunk_size, max_memory, return_outputs,
+                                first_row)
             y, div = found if return_outputs else (None, found)
             if isinstance(div, TraceEstimate):  # (its arrays in the inputs' kind)
                 div.value, div.stderr = deliver((div.value, div.stderr), delivery)
@@ -389,7 +411,7 @@ def _block_rows(spec: BatchSpec, m: int, d: int, chunk_size: int | None,
 
 def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, int],
                 chunk_size: int | None, max_memory: int | str | None,
-                with_outputs: bool) -> Any:
+                with_outputs: bool, first_row: int = 0) -> Any:
     """The trace of each square Jacobian: exact (the Jacobians of a chunk, as
     :func:`batchjac.jacobian` computes them, reduced to their traces: no more than a chunk of
     ``J`` at a time) or Hutchinson's estimate (Rademacher probes pushed forward)."""
@@ -414,7 +436,8 @@ def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, i
     block = min(_block_rows(spec, output_size(bound), count, chunk_size, max_memory),
                 max(spec.n, 1))
     kernel = EstimateKernel(_pushed(bound, k), block, how, samples, (), False, with_outputs)
-    y, value, stderr = run_estimate(kernel, spec, Probes(seed, spec.n, count, shape, spec.dtype),
+    y, value, stderr = run_estimate(kernel, spec, Probes(seed, spec.n, count, shape, spec.dtype,
+                                                         first_row),
                                     tuple(bound.output_shape) if with_outputs else None)
     estimate = TraceEstimate(value=value, stderr=stderr, samples=samples, estimator=how,
                              seed=seed)
