@@ -486,3 +486,11 @@ def test_products_on_the_cluster_split_the_inputs_and_directions_alike(client: A
                                batchjac.divergence(f, x, estimator="hutchinson", samples=6,
                                                    seed=3).value, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(client.compute(y, sync=True), np.sin(x @ a.T), rtol=1e-12)
+    # the Laplacian's and the diagonal's estimates likewise
+    for kw in ({"laplacian": True, "estimator": "hutch++"},
+               {"diagonal": True, "estimator": "hutchinson"}):
+        here = batchjac.hessian(f, x, samples=6, seed=5, **kw)
+        there = batchjac.hessian(f, x, samples=6, seed=5, client=client, rows_per_task=80, **kw)
+        assert np.asarray(there.value).shape == np.asarray(here.value).shape
+        np.testing.assert_allclose(there.value, here.value, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(there.stderr, here.stderr, rtol=1e-9, atol=1e-12)

@@ -131,8 +131,9 @@ def hessian(
     :class:`batchjac.TraceEstimate` or :class:`batchjac.DiagonalEstimate` (``value`` and a
     per-instance ``stderr``), or ``(outputs, estimate)`` with ``return_outputs``; or, with
     ``out=`` a store path or :class:`batchjac.Store`, the estimates written chunk by chunk as
-    ``(N, *shape, 2)`` (value and standard error), resumably; not on Dask
-    (:mod:`batchjac._estimators`).
+    ``(N, *shape, 2)`` (value and standard error), resumably; on Dask (``client=``, Dask
+    arrays) each block draws its own instances' probes: the same estimates as a local call, in
+    memory (:mod:`batchjac._estimators`).
 
     ``differentiable=True`` (here, in :func:`laplacian` and in :func:`hvp`): the result inside
     the framework's graph, as :func:`batchjac.jacobian`'s (a physics-informed loss on the
@@ -153,14 +154,32 @@ def hessian(
                          "(the Laplacian is the sum of the diagonal over the unknowns).")
     kind: SecondKindArg = "laplacian" if laplacian else "diagonal" if diagonal else "hessian"
     if estimator is not None:  # randomized, from Hessian-vector products
-        asked = {"out": out if out is not None and not is_store_target(out) else None,
-                 "client": client, "scheduler": scheduler, "differentiable": differentiable,
-                 "return_jacobian": return_jacobian, "rows_per_task": rows_per_task}
+        on_dask = client is not None or scheduler is not None or (
+            any(type(a) is not np.ndarray for a in inputs) and uses_dask(inputs))
+        asked = {"out": out if out is not None and (on_dask or not is_store_target(out))
+                 else None, "differentiable": differentiable, "return_jacobian": return_jacobian}
         _refuse_with_estimator(kind, estimator, {n: v for n, v in asked.items()
                                                  if v is not None and v is not False})
         check_estimator(estimator, samples, seed,
                         ESTIMATORS if kind == "laplacian" else ("hutchinson",),
                         "laplacian" if laplacian else "hessian")
+        if on_dask:  # each block's probes drawn for its own instances
+            from . import _dask
+
+            kw = {"kind": kind, "estimator": estimator, "samples": int(samples),
+                  "seed": int(seed), "wrt": wrt, "mode": mode, "chunk_size": chunk_size,
+                  "max_memory": max_memory, "dtype": dtype, "return_outputs": return_outputs,
+                  "nan_policy": nan_policy, "backend": backend,
+                  "backend_options": backend_options}
+            with _dask.client_for(client, scheduler) as own:
+                found = _dask.run(_estimate_task, model, inputs, client=own,
+                                  rows_per_task=rows_per_task, out=None, kw=kw, output=output,
+                                  rows_kw={"instances": np.arange(_dask.row_count(inputs))})
+            y, pair = found if return_outputs else (None, found)
+            cls = DiagonalEstimate if kind == "diagonal" else TraceEstimate
+            est = cls(value=pair[..., 0], stderr=pair[..., 1], samples=int(samples),
+                      estimator=estimator, seed=int(seed))
+            return est if y is None else (y, est)
         return _estimated(model, inputs, kind, estimator=estimator, samples=int(samples),
                           seed=int(seed), wrt=wrt, mode=mode, chunk_size=chunk_size,
                           max_memory=max_memory, dtype=dtype, return_outputs=return_outputs,
@@ -296,7 +315,8 @@ def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, esti
                max_memory: int | str | None, dtype: DTypeLike, return_outputs: bool,
                nan_policy: NanPolicy, backend: BackendName | None,
                backend_options: dict[str, Any] | None, output: OutputArg, explain: bool,
-               out: Any = None, progress: bool | Callable[[int], None] = False) -> Any:
+               out: Any = None, progress: bool | Callable[[int], None] = False,
+               first_row: int = 0) -> Any:
     """The Laplacian or the Hessian's diagonal estimated from Hessian-vector products
     (:mod:`batchjac._estimators`): each chunk's rows repeated once per direction into the
     ``hvp`` kernel, of the order :func:`hvp` takes; in memory, or into a store (``out``) as
@@ -337,7 +357,7 @@ def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, esti
         reason = (f"{kind} by {estimator}: {samples} products an instance, Hessian-vector "
                   f"products in {order} ({why}); chunks of {rows} rows, each row pushed along "
                   f"up to {widest} directions at once")
-        probes = Probes(seed, spec.n, count, ushape, spec.dtype)
+        probes = Probes(seed, spec.n, count, ushape, spec.dtype, first_row)
         if out is not None:
             result = SECOND_RESULT[kind]
             axes = (*[f"output{i}" for i in range(len(out_shape))],
@@ -367,6 +387,19 @@ def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, esti
     value, stderr = deliver((value, stderr), delivery)
     found = cls(value=value, stderr=stderr, samples=samples, estimator=estimator, seed=seed)
     return (deliver(y, delivery), found) if return_outputs else found
+
+
+def _estimate_task(model: Any, *inputs: Any, kind: SecondKindArg, instances: Any,
+                   **options: Any) -> Any:
+    """One Dask task of an estimated Laplacian or diagonal: its block's estimates as one array,
+    ``(rows, *shape, 2)`` (value and standard error), its probes those of the block's
+    ``instances``."""
+    first = int(instances[0]) if len(instances) else 0
+    found = _estimated(model, inputs, kind, first_row=first, output="numpy", explain=False,
+                       **options)
+    y, est = found if options.get("return_outputs") else (None, found)
+    pair = np.stack([np.asarray(est.value), np.asarray(est.stderr)], -1)
+    return pair if y is None else (y, pair)
 
 
 def second_order(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, wrt: Any = None,
