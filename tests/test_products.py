@@ -279,3 +279,38 @@ def test_the_divergence_into_a_store_resumes_byte_identical(tmp_path: Any, estim
         assert np.array_equal(got[:, 1], np.asarray(want.stderr))
         with pytest.raises(batchjac.StoreError):
             batchjac.divergence(f, x, out=store, chunk_size=16, **{**kw, "seed": 5})
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_many_directions_go_through_the_jacobians_with_the_same_products(framework: str) -> None:
+    """Directions that outnumber min(k, m) FORM_J times: each chunk's Jacobians are formed (in
+    the cheaper mode) and multiplied; the products equal the float64 closed form's, as the
+    direct ones do, in memory and into a store."""
+    from batchjac._products import FORM_J, via_jacobian
+
+    f, ws = _mlp(framework, (6, 12, 3), seed=3841)
+    g = rng(3842)
+    x = g.normal(size=(30, 6)).astype(np.float32)
+    d = FORM_J * 3
+    assert via_jacobian("vjp", d, 6, 3) == "reverse"
+    assert via_jacobian("jvp", d, 6, 3) == "reverse"
+    assert via_jacobian("jvp", d - 1, 6, 3) is None
+    jac = _jacobians(ws, x)
+    v = g.normal(size=(30, d, 6)).astype(np.float32)
+    c = g.normal(size=(30, d, 3)).astype(np.float32)
+    _close(batchjac.jvp(f, x, tangents=v, chunk_size=16), np.einsum("nmk,ndk->ndm", jac, v))
+    _close(batchjac.vjp(f, x, cotangents=c, chunk_size=16), np.einsum("nmk,ndm->ndk", jac, c))
+    few = v[:, :2]  # (directly: below the line)
+    _close(batchjac.jvp(f, x, tangents=few), np.einsum("nmk,ndk->ndm", jac, few))
+
+
+def test_many_directions_into_a_store_record_the_route(tmp_path: Any) -> None:
+    pytest.importorskip("zarr")
+    f, ws = _mlp("jax", (6, 12, 3), seed=3843)
+    g = rng(3844)
+    x = g.normal(size=(30, 6)).astype(np.float32)
+    c = g.normal(size=(30, 12, 3)).astype(np.float32)
+    res = batchjac.vjp(f, x, cotangents=c, out=str(tmp_path / "v.zarr"), chunk_size=16)
+    assert res.mode == "reverse"
+    _close(np.asarray(res.open()), batchjac.vjp(f, x, cotangents=c, chunk_size=16), 1e-6)
+    _close(np.asarray(res.open()), np.einsum("nmk,ndm->ndk", _jacobians(ws, x), c))

@@ -13,6 +13,7 @@ in its ``products`` module (:meth:`batchjac._backends.BoundModel.product`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import numpy as np
@@ -44,6 +45,9 @@ Kind = Literal["jvp", "vjp"]
 #: most rows one block of a product call gets (fixed per call: one trace per shapes)
 MAX_BLOCK = 16384
 MIN_BLOCK = 16
+#: directions a row at which the products go through each chunk's Jacobians: ``d`` passes
+#: against ``min(k, m)`` passes and a product per row (docs/thresholds.md)
+FORM_J = 3
 
 
 def jvp(model: Any, *inputs: Any, tangents: Any, wrt: Any = None, **options: Any) -> Any:
@@ -52,7 +56,9 @@ def jvp(model: Any, *inputs: Any, tangents: Any, wrt: Any = None, **options: Any
     ``inputs`` as for :func:`batchjac.jacobian` (``x``; ``unknown, known``; a dict with
     ``wrt``). ``tangents``: ``(N, *unknown_shape)``, one direction per instance, giving
     ``(N, *output_shape)``; or ``(N, d, *unknown_shape)``, ``d`` directions per instance, giving
-    ``(N, d, *output_shape)``. One forward-mode pass per direction.
+    ``(N, d, *output_shape)``. One forward-mode pass per direction; where the directions
+    outnumber ``min(k, m)`` three times, each chunk's Jacobians are formed instead (``min(k,
+    m)`` passes) and multiplied by them.
 
     Options: ``dtype``, ``chunk_size`` (rows per block), ``max_memory``, ``return_outputs``
     (then ``(y, Jv)``), ``nan_policy``, ``backend``, ``backend_options``, ``output``, ``out``
@@ -211,8 +217,10 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
         d = v.shape[1]
         result_shape = (*(() if single else (d,)), *(out_shape if kind == "jvp" else ushape))
         with_v = TangentSpec.of(spec, v)
-        block = min(_block_rows(spec, output_size(bound), d, chunk_size, max_memory),
-                    max(spec.n, 1))
+        m = output_size(bound)
+        mode = via_jacobian(kind, d, spec.k, m)
+        block = min(_block_rows(spec, m, d, chunk_size, max_memory,
+                                None if mode is None else min(spec.k, m)), max(spec.n, 1))
         result = RESULT[kind]
         if out is not None:
             return _to_store(model, bound, with_v, name, kind, out, block, single,
@@ -222,7 +230,7 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
         targets = {result: np.empty((spec.n, *result_shape), spec.dtype)}
         if return_outputs:
             targets["outputs"] = np.empty((spec.n, *out_shape), spec.dtype)
-        run_chunks(_ProductKernel(bound, kind, block, single, return_outputs), with_v,
+        run_chunks(_ProductKernel(bound, kind, block, single, return_outputs, mode), with_v,
                    ArraySink(targets))
     except BatchJacError as e:
         raise add_context(e, context(spec, name)) from e
@@ -234,22 +242,53 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
 RESULT = {"jvp": "jvps", "vjp": "vjps"}
 
 
+def via_jacobian(kind: str, d: int, k: int, m: int) -> str | None:
+    """The mode that forms each chunk's Jacobians where that is cheaper than pushing the ``d``
+    directions one by one: ``min(k, m)`` passes and a product per row against ``d`` passes,
+    once the directions outnumber those passes ``FORM_J`` times; else None (the products)."""
+    if d < FORM_J * min(k, m):
+        return None
+    return "reverse" if m < k else "forward"
+
+
 class _ProductKernel:
     """A product over chunks of ``chunk_size`` rows, as the runner calls a kernel: the
-    directions come last among the chunk's arrays (:class:`batchjac._spec.TangentSpec`)."""
+    directions come last among the chunk's arrays (:class:`batchjac._spec.TangentSpec`).
+    With ``mode`` (:func:`via_jacobian`), the chunk's Jacobians are formed in that mode (the
+    backend's first build: the same bytes in every run) and multiplied by the directions."""
 
     def __init__(self, bound: Any, kind: str, chunk_size: int, single: bool,
-                 with_outputs: bool) -> None:
+                 with_outputs: bool, mode: str | None = None) -> None:
         self.bound, self.kind, self.chunk_size = bound, kind, chunk_size
-        self.single, self.with_outputs = single, with_outputs
+        self.single, self.with_outputs, self.mode = single, with_outputs, mode
 
     def __call__(self, u: Any, ctx: tuple[Any, ...]) -> dict[str, np.ndarray]:
         *model_ctx, t = ctx
-        y, p = self.bound.product(self.kind, u, tuple(model_ctx), np.ascontiguousarray(t))
+        if self.mode is None:
+            y, p = self.bound.product(self.kind, u, tuple(model_ctx), np.ascontiguousarray(t))
+        else:
+            y, p = self._via_jacobian(u, tuple(model_ctx), np.asarray(t))
         out = {RESULT[self.kind]: p[:, 0] if self.single else p}
         if self.with_outputs:
             out["outputs"] = y
         return out
+
+    def _via_jacobian(self, u: Any, ctx: tuple[Any, ...], t: np.ndarray) -> tuple[Any, Any]:
+        from ._backends import FIRST_VARIANT
+
+        assert self.mode is not None
+        kernel = self.bound.kernel(self.mode, self.chunk_size, self.with_outputs,
+                                   variant=FIRST_VARIANT)
+        found = results(kernel(u, ctx))
+        rows, d = t.shape[:2]
+        out_shape, ushape = tuple(self.bound.output_shape), tuple(u.shape[1:])
+        jac = np.asarray(found["jacobians"]).reshape(rows, math.prod(out_shape), -1)
+        flat = t.reshape(rows, d, -1)
+        if self.kind == "jvp":
+            p = np.einsum("nmk,ndk->ndm", jac, flat).reshape(rows, d, *out_shape)
+        else:
+            p = np.einsum("nmk,ndm->ndk", jac, flat).reshape(rows, d, *ushape)
+        return found.get("outputs"), p.astype(t.dtype, copy=False)
 
 
 def _to_store(model: Any, bound: Any, spec: BatchSpec, backend: str, kind: str, out: Any,
@@ -269,10 +308,14 @@ def _to_store(model: Any, bound: Any, spec: BatchSpec, backend: str, kind: str, 
     axes = (*(() if single else ("direction",)),
             *[f"{named}{i}" for i in range(len(result_shape) - (0 if single else 1))])
 
+    d = 1 if single else result_shape[0]
+    via = via_jacobian(kind, d, spec.k, output_size(bound))
+
     def plan(_: Any) -> dict[str, Any]:
-        return {"order": "forward" if kind == "jvp" else "reverse", "chunk_size": block,
-                "chunks": -(-spec.n // block) if spec.n else 0, "rows": spec.n,
-                "reason": f"{kind}: chunks of {block} rows"}
+        how = "" if via is None else f", each chunk's Jacobians formed in {via} mode"
+        return {"order": via or ("forward" if kind == "jvp" else "reverse"), "chunk_size": block,
+                "chunks": -(-spec.n // block) if spec.n else 0, "rows": spec.n, "via": via,
+                "reason": f"{kind}: chunks of {block} rows{how}"}
 
     return second_to_store(
         model, spec, backend, store=as_store(out), name=RESULT[kind],
@@ -397,7 +440,7 @@ def _vectors(vectors: Any, name: str, spec: BatchSpec, shape: tuple[int, ...],
 
 
 def _block_rows(spec: BatchSpec, m: int, d: int, chunk_size: int | None,
-                max_memory: int | str | None) -> int:
+                max_memory: int | str | None, passes: int | None = None) -> int:
     """Rows per block: ``chunk_size``, else what half the memory budget, at most
     :data:`batchjac._estimators.WORKING_SET`, holds at the product's bytes a row: inputs and
     outputs, and per direction its tangent, its result and the activations it carries (a few
@@ -405,7 +448,8 @@ def _block_rows(spec: BatchSpec, m: int, d: int, chunk_size: int | None,
     if chunk_size is not None:
         return int(chunk_size)
     item = spec.dtype.itemsize
-    per_row = 2 * item * ((1 + d) * 4 * (in_elems(spec) + m) + 2 * d * (spec.k + m))
+    passes = d if passes is None else passes  # (through the Jacobians: min(k, m) passes)
+    per_row = 2 * item * ((1 + passes) * 4 * (in_elems(spec) + m) + 2 * d * (spec.k + m))
     return int(min(MAX_BLOCK, max(MIN_BLOCK, min(budget(max_memory) // 2, WORKING_SET) // per_row)))
 
 
