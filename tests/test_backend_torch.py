@@ -952,7 +952,11 @@ def test_a_remembered_vmap_build_waits_until_the_work_repays_loading_torch_dynam
 
 def test_the_replicated_first_build_is_raced_once_the_work_repays_it() -> None:
     """The untimed replicated first build is not the last word: retune times it against
-    torch.func's vmap, and either is right."""
+    torch.func's vmap, and either is right. (torch.func's builds are contenders once
+    torch._dynamo is loaded: imported here, so the test does not depend on an earlier test
+    having loaded it; without it the plain-autograd kernel has nothing to race.)"""
+    import torch._dynamo  # noqa: F401
+
     from batchjac._backends.torch import TorchKernel
 
     model = _smooth_module(torch.float64)
