@@ -955,7 +955,7 @@ def test_the_replicated_first_build_is_raced_once_the_work_repays_it() -> None:
     torch.func's vmap, and either is right. (torch.func's builds are contenders once
     torch._dynamo is loaded: imported here, so the test does not depend on an earlier test
     having loaded it; without it the plain-autograd kernel has nothing to race.)"""
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
 
     from batchjac._backends.torch import TorchKernel
 
