@@ -184,8 +184,7 @@ def run_case(backend: str, case: str, impl: str) -> dict[str, Any]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert result is not None
     return {"first_s": times[0], "steady_s": statistics.median(times[1:]),
-            "peak_mb": (peak - before) / 1024, "result": result.astype(np.float64).tolist()
-            if result.size <= 20 else None, "_result": result}
+            "peak_mb": (peak - before) / 1024, "_result": result}
 
 
 def _case(backend: str, case: str, impl: str, tmp: str) -> dict[str, Any]:
@@ -281,7 +280,6 @@ def main(argv: list[str]) -> None:
         backend, case, impl, out = args
         found = run_case(backend, case, impl)
         np.save(out, found.pop("_result"))
-        found.pop("result")
         sys.stdout.write("PRODUCTS-JSON " + json.dumps(found) + "\n")
     elif what == "section":
         res = section(args or None, log=lambda s: print(s, file=sys.stderr))

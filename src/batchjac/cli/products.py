@@ -12,7 +12,8 @@ read whole.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -42,6 +43,41 @@ if TYPE_CHECKING:
     from .._validate import NanPolicy
 
 
+
+def _store_options(verb: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The options every product command shares (what it stores beside the result, chunking,
+    memory, the model's backend and dtype, NaN handling, the store's overwrite, output), and
+    its error guard."""
+    def apply(command: Callable[..., None]) -> Callable[..., None]:
+        for option in reversed((
+                click.option("--with-outputs", is_flag=True,
+                             help="Store the model's outputs beside them."),
+                click.option("--chunk-size", type=click.IntRange(min=1), metavar="ROWS",
+                             help="Rows per chunk (default: from --max-memory)."),
+                max_memory_option, model_options,
+                click.option("--nan-policy", type=click.Choice(["raise", "propagate"]),
+                             default="raise", show_default=True,
+                             help="NaN/Inf inputs: stop with an error, or give NaN results."),
+                overwrite_option, quiet_option, json_option,
+                guard(verb, interrupted="finished chunks are kept: run the same command "
+                                        "again to continue."))):
+            command = option(command)
+        return command
+
+    return apply
+
+
+def _report(res: Any, as_json: bool, quiet: bool) -> None:
+    """The finished store's summary: JSON on stdout with --json, a line on stderr unless
+    --quiet."""
+    summary = res.summary()
+    if as_json:
+        summary["output"] = summary.pop("path")
+        click.echo(json.dumps(summary))
+    if not quiet:
+        click.echo(_describe(res), err=True)
+
+
 def _command(kind: str) -> click.Command:
     option = "--tangents" if kind == "jvp" else "--cotangents"
     what = ("tangents, one row per instance shaped like its unknowns (or (N, d, ...): d "
@@ -57,17 +93,7 @@ def _command(kind: str) -> click.Command:
                   help=f"The {what}: .npy, .npz:key, .csv, .h5:/dataset or .zarr[:array].")
     @click.option("-o", "--out", required=True, metavar="PATH",
                   help="Output store: .zarr, .h5/.hdf5 or .npy (resumed if it is unfinished).")
-    @click.option("--with-outputs", is_flag=True, help="Store the model's outputs beside them.")
-    @click.option("--chunk-size", type=click.IntRange(min=1), metavar="ROWS",
-                  help="Rows per chunk (default: from --max-memory).")
-    @max_memory_option
-    @model_options
-    @click.option("--nan-policy", type=click.Choice(["raise", "propagate"]), default="raise",
-                  show_default=True, help="NaN/Inf inputs: stop with an error, or give NaN results.")
-    @overwrite_option
-    @quiet_option
-    @json_option
-    @guard(kind, interrupted="finished chunks are kept: run the same command again to continue.")
+    @_store_options(kind)
     def command(model: str, inputs: str, known: str | None, wrt: str | None, directions: str,
                 out: str, with_outputs: bool, chunk_size: int | None, max_memory: str | None,
                 backend: str | None, dtype: str | None, trust_model: bool,
@@ -92,12 +118,7 @@ def _command(kind: str) -> click.Command:
                        max_memory=max_memory, dtype=dtype, return_outputs=with_outputs,
                        nan_policy=nan_policy, out=store, progress=not quiet,
                        backend=backend_of(backend, loaded), **named)
-        summary = res.summary()
-        if as_json:
-            summary["output"] = summary.pop("path")
-            click.echo(json.dumps(summary))
-        if not quiet:
-            click.echo(_describe(res), err=True)
+        _report(res, as_json, quiet)
 
     command.__doc__ = (f"Per-instance {result} of MODEL over the rows of --inputs and "
                        f"{option}, written to --out chunk by chunk, without forming J.\n\n"
@@ -123,17 +144,7 @@ vjp = _command("vjp")
               help="Products an instance, with --estimator (hutch++: at least 4).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the probes, with --estimator.")
-@click.option("--with-outputs", is_flag=True, help="Store the model's outputs beside them.")
-@click.option("--chunk-size", type=click.IntRange(min=1), metavar="ROWS",
-              help="Rows per chunk (default: from --max-memory).")
-@max_memory_option
-@model_options
-@click.option("--nan-policy", type=click.Choice(["raise", "propagate"]), default="raise",
-              show_default=True, help="NaN/Inf inputs: stop with an error, or give NaN results.")
-@overwrite_option
-@quiet_option
-@json_option
-@guard("divergence", interrupted="finished chunks are kept: run the same command again to continue.")
+@_store_options("divergence")
 def divergence(model: str, inputs: str, known: str | None, wrt: str | None, out: str,
                estimator: str | None, samples: int, seed: int, with_outputs: bool,
                chunk_size: int | None, max_memory: str | None, backend: str | None,
@@ -158,9 +169,4 @@ def divergence(model: str, inputs: str, known: str | None, wrt: str | None, out:
                                    max_memory=max_memory, dtype=dtype,
                                    return_outputs=with_outputs, nan_policy=nan_policy, out=store,
                                    progress=not quiet, backend=backend_of(backend, loaded))
-    summary = res.summary()
-    if as_json:
-        summary["output"] = summary.pop("path")
-        click.echo(json.dumps(summary))
-    if not quiet:
-        click.echo(_describe(res), err=True)
+    _report(res, as_json, quiet)
