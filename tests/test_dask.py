@@ -494,3 +494,64 @@ def test_products_on_the_cluster_split_the_inputs_and_directions_alike(client: A
         assert np.asarray(there.value).shape == np.asarray(here.value).shape
         np.testing.assert_allclose(there.value, here.value, rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(there.stderr, here.stderr, rtol=1e-9, atol=1e-12)
+
+
+def test_workers_write_product_stores(client: Any, tmp_path: Any,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """jvp, vjp (directions pushed, and many cotangents through each chunk's Jacobians) and the
+    divergence (exact and estimated) into stores on the cluster: the workers compute and
+    write each chunk with the directions of its rows; the products equal the float64 closed
+    form, the estimate the local store's, and a store begun locally is finished on the
+    cluster with only its missing chunks computed there."""
+    import zarr
+
+    torch = pytest.importorskip("torch")
+    submit, tasks = client.submit, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        tasks.append(args[0].__name__)
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(client, "submit", counted)
+    rng = np.random.default_rng(91)
+    a = rng.normal(size=(4, 4)) / 2
+    lin = torch.nn.Linear(4, 4, bias=False).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(a))
+
+    def f(x: Any) -> Any:  # y = sin(x A^T): J = diag(cos(x A^T)) A
+        return torch.sin(lin(x))
+
+    x = rng.normal(size=(300, 4))
+    jac = np.cos(x @ a.T)[:, :, None] * a[None]
+    v = rng.normal(size=(300, 2, 4))
+    c = rng.normal(size=(300, 16, 4))  # (16 >= FORM_J * 4: through each chunk's Jacobians)
+    res = batchjac.jvp(f, x, tangents=v, out=str(tmp_path / "jv.zarr"), chunk_size=100,
+                       client=client, return_outputs=True)
+    assert (res.computed_chunks, tasks) == (3, ["_store_task"] * 3)
+    stored = zarr.open_group(str(tmp_path / "jv.zarr"), mode="r")
+    np.testing.assert_allclose(stored["jvps"][:], np.einsum("nmk,ndk->ndm", jac, v), rtol=1e-10,
+                               atol=1e-12)
+    np.testing.assert_allclose(stored["outputs"][:], np.sin(x @ a.T), rtol=1e-12)
+    cj = batchjac.vjp(f, x, cotangents=c, out=str(tmp_path / "vj.zarr"), chunk_size=100,
+                      client=client)
+    assert cj.mode == "forward"  # (through each chunk's Jacobians, in forward mode: k = m)
+    np.testing.assert_allclose(cj.open(), np.einsum("nmk,ndm->ndk", jac, c), rtol=1e-10,
+                               atol=1e-12)
+    div = batchjac.divergence(f, x, out=str(tmp_path / "d.zarr"), chunk_size=100, client=client)
+    np.testing.assert_allclose(div.open(), np.trace(jac, axis1=1, axis2=2), rtol=1e-10,
+                               atol=1e-12)
+    # an estimate begun here (stopped after one chunk), finished on the cluster: the probes
+    # are the instances', so the store equals the one made here whole
+    kw = {"estimator": "hutchinson", "samples": 8, "seed": 3, "chunk_size": 100}
+    local = batchjac.divergence(f, x, out=str(tmp_path / "e0.zarr"), **kw)
+
+    def stop(rows: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        batchjac.divergence(f, x, out=str(tmp_path / "e.zarr"), progress=stop, **kw)
+    del tasks[:]
+    est = batchjac.divergence(f, x, out=str(tmp_path / "e.zarr"), client=client, **kw)
+    assert (est.resumed_chunks, est.computed_chunks, tasks) == (1, 2, ["_store_task"] * 2)
+    assert np.array_equal(np.asarray(est.open()), np.asarray(local.open()))

@@ -213,49 +213,69 @@ def dask_jacobian(compute: Callable[..., Any], model: Any, inputs: tuple[Any, ..
 
 def _store_task(ref: ModelRef, backend: str, options: dict[str, Any], layout: Any, dtype: Any,
                 unknown_shape: tuple[int, ...], names: tuple[str, ...], rows: list[np.ndarray],
-                index: int, lo: int, hi: int, chunk_size: int, mode: str, with_outputs: bool,
-                fmt: Any, out: str, arrays: list[Any], variant: str | None = None,
-                asked: bool = False, second: tuple[str, bool] | None = None) -> dict[str, Any]:
-    """On a worker: compute one chunk, then save it into the store's data (write, fsync,
-    record) with the one function that saves a unit (``_stores.save_chunk``): the same steps,
-    hashes and records as the local path. ``asked``: the call asked for ``mode`` (the
-    worker's kernel refuses it if it fails, as the local path does, rather than computing the
-    other mode).
-    ``second``: ``(kind, with_jacobian)`` of a second-order store (``mode`` is then its order),
-    whose kernel runs its first build, as the local store's does."""
-    from ._backends import CallBudget, under
+                tangents: np.ndarray | None, index: int, lo: int, hi: int,
+                kernel_of: Callable[[Any, dict[str, Any]], Any], plan: dict[str, Any], fmt: Any,
+                out: str, arrays: list[Any]) -> dict[str, Any]:
+    """On a worker: compute one chunk with the kernel ``kernel_of(bound, plan)`` makes (the
+    same recipe the local loop runs: :func:`jacobian_kernel`, :func:`second_kernel`, a
+    product's), then save it into the store's data (write, fsync, record) with the one
+    function that saves a unit (``_stores.save_chunk``): the same steps, hashes and records as
+    the local path. ``tangents``: the chunk's directions, where the store's batch carries them
+    after its arrays (:class:`batchjac._spec.TangentSpec`: a Hessian-vector product's, a
+    product's, an estimate's probes)."""
     from ._bind import prepare
     from ._runner import Chunk, call, pad_args
-    from ._spec import BatchSpec
+    from ._spec import BatchSpec, TangentSpec
     from ._stores import Unit, hash_arrays, save_chunk_at
 
     spec = BatchSpec(arrays=rows, layout=layout, dtype=dtype, n=hi - lo, unknown_shape=unknown_shape,
                      names=names)
     bound = prepare(ref.load(), spec, backend, options)
+    if tangents is not None:
+        spec = TangentSpec.of(spec, tangents)
     u, ctx = spec.chunk(0, hi - lo)
-    budget = CallBudget(mode_asked=asked)
-    if second is None:
-        kernel = bound.kernel(mode, chunk_size, with_outputs, variant=variant,  # type: ignore[arg-type]
-                              budget=budget)
-    else:
-        kind, with_jacobian = second
-        kernel = bound.second_kernel(kind, mode, chunk_size, with_outputs,  # type: ignore[arg-type]
-                                     with_jacobian)
-        kernel.use(kernel.variants[0], "a store's kernel")  # same command, same bytes
-    out_ = call(under(kernel, budget), *pad_args(u, ctx, chunk_size),
-                Chunk(index, lo, hi), rows=hi - lo)
+    chunk_size = int(plan["chunk_size"])
+    out_ = call(kernel_of(bound, plan), *pad_args(u, ctx, chunk_size), Chunk(index, lo, hi),
+                rows=hi - lo)
     return save_chunk_at(fmt, out, arrays, index, lo, hi, Unit(out_, hash_arrays([u, *ctx])))
+
+
+def jacobian_kernel(bound: Any, plan: dict[str, Any], *, with_outputs: bool,
+                    asked: bool = False) -> Any:
+    """A Jacobian store's kernel: the plan's mode, chunk size and recorded build. ``asked``: the
+    call asked for the mode, which the kernel then computes or refuses, never swaps."""
+    from ._backends import CallBudget, under
+
+    budget = CallBudget(mode_asked=asked)
+    return under(bound.kernel(plan["mode"], plan["chunk_size"], with_outputs,
+                              variant=plan.get("variant"), budget=budget), budget)
+
+
+def second_kernel(bound: Any, plan: dict[str, Any], *, kind: str, with_outputs: bool,
+                  with_jacobian: bool) -> Any:
+    """A second-order store's kernel (Hessians, their diagonal, the Laplacian): the plan's order
+    and chunk size, its first build, as the local store's (same command, same bytes)."""
+    kernel = bound.second_kernel(kind, plan["order"], plan["chunk_size"], with_outputs,
+                                 with_jacobian)
+    kernel.use(kernel.variants[0], "a store's kernel")
+    return kernel
 
 
 def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict[str, Any],
                             bound: Any, spec: Any, with_outputs: bool, pending: Any, *,
-                            second: tuple[str, bool] | None = None, asked: bool = False) -> None:
+                            second: tuple[str, bool] | None = None, asked: bool = False,
+                            kernel_of: Callable[[Any, dict[str, Any]], Any] | None = None
+                            ) -> None:
     """The store's chunk loop on a Dask cluster (``pending``: the store's chunks still to do,
-    ``_stores.Pending``): workers compute and save the chunks; this process reads input rows,
-    keeps a bounded number of tasks in flight, and collects the records (which the workers
-    have already written durably). ``second``: ``(kind, with_jacobian)`` of a second-order
-    store (Hessians, their diagonal, the Laplacian); ``asked``: the call asked for its mode,
-    which the workers then compute or refuse, never swap."""
+    ``_stores.Pending``): workers compute and save the chunks; this process reads input rows
+    (and the directions of a batch that carries them), keeps a bounded number of tasks in
+    flight, and collects the records (which the workers have already written durably). The
+    workers' kernel: ``kernel_of(bound, plan)`` (the local loop's recipe, a module-level
+    function or one cloudpickle carries), else a Jacobian store's (:func:`jacobian_kernel`;
+    ``asked``: the call asked for its mode) or, with ``second`` (``(kind, with_jacobian)``),
+    a second-order store's (:func:`second_kernel`)."""
+    import functools
+
     from dask.distributed import as_completed
 
     from ._errors import ModelError
@@ -263,6 +283,12 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
     del bound  # workers bind their own copy
     ref = client.scatter(ModelRef(model), broadcast=True, hash=False)
     plan = pending.plan
+    if kernel_of is None:
+        kernel_of = functools.partial(jacobian_kernel, with_outputs=with_outputs, asked=asked) \
+            if second is None else functools.partial(second_kernel, kind=second[0],
+                                                     with_outputs=with_outputs,
+                                                     with_jacobian=second[1])
+    directions = getattr(spec, "tangents", None)
     workers = max(1, len(client.scheduler_info().get("workers", {})))
     window = 2 * workers  # enough to keep every worker busy, bounded input memory
     queue = list(pending.todo)
@@ -271,11 +297,11 @@ def store_chunks_on_cluster(client: Any, model: Any, backend: str, options: dict
     def submit(index: int) -> Any:
         lo, hi = pending.bounds(index)
         rows = [np.asarray(a[lo:hi]) for a in spec.arrays]
-        fut = client.submit(_store_task, ref, backend, options, spec.layout, spec.dtype, spec.unknown_shape,
-                            spec.names, rows, index, lo, hi, plan["chunk_size"],
-                            plan["order"] if second else plan["mode"],
-                            with_outputs, pending.format, str(pending.out), pending.arrays,
-                            plan.get("variant"), asked, second, pure=False, retries=2)
+        t = None if directions is None else np.asarray(directions[lo:hi])
+        fut = client.submit(_store_task, ref, backend, options, spec.layout, spec.dtype,
+                            spec.unknown_shape, spec.names, rows, t, index, lo, hi, kernel_of,
+                            plan, pending.format, str(pending.out), pending.arrays, pure=False,
+                            retries=2)
         index_of[fut] = index
         return fut
 

@@ -13,7 +13,9 @@ in its ``products`` module (:meth:`batchjac._backends.BoundModel.product`).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -66,8 +68,9 @@ def jvp(model: Any, *inputs: Any, tangents: Any, wrt: Any = None, **options: Any
     chunk by chunk and resumed as :func:`batchjac.hessian`'s, the result ``"jvps"``/``"vjps"``
     beside ``"outputs"``; returns its :class:`~batchjac.StoreResult`) with ``progress``; on Dask
     ``client=``, ``scheduler=`` or Dask arrays among the inputs and ``tangents`` (their rows
-    split into the same blocks, the result in memory). The result has the kind and device of
-    the inputs, or ``output=``'s."""
+    split into the same blocks, the result in memory; with a store path as ``out`` and numpy or
+    file inputs, the workers compute and write its chunks, each with its rows' directions). The
+    result has the kind and device of the inputs, or ``output=``'s."""
     return _verb("jvp", model, inputs, tangents, wrt, options)
 
 
@@ -125,11 +128,19 @@ def _verb(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, wrt: Any
             any(type(a) is not np.ndarray for a in (*inputs, *extra)) and
             uses_dask((*inputs, *extra))):
         from . import _dask
+        from ._stores import is_store_target
 
-        if options.get("out") is not None:
+        out = options.get("out")
+        if is_store_target(out):  # the workers compute and write the store's chunks
+            with _dask.client_for(client, scheduler) as own:
+                _dask.check_store_inputs(inputs, own)
+                return _local(kind, model, inputs, vectors, wrt=wrt, estimator=estimator,
+                              cluster=own, **options)
+        if out is not None:
             raise InputError(f"On Dask, {kind}() computes in memory (a Dask array for Dask "
-                             f"inputs); `out=` is not supported there yet. Compute locally to "
-                             f"fill a store, or drop it.")
+                             f"inputs) or into a store path (`out='{kind}.zarr'`); an `out=` "
+                             f"array is not supported there. Compute locally, or pass a store "
+                             f"path.")
         output = options.pop("output", "auto")
         name = {"jvp": "tangents", "vjp": "cotangents"}.get(kind)
         kw = {"wrt": wrt, "kind": kind, **options}
@@ -177,7 +188,10 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
            nan_policy: NanPolicy = "raise", backend: str | None = None,
            backend_options: dict[str, Any] | None = None, output: OutputArg = "auto",
            out: Any = None, progress: bool | Any = False,
-           estimator: tuple[str | None, int, int] = (None, 0, 0), first_row: int = 0) -> Any:
+           estimator: tuple[str | None, int, int] = (None, 0, 0), first_row: int = 0,
+           cluster: Any = None) -> Any:
+    """The verb ``kind`` in this process; a store's chunks on the Dask client ``cluster``
+    where given (its workers compute and write them)."""
     model = as_model(model)
     if not isinstance(return_outputs, bool):
         raise InputError(f"`return_outputs` must be True or False; got {return_outputs!r}.")
@@ -202,7 +216,8 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
                 return _divergence_to_store(model, bound, spec, name, out, estimator,
                                             chunk_size=chunk_size, max_memory=max_memory,
                                             return_outputs=return_outputs, nan_policy=nan_policy,
-                                            options=backend_options or {}, progress=progress)
+                                            options=backend_options or {}, progress=progress,
+                                            cluster=_on(cluster, model, name, backend_options))
             found = _divergence(bound, spec, estimator, chunk_size, max_memory, return_outputs,
                                 first_row)
             y, div = found if return_outputs else (None, found)
@@ -226,7 +241,8 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
             return _to_store(model, bound, with_v, name, kind, out, block, single,
                              result_shape, chunk_size=chunk_size, max_memory=max_memory,
                              return_outputs=return_outputs, nan_policy=nan_policy,
-                             options=backend_options or {}, progress=progress)
+                             options=backend_options or {}, progress=progress,
+                             cluster=_on(cluster, model, name, backend_options))
         targets = {result: np.empty((spec.n, *result_shape), spec.dtype)}
         if return_outputs:
             targets["outputs"] = np.empty((spec.n, *out_shape), spec.dtype)
@@ -294,10 +310,13 @@ class _ProductKernel:
 def _to_store(model: Any, bound: Any, spec: BatchSpec, backend: str, kind: str, out: Any,
               block: int, single: bool, result_shape: tuple[int, ...], *,
               chunk_size: int | None, max_memory: int | str | None, return_outputs: bool,
-              nan_policy: NanPolicy, options: dict[str, Any], progress: Any) -> Any:
+              nan_policy: NanPolicy, options: dict[str, Any], progress: Any,
+              cluster: Callable[..., None] | None = None) -> Any:
     """The products written chunk by chunk into a resumable store (the protocol of
     :mod:`batchjac._stores`, as the second-order results are): a chunk's rows and directions
-    hashed, a finished chunk never computed again."""
+    hashed, a finished chunk never computed again; each chunk's Jacobians formed where the
+    store's plan says so (``via``). ``cluster``: the chunk loop on Dask (:func:`_on`), given
+    the kernel recipe."""
     from ._stores import as_store, is_store_target
     from ._stores.hessians import second_to_store
 
@@ -317,21 +336,40 @@ def _to_store(model: Any, bound: Any, spec: BatchSpec, backend: str, kind: str, 
                 "chunks": -(-spec.n // block) if spec.n else 0, "rows": spec.n, "via": via,
                 "reason": f"{kind}: chunks of {block} rows{how}"}
 
+    # (a store made before the route was recorded has no "via": its products were pushed)
+    make = functools.partial(_product_kernel, kind=kind, single=single, with_outputs=return_outputs)
     return second_to_store(
         model, spec, backend, store=as_store(out), name=RESULT[kind],
         describe_options={"mode": kind, "chunk_size": chunk_size, "max_memory": max_memory,
                           "backend_options": options, "nan_policy": nan_policy},
-        bind=lambda: bound, plan=plan,
-        kernel=lambda b, planned: _ProductKernel(b, kind, planned["chunk_size"], single,
-                                                 return_outputs),
-        with_outputs=return_outputs, with_jacobian=False, explain=False, progress=progress,
+        bind=lambda: bound, plan=plan, kernel=make, with_outputs=return_outputs,
+        with_jacobian=False, explain=False, progress=progress,
+        compute_chunks=None if cluster is None else functools.partial(cluster, kernel_of=make),
         result=lambda _: (result_shape, axes))
+
+
+def _product_kernel(bound: Any, plan: dict[str, Any], *, kind: str, single: bool,
+                    with_outputs: bool) -> _ProductKernel:
+    """A product store's kernel: its plan's chunk size and route (``via``)."""
+    return _ProductKernel(bound, kind, plan["chunk_size"], single, with_outputs, plan.get("via"))
+
+
+def _on(client: Any, model: Any, backend: str, options: dict[str, Any] | None
+        ) -> Callable[..., None] | None:
+    """The store's chunk loop on the Dask ``client`` (None: this process's), to be given the
+    kernel recipe (``kernel_of``)."""
+    if client is None:
+        return None
+    from . import _dask
+
+    return functools.partial(_dask.store_chunks_on_cluster, client, model, backend, options or {})
 
 
 def _divergence_to_store(model: Any, bound: Any, spec: BatchSpec, backend: str, out: Any,
                          estimator: tuple[str | None, int, int], *, chunk_size: int | None,
                          max_memory: int | str | None, return_outputs: bool,
-                         nan_policy: NanPolicy, options: dict[str, Any], progress: Any) -> Any:
+                         nan_policy: NanPolicy, options: dict[str, Any], progress: Any,
+                         cluster: Callable[..., None] | None = None) -> Any:
     """The divergences written chunk by chunk into a resumable store, as the products are
     (:func:`_to_store`): exact (``"divergences"`` ``(N,)``, the Jacobian kernel of the plan's
     mode, its first build: the same bytes in every run) or an estimate (``(N, 2)``: the value
@@ -385,7 +423,8 @@ def _divergence_to_store(model: Any, bound: Any, spec: BatchSpec, backend: str, 
                           "max_memory": max_memory, "backend_options": options,
                           "nan_policy": nan_policy},
         bind=lambda: bound, plan=plan, kernel=make, with_outputs=return_outputs,
-        with_jacobian=False, explain=False, progress=progress, result=lambda _: per_row)
+        with_jacobian=False, explain=False, progress=progress, result=lambda _: per_row,
+        compute_chunks=None if cluster is None else functools.partial(cluster, kernel_of=make))
 
 
 class _TraceKernel:
