@@ -316,3 +316,36 @@ def test_many_directions_into_a_store_record_the_route(tmp_path: Any) -> None:
     assert res.mode == "reverse"
     assert np.array_equal(np.asarray(res.open()), batchjac.vjp(f, x, cotangents=c, chunk_size=16))
     _close(np.asarray(res.open()), np.einsum("nmk,ndm->ndk", _jacobians(ws, x), c))
+
+
+def test_directions_on_disk_are_read_a_chunk_at_a_time(tmp_path: Any) -> None:
+    """Tangents in an ``np.memmap`` or a file path stay on disk: the products equal those of the
+    same directions in memory, one and several per instance, into memory and into a store; a
+    NaN in a later chunk's rows is refused by name and row when that chunk is read; a file of
+    the wrong shape is refused before anything is computed."""
+    pytest.importorskip("zarr")
+    f, ws = _mlp("jax", (5, 12, 3), seed=3851)
+    g = rng(3852)
+    x = g.normal(size=(40, 5)).astype(np.float32)
+    jac = _jacobians(ws, x)
+    for shape in [(40, 5), (40, 3, 5)]:
+        v = g.normal(size=shape).astype(np.float32)
+        np.save(tmp_path / "v.npy", v)
+        mm = np.load(tmp_path / "v.npy", mmap_mode="r")
+        want = batchjac.jvp(f, x, tangents=v, chunk_size=16)
+        assert np.array_equal(batchjac.jvp(f, x, tangents=mm, chunk_size=16), want)
+        assert np.array_equal(batchjac.jvp(f, x, tangents=str(tmp_path / "v.npy"), chunk_size=16),
+                              want)
+        flat = v.reshape(40, -1, 5)
+        _close(want.reshape(40, -1, 3), np.einsum("nmk,ndk->ndm", jac, flat))
+        stored = batchjac.jvp(f, x, tangents=mm, chunk_size=16,
+                              out=str(tmp_path / f"j{len(shape)}.zarr"))
+        assert np.array_equal(np.asarray(stored.open()), want)
+    c = g.normal(size=(40, 3)).astype(np.float32)
+    c[35, 1] = np.nan  # in the third chunk of 16 rows
+    np.save(tmp_path / "c.npy", c)
+    with pytest.raises(batchjac.InputError, match=r"`cotangents` has a NaN or Inf in row 35"):
+        batchjac.vjp(f, x, cotangents=np.load(tmp_path / "c.npy", mmap_mode="r"), chunk_size=16)
+    np.save(tmp_path / "bad.npy", c[:, :2])
+    with pytest.raises(batchjac.InputError, match=r"`cotangents` has shape \(40, 2\)"):
+        batchjac.vjp(f, x, cotangents=str(tmp_path / "bad.npy"))

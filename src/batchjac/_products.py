@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ from ._loaders import as_model
 from ._runner import results, run_chunks
 from ._sinks import ArraySink
 from ._spec import BatchSpec, TangentSpec
-from ._validate import DTypeLike, NanPolicy, normalize, to_numpy
+from ._validate import DTypeLike, NanPolicy, as_input, is_lazy, normalize, to_numpy
 
 Kind = Literal["jvp", "vjp"]
 
@@ -58,7 +59,8 @@ def jvp(model: Any, *inputs: Any, tangents: Any, wrt: Any = None, **options: Any
     ``inputs`` as for :func:`batchjac.jacobian` (``x``; ``unknown, known``; a dict with
     ``wrt``). ``tangents``: ``(N, *unknown_shape)``, one direction per instance, giving
     ``(N, *output_shape)``; or ``(N, d, *unknown_shape)``, ``d`` directions per instance, giving
-    ``(N, d, *output_shape)``. One forward-mode pass per direction; where the directions
+    ``(N, d, *output_shape)``; on disk (a path, an ``np.memmap``, an h5py dataset, a Zarr
+    array), they are read a chunk's rows at a time. One forward-mode pass per direction; where the directions
     outnumber ``min(k, m)`` three times, each chunk's Jacobians are formed instead (``min(k,
     m)`` passes) and multiplied by them.
 
@@ -449,33 +451,64 @@ def _pushed(bound: Any, k: int) -> Any:
 
 
 def _vectors(vectors: Any, name: str, spec: BatchSpec, shape: tuple[int, ...],
-             nan_policy: NanPolicy) -> tuple[np.ndarray, bool]:
+             nan_policy: NanPolicy) -> tuple[Any, bool]:
     """The tangents or cotangents as ``(N, d, *shape)`` in the compute dtype, and whether one
-    direction was given per instance (``(N, *shape)``)."""
+    direction was given per instance (``(N, *shape)``). Directions on disk (a path, a batchjac
+    file reader, an ``np.memmap``, an h5py dataset, a Zarr array) stay there: read a chunk's
+    rows at a time (:class:`_LazyDirections`), as lazy inputs are."""
     if vectors is None:
         raise InputError(f"`{name}` is required: one row per instance, ({spec.n}, "
                          f"{', '.join(map(str, shape))}), or ({spec.n}, d, ...) for d "
                          f"directions each.")
-    v = to_numpy(vectors, name)
-    if v.shape == (spec.n, *shape):
-        single, v = True, v[:, None]
-    elif v.ndim == len(shape) + 2 and v.shape[0] == spec.n and tuple(v.shape[2:]) == shape \
-            and v.shape[1] >= 1:
+    lazy = isinstance(vectors, (str, os.PathLike)) or is_lazy(vectors)
+    v = as_input(vectors, name) if lazy else to_numpy(vectors, name)
+    got = tuple(int(s) for s in v.shape)
+    if got == (spec.n, *shape):
+        single = True
+    elif len(got) == len(shape) + 2 and got[0] == spec.n and got[2:] == shape and got[1] >= 1:
         single = False
     else:
         raise InputError(
-            f"`{name}` has shape {v.shape}; it must be ({spec.n}, "
+            f"`{name}` has shape {got}; it must be ({spec.n}, "
             f"{', '.join(map(str, shape))}) (one direction per instance) or ({spec.n}, d, "
             f"{', '.join(map(str, shape))}) (d directions per instance), for {spec.n} "
             f"instances whose {'unknowns' if name == 'tangents' else 'outputs'} have shape "
             f"{shape}.")
-    if v.dtype.kind not in "fiu":
+    if np.dtype(v.dtype).kind not in "fiu":
         raise InputError(f"`{name}` must hold real numbers; got dtype {v.dtype}.")
+    if lazy:
+        return _LazyDirections(v, single, name, nan_policy == "raise"), single
+    if single:
+        v = v[:, None]
     if nan_policy == "raise" and v.size and not np.isfinite(v).all():
         row = int(np.argmax(~np.isfinite(v.reshape(v.shape[0], -1)).all(axis=1)))
         raise InputError(f"`{name}` has a NaN or Inf in row {row}; give finite directions, or "
                          f"nan_policy='propagate'.")
     return np.ascontiguousarray(v, spec.dtype), single
+
+
+class _LazyDirections:
+    """Directions left on disk, ``(N, d, *shape)``: a chunk's rows read when the chunk is
+    computed (a copy: a memmap's pages are not kept), checked for NaN and Inf there where
+    ``check``; ``single``: the file holds one direction per instance, ``(N, *shape)``."""
+
+    def __init__(self, a: Any, single: bool, name: str, check: bool) -> None:
+        self.a, self.single, self.name, self.check = a, single, name, check
+        n, *rest = (int(s) for s in a.shape)
+        self.shape = (n, 1, *rest) if single else (n, *rest)
+        self.dtype = np.dtype(a.dtype)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        lo = rows.start or 0
+        part = np.array(self.a[rows])
+        if self.check and part.size and not np.isfinite(part).all():
+            row = lo + int(np.argmax(~np.isfinite(part.reshape(part.shape[0], -1)).all(axis=1)))
+            raise InputError(f"`{self.name}` has a NaN or Inf in row {row}; give finite "
+                             f"directions, or nan_policy='propagate'.")
+        return part[:, None] if self.single else part
 
 
 def _block_rows(spec: BatchSpec, m: int, d: int, chunk_size: int | None,

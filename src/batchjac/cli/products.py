@@ -6,7 +6,7 @@ A thin layer over ``batchjac.jvp(model, files..., tangents=..., out=Store(...))`
 ``vjp``), as ``batchjac hessian`` is over ``hessian``: the same inputs, model, store and exit
 codes (docs/cli.md). The directions file has one row per instance: ``(N, *unknowns)`` or
 ``(N, d, *unknowns)`` for ``jvp``, ``(N, *outputs)`` or ``(N, d, *outputs)`` for ``vjp``; it is
-read whole.
+read a chunk's rows at a time, as the inputs are.
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ def _command(kind: str) -> click.Command:
                 out: str, with_outputs: bool, chunk_size: int | None, max_memory: str | None,
                 backend: str | None, dtype: str | None, trust_model: bool,
                 nan_policy: NanPolicy, overwrite: bool, quiet: bool, as_json: bool) -> None:
-        import numpy as np
 
         from .. import _products
         from .._stores import Store
@@ -108,8 +107,7 @@ def _command(kind: str) -> click.Command:
             out, _products.RESULT[kind])), derived=store_suffix())
         with Files() as files:
             args, columns = gather_inputs(files, (inputs,), known=known, wrt=wrt)
-            reader = files.open(directions, option)
-            vectors = np.asarray(reader[0:len(reader)])
+            vectors = files.open(directions, option)  # (read a chunk's rows at a time)
             loaded = load_model(model, trust=trust_model)
             store = Store(out, overwrite=overwrite, model_id=loaded.fingerprint)
             verb = _products.jvp if kind == "jvp" else _products.vjp
