@@ -71,3 +71,40 @@ def test_a_low_rank_cov_is_used_through_its_factor() -> None:
         got = batchjac.propagate(f, x, cov=full @ full.T)
         assert got.sigma_form == "dense"
         np.testing.assert_allclose(got.cov, _reference(f, x, full @ full.T), rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_dense_cov_goes_through_its_cholesky_factor_or_whole_where_singular(dtype: Any) -> None:
+    """A dense shared ``Sigma`` of full rank: ``(J L)(J L)^T`` with its Cholesky factor (a
+    triangular product); a singular one above the low-rank line (rank 5 of 6: one unknown
+    known exactly, a zero row and column): Cholesky fails and ``J Sigma J^T`` is formed
+    whole. Both equal the float64 reference, in float64 and float32, and the Cholesky path is
+    the one taken where it exists."""
+    from batchjac import _propagate
+
+    with jax_x64():
+        f, x = _model()
+        g = rng(3806)
+        a = g.normal(size=(6, 6))
+        full = a @ a.T + 0.05 * np.eye(6)
+        singular = full.copy()
+        singular[2, :] = singular[:, 2] = 0.0
+        taken: list[bool] = []
+        lower = _propagate._times_lower
+
+        def spy(part: np.ndarray, low: np.ndarray) -> np.ndarray:
+            taken.append(True)
+            return lower(part, low)
+
+        _propagate._times_lower = spy
+        try:
+            for sigma, through in ((full, True), (singular, False)):
+                del taken[:]
+                got = batchjac.propagate(f, x.astype(dtype), cov=sigma.astype(dtype))
+                assert got.sigma_form == "dense"
+                assert bool(taken) is through
+                want = _reference(f, x, sigma)
+                tol = 1e-10 if dtype == np.float64 else 2e-5
+                np.testing.assert_allclose(got.cov, want, rtol=tol, atol=tol * np.abs(want).max())
+        finally:
+            _propagate._times_lower = lower

@@ -212,6 +212,22 @@ class _Uncertainty:
             return np.broadcast_to(self._shared_factor, (hi - lo, self.k, self.k))
         return _sqrt_psd(_sym(np.asarray(self.data[lo:hi], np.float64)))
 
+    def _cholesky(self, dtype: np.dtype) -> np.ndarray | None:
+        """A shared dense ``Sigma``'s Cholesky factor ``L`` (lower, ``L L^T = Sigma``) in
+        ``dtype``, made once; None where ``Sigma`` is singular (positive semi-definite: the
+        full product then). ``J Sigma J^T = (J L)(J L)^T``, and ``J L`` is a triangular product:
+        half the multiply-adds of ``J Sigma`` (docs/thresholds.md, "J Sigma J^T through Sigma's
+        Cholesky factor")."""
+        made: tuple[np.ndarray | None] | None = getattr(self, "_chol", None)
+        if made is None:
+            try:
+                made = (np.linalg.cholesky(_sym(np.asarray(self.data, np.float64))),)
+            except np.linalg.LinAlgError:
+                made = (None,)
+            self._chol = made
+        low = made[0]
+        return None if low is None else low.astype(dtype, copy=False)
+
     def sandwich(self, a: np.ndarray, lo: int, hi: int) -> np.ndarray:
         """``A Sigma A^T`` for ``A`` (hi - lo, m, k)."""
         if self.kind.startswith("std") or self.kind == "diag_stack":
@@ -223,11 +239,17 @@ class _Uncertainty:
             b = _times(a, low)
             return b @ b.transpose(0, 2, 1)
         if self.kind == "shared":  # (in the Jacobians' dtype: float32 J, float32 products)
-            sigma = _sym(self.data).astype(a.dtype, copy=False)
+            chol = self._cholesky(a.dtype)
+            sigma = None if chol is not None else _sym(self.data).astype(a.dtype, copy=False)
             out = np.empty((a.shape[0], a.shape[1], a.shape[1]))
             for i in range(0, a.shape[0], SANDWICH_ROWS):  # (J Sigma a slice at a time)
                 part = a[i:i + SANDWICH_ROWS]
-                out[i:i + SANDWICH_ROWS] = _times(part, sigma) @ part.transpose(0, 2, 1)
+                if sigma is not None:
+                    out[i:i + SANDWICH_ROWS] = _times(part, sigma) @ part.transpose(0, 2, 1)
+                else:
+                    assert chol is not None
+                    b = _times_lower(part, chol)
+                    out[i:i + SANDWICH_ROWS] = b @ b.transpose(0, 2, 1)
             return _sym(out)
         sigma = _sym(np.asarray(self.data[lo:hi], np.float64))
         return _sym(a @ sigma @ a.transpose(0, 2, 1))
@@ -249,6 +271,18 @@ def _times(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     for W2's (10, 784) rows against a shared (784, 784) covariance."""
     n, m, k = a.shape
     return (np.ascontiguousarray(a).reshape(n * m, k) @ b).reshape(n, m, b.shape[1])
+
+
+def _times_lower(a: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """``a @ low`` for a stack ``a`` (n, m, k) and a lower-triangular ``low`` (k, k), as one
+    triangular matrix product of BLAS (``trmm``: half the work of :func:`_times`), computed as
+    ``(low^T a^T)^T`` so that the rows of ``a`` are its Fortran-ordered operand, not copied."""
+    from scipy.linalg.blas import get_blas_funcs
+
+    n, m, k = a.shape
+    flat = np.ascontiguousarray(a, low.dtype).reshape(n * m, k)
+    trmm = get_blas_funcs("trmm", (low, flat))
+    return np.asarray(trmm(1.0, low, flat.T, side=0, lower=1, trans_a=1)).T.reshape(n, m, k)
 
 
 def _as_float(value: Any, name: str) -> np.ndarray:
