@@ -92,9 +92,9 @@ def test_a_dense_cov_goes_through_its_cholesky_factor_or_whole_where_singular(dt
         taken: list[bool] = []
         lower = _propagate._times_lower
 
-        def spy(part: np.ndarray, low: np.ndarray) -> np.ndarray:
+        def spy(part: np.ndarray, low: np.ndarray, buf: np.ndarray) -> np.ndarray:
             taken.append(True)
-            return lower(part, low)
+            return lower(part, low, buf)
 
         _propagate._times_lower = spy
         try:

@@ -242,13 +242,17 @@ class _Uncertainty:
             chol = self._cholesky(a.dtype)
             sigma = None if chol is not None else _sym(self.data).astype(a.dtype, copy=False)
             out = np.empty((a.shape[0], a.shape[1], a.shape[1]))
+            # (J L a slice at a time, in one buffer the triangular product overwrites)
+            buf = None if chol is None else np.empty((min(a.shape[0], SANDWICH_ROWS), *a.shape[1:]),
+                                                     chol.dtype)
             for i in range(0, a.shape[0], SANDWICH_ROWS):  # (J Sigma a slice at a time)
                 part = a[i:i + SANDWICH_ROWS]
                 if sigma is not None:
                     out[i:i + SANDWICH_ROWS] = _times(part, sigma) @ part.transpose(0, 2, 1)
                 else:
                     assert chol is not None
-                    b = _times_lower(part, chol)
+                    assert buf is not None
+                    b = _times_lower(part, chol, buf[:len(part)])
                     out[i:i + SANDWICH_ROWS] = b @ b.transpose(0, 2, 1)
             return _sym(out)
         sigma = _sym(np.asarray(self.data[lo:hi], np.float64))
@@ -273,16 +277,20 @@ def _times(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(a).reshape(n * m, k) @ b).reshape(n, m, b.shape[1])
 
 
-def _times_lower(a: np.ndarray, low: np.ndarray) -> np.ndarray:
+def _times_lower(a: np.ndarray, low: np.ndarray, buf: np.ndarray) -> np.ndarray:
     """``a @ low`` for a stack ``a`` (n, m, k) and a lower-triangular ``low`` (k, k), as one
-    triangular matrix product of BLAS (``trmm``: half the work of :func:`_times`), computed as
-    ``(low^T a^T)^T`` so that the rows of ``a`` are its Fortran-ordered operand, not copied."""
+    triangular matrix product of BLAS (``trmm``: half the work of :func:`_times`), in ``buf``
+    (C-ordered, ``a``'s shape): computed in place as ``(low^T buf^T)^T``, the transposed rows
+    being the Fortran-ordered operand BLAS overwrites."""
     from scipy.linalg.blas import get_blas_funcs
 
     n, m, k = a.shape
-    flat = np.ascontiguousarray(a, low.dtype).reshape(n * m, k)
+    buf[...] = a
+    flat = buf.reshape(n * m, k)
     trmm = get_blas_funcs("trmm", (low, flat))
-    return np.asarray(trmm(1.0, low, flat.T, side=0, lower=1, trans_a=1)).T.reshape(n, m, k)
+    # (the result read from what trmm returns: buf itself where it could write in place)
+    done = trmm(1.0, low, flat.T, side=0, lower=1, trans_a=1, overwrite_b=1)
+    return np.asarray(done).T.reshape(n, m, k)
 
 
 def _as_float(value: Any, name: str) -> np.ndarray:
