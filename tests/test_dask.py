@@ -555,3 +555,43 @@ def test_workers_write_product_stores(client: Any, tmp_path: Any,
     est = batchjac.divergence(f, x, out=str(tmp_path / "e.zarr"), client=client, **kw)
     assert (est.resumed_chunks, est.computed_chunks, tasks) == (1, 2, ["_store_task"] * 2)
     assert np.array_equal(np.asarray(est.open()), np.asarray(local.open()))
+
+
+def test_workers_write_estimate_stores(client: Any, tmp_path: Any,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Laplacian's and the Hessian diagonal's estimates into stores on the cluster: each
+    chunk's probes are its instances', so the workers' store equals the one made here, and
+    a store begun here is finished there with only its missing chunks computed."""
+    torch = pytest.importorskip("torch")
+    submit, tasks = client.submit, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        tasks.append(args[0].__name__)
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(client, "submit", counted)
+
+    def f(x: Any) -> Any:  # Laplacian -sum sin x, Hessian diagonal -sin x
+        return torch.sin(x).sum(-1)
+
+    x = np.random.default_rng(92).normal(size=(300, 5))
+    kw = {"estimator": "hutchinson", "samples": 6, "seed": 2, "chunk_size": 100,
+          "backend": "torch"}
+    for name, verb in (("lap", batchjac.laplacian),
+                       ("diag", lambda *a, **o: batchjac.hessian(*a, diagonal=True, **o))):
+        local = verb(f, x, out=str(tmp_path / f"{name}0.zarr"), **kw)
+
+        def stop(rows: int) -> None:
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            verb(f, x, out=str(tmp_path / f"{name}.zarr"), progress=stop, **kw)
+        del tasks[:]
+        remote = verb(f, x, out=str(tmp_path / f"{name}.zarr"), client=client, **kw)
+        assert (remote.resumed_chunks, remote.computed_chunks) == (1, 2)
+        assert tasks == ["_store_task"] * 2
+        got, want = np.asarray(remote.open()), np.asarray(local.open())
+        assert got.shape == want.shape == ((300, 2) if name == "lap" else (300, 5, 2))
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    # the diagonal estimator is exact for a diagonal Hessian (v * Hv = diag H for +-1 probes)
+    np.testing.assert_allclose(got[..., 0], -np.sin(x), rtol=1e-12, atol=1e-12)

@@ -27,7 +27,7 @@ from ._arrays import OutputArg, deliver, named_results, native_options, on_host,
 from ._backends._base import SECOND_RESULT
 from ._bind import BackendName, beside_probes, memory_budget, prepare
 from ._compute import Derivative, check_out, compute, context
-from ._dask import uses_dask
+from ._dask import store_chunks_on_cluster, uses_dask
 from ._errors import BatchJacError, InputError, OrderFailedError, add_context
 from ._estimators import (
     ESTIMATORS,
@@ -133,7 +133,8 @@ def hessian(
     ``out=`` a store path or :class:`batchjac.Store`, the estimates written chunk by chunk as
     ``(N, *shape, 2)`` (value and standard error), resumably; on Dask (``client=``, Dask
     arrays) each block draws its own instances' probes: the same estimates as a local call, in
-    memory (:mod:`batchjac._estimators`).
+    memory or, with a store path as ``out``, written by the workers chunk by chunk
+    (:mod:`batchjac._estimators`).
 
     ``differentiable=True`` (here, in :func:`laplacian` and in :func:`hvp`): the result inside
     the framework's graph, as :func:`batchjac.jacobian`'s (a physics-informed loss on the
@@ -156,13 +157,25 @@ def hessian(
     if estimator is not None:  # randomized, from Hessian-vector products
         on_dask = client is not None or scheduler is not None or (
             any(type(a) is not np.ndarray for a in inputs) and uses_dask(inputs))
-        asked = {"out": out if out is not None and (on_dask or not is_store_target(out))
-                 else None, "differentiable": differentiable, "return_jacobian": return_jacobian}
+        asked = {"out": out if out is not None and not is_store_target(out) else None,
+                 "differentiable": differentiable, "return_jacobian": return_jacobian}
         _refuse_with_estimator(kind, estimator, {n: v for n, v in asked.items()
                                                  if v is not None and v is not False})
         check_estimator(estimator, samples, seed,
                         ESTIMATORS if kind == "laplacian" else ("hutchinson",),
                         "laplacian" if laplacian else "hessian")
+        if on_dask and out is not None:  # the workers compute and write the store's chunks
+            from . import _dask
+
+            with _dask.client_for(client, scheduler) as own:
+                _dask.check_store_inputs(inputs, own)
+                return _estimated(model, inputs, kind, estimator=estimator, samples=int(samples),
+                                  seed=int(seed), wrt=wrt, mode=mode, chunk_size=chunk_size,
+                                  max_memory=max_memory, dtype=dtype,
+                                  return_outputs=return_outputs, nan_policy=nan_policy,
+                                  backend=backend, backend_options=backend_options,
+                                  output=output, explain=explain, out=out, progress=progress,
+                                  cluster=own)
         if on_dask:  # each block's probes drawn for its own instances
             from . import _dask
 
@@ -316,11 +329,12 @@ def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, esti
                nan_policy: NanPolicy, backend: BackendName | None,
                backend_options: dict[str, Any] | None, output: OutputArg, explain: bool,
                out: Any = None, progress: bool | Callable[[int], None] = False,
-               first_row: int = 0) -> Any:
+               first_row: int = 0, cluster: Any = None) -> Any:
     """The Laplacian or the Hessian's diagonal estimated from Hessian-vector products
     (:mod:`batchjac._estimators`): each chunk's rows repeated once per direction into the
     ``hvp`` kernel, of the order :func:`hvp` takes; in memory, or into a store (``out``) as
-    ``(N, *shape, 2)``, each value and its standard error."""
+    ``(N, *shape, 2)``, each value and its standard error, its chunks computed and written by
+    the workers of the Dask client ``cluster`` where given (each with its rows' probes)."""
     model = as_model(model)
     check_options("auto", chunk_size, max_memory)
     delivery = on_host(inputs, output)
@@ -341,25 +355,18 @@ def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, esti
         rows = chunk_size or max(1, fits // (per_row * widest))
         rows = min(rows, max(spec.n, 1))
 
-        def apply(u: Any, ctx: tuple[Any, ...], v: np.ndarray) -> tuple[Any, np.ndarray]:
-            n, d = v.shape[:2]
-            kernel = bound.second_kernel("hvp", order, n * d, return_outputs, False)
-            found = call(kernel, np.repeat(u, d, axis=0),
-                         (*(np.repeat(c, d, axis=0) for c in ctx), v.reshape(n * d, *ushape)),
-                         "Hessian-vector products", zero_check=False)
-            y = found.get("outputs")
-            hv = np.asarray(found[SECOND_RESULT["hvp"]]).reshape(n, d, m, k)
-            return (None if y is None else np.asarray(y)[::d]), hv
-
         shape = (*out_shape, *(ushape if kind == "diagonal" else ()))
-        kernel = EstimateKernel(apply, rows, estimator, samples, shape, kind == "diagonal",
-                                return_outputs)
+        recipe = functools.partial(_estimate_kernel, order=order, estimator=estimator,
+                                   samples=samples, shape=shape, diagonal=kind == "diagonal",
+                                   with_outputs=return_outputs)
+        kernel = recipe(bound, {"chunk_size": rows})
         reason = (f"{kind} by {estimator}: {samples} products an instance, Hessian-vector "
                   f"products in {order} ({why}); chunks of {rows} rows, each row pushed along "
                   f"up to {widest} directions at once")
         probes = Probes(seed, spec.n, count, ushape, spec.dtype, first_row)
         if out is not None:
             result = SECOND_RESULT[kind]
+            make = functools.partial(_paired_estimate, recipe=recipe, result=result)
             axes = (*[f"output{i}" for i in range(len(out_shape))],
                     *([f"unknown{i}" for i in range(len(ushape))] if kind == "diagonal" else []),
                     "estimate")
@@ -374,9 +381,11 @@ def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, esti
                 plan=lambda _: {"order": order, "chunk_size": rows,
                                 "chunks": -(-spec.n // rows) if spec.n else 0, "rows": spec.n,
                                 "reason": reason},
-                kernel=lambda b, p: Paired(kernel, result), with_outputs=return_outputs,
-                with_jacobian=False, explain=explain, progress=progress,
-                result=lambda _: ((*shape, 2), axes))
+                kernel=make, with_outputs=return_outputs, with_jacobian=False,
+                explain=explain, progress=progress, result=lambda _: ((*shape, 2), axes),
+                compute_chunks=None if cluster is None else functools.partial(
+                    store_chunks_on_cluster, cluster, model, name, backend_options or {},
+                    kernel_of=make))
         if explain:
             print(f"batchjac: {reason}", file=sys.stderr)
         y, value, stderr = run_estimate(kernel, spec, probes,
@@ -387,6 +396,35 @@ def _estimated(model: Any, inputs: tuple[Any, ...], kind: SecondKindArg, *, esti
     value, stderr = deliver((value, stderr), delivery)
     found = cls(value=value, stderr=stderr, samples=samples, estimator=estimator, seed=seed)
     return (deliver(y, delivery), found) if return_outputs else found
+
+
+def _estimate_kernel(bound: Any, plan: dict[str, Any], *, order: str, estimator: str,
+                     samples: int, shape: tuple[int, ...], diagonal: bool,
+                     with_outputs: bool) -> EstimateKernel:
+    """An estimate's kernel over chunks of ``plan["chunk_size"]`` rows: each chunk's rows
+    repeated once per direction into ``bound``'s ``hvp`` kernel of ``order``."""
+    assert bound.output_shape is not None
+    m, ushape = math.prod(bound.output_shape), tuple(bound.signature.unknown_shape)
+    k = math.prod(ushape)
+
+    def apply(u: Any, ctx: tuple[Any, ...], v: np.ndarray) -> tuple[Any, np.ndarray]:
+        n, d = v.shape[:2]
+        kernel = bound.second_kernel("hvp", order, n * d, with_outputs, False)
+        found = call(kernel, np.repeat(u, d, axis=0),
+                     (*(np.repeat(c, d, axis=0) for c in ctx), v.reshape(n * d, *ushape)),
+                     "Hessian-vector products", zero_check=False)
+        y = found.get("outputs")
+        hv = np.asarray(found[SECOND_RESULT["hvp"]]).reshape(n, d, m, k)
+        return (None if y is None else np.asarray(y)[::d]), hv
+
+    return EstimateKernel(apply, plan["chunk_size"], estimator, samples, shape, diagonal,
+                          with_outputs)
+
+
+def _paired_estimate(bound: Any, plan: dict[str, Any], *, recipe: Any, result: str) -> Paired:
+    """A store's estimate kernel (:func:`_estimate_kernel`), its value and standard error as
+    one ``(rows, *shape, 2)`` result."""
+    return Paired(recipe(bound, plan), result)
 
 
 def _estimate_task(model: Any, *inputs: Any, kind: SecondKindArg, instances: Any,
