@@ -153,6 +153,31 @@ def test_report_from_model_and_from_files(files: dict[str, str]) -> None:
     assert "y0: x1" in res.output
 
 
+def test_an_earlier_report_is_kept_unless_overwrite(files: dict[str, str]) -> None:
+    """A report in the output directory (its Markdown, a chart) is not replaced by another run
+    without --overwrite (exit 6, the files untouched); with it, the new report replaces it."""
+    jac = np.random.default_rng(4).normal(size=(10, 2, 3)) * [1.0, 5.0, 0.1]
+    np.save(Path(files["dir"]) / "j.npy", jac)
+    out = Path(files["dir"]) / "rep3"
+    args = ["report", "--jacobians", str(Path(files["dir"]) / "j.npy"), "-o", str(out)]
+    assert run(*args).exit_code == 0
+    (out / "report.md").write_text("the user's edits\n")
+    res = run(*args)
+    assert res.exit_code == 6, res.output
+    assert "--overwrite" in res.output
+    assert "report.md" in res.output
+    assert (out / "report.md").read_text() == "the user's edits\n"
+    (out / "report.md").unlink()  # a chart alone is kept too
+    before = (out / "sensitivity_0_y0.png").read_bytes()
+    res = run(*args, "--input-names", "p,q,r")
+    assert res.exit_code == 6, res.output
+    assert "sensitivity_" in res.output
+    assert (out / "sensitivity_0_y0.png").read_bytes() == before
+    res = run(*args, "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert (out / "report.md").read_text().startswith("# batchjac sensitivity report")
+
+
 @pytest.mark.parametrize(
     ("args", "match", "code"),
     [

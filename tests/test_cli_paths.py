@@ -193,8 +193,7 @@ CASES = ["compute -o = -i", "compute -o = -k", "compute -o, spelled otherwise",
 
 
 @pytest.mark.parametrize(("case", "overwrite"), [
-    (case, overwrite) for case in CASES for overwrite in (False, True)
-    if not (overwrite and case.startswith("report"))])  # report has no --overwrite
+    (case, overwrite) for case in CASES for overwrite in (False, True)])
 def test_an_output_is_never_one_of_the_inputs(d: Path, case: str, overwrite: bool) -> None:
     """``-o`` equal to ``-i`` with --overwrite destroyed the input, exit 0."""
     args, option, path = _cases(d)[case]

@@ -1,5 +1,7 @@
 """``batchjac report``: a sensitivity report (heatmap, per-output bar charts, report.md) from
-MODEL and its inputs, or from precomputed Jacobians. Exit codes as every subcommand
+MODEL and its inputs, or from precomputed Jacobians. A report already in the output
+directory (``report.md``, ``sensitivity_*.png``) is kept unless ``--overwrite`` (exit 6, as
+every output: nothing records which run wrote it). Exit codes as every subcommand
 (:mod:`batchjac.cli.errors`); a failure to write the report is 7.
 """
 
@@ -11,7 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .common import Files, backend_of, gather_inputs, load_model, resolve_output, writing_output
+from .common import (
+    Files,
+    backend_of,
+    gather_inputs,
+    load_model,
+    refuse_existing,
+    resolve_output,
+    writing_output,
+)
 from .errors import guard
 from .options import (
     CONTEXT,
@@ -21,6 +31,7 @@ from .options import (
     model_argument,
     model_options,
     output_options,
+    overwrite_option,
     parse_names,
 )
 
@@ -45,13 +56,14 @@ if TYPE_CHECKING:
               help="Inputs listed per output.")
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
               help="Directory for report.md and its PNG charts.")
+@overwrite_option
 @output_options
 @guard("report")
 def report(model: str | None, inputs: tuple[str, ...], known: str | None, wrt: str | None,
            wrt_input: int | None, backend: str | None, dtype: str | None, trust_model: bool,
            max_memory: str | None, jacobians: str | None, outputs: str | None,
            input_names: str | None, output_names: str | None, by: Measure, top: int,
-           output: str) -> None:
+           output: str, overwrite: bool) -> None:
     """Sensitivity report: heatmap, per-output bar charts and report.md.
 
     From MODEL and --inputs (the Jacobians are computed), or from --jacobians FILE.
@@ -63,6 +75,10 @@ def report(model: str | None, inputs: tuple[str, ...], known: str | None, wrt: s
         raise click.UsageError("Give either MODEL (the Jacobians are computed) or --jacobians FILE.")
     directory = resolve_output("--output", output, replaces=[
         Path(output, "report.md"), Path(output, "sensitivity_heatmap.png")])
+    # (the charts' names follow the outputs' names: any earlier report's are kept too)
+    earlier = [directory / "report.md", *sorted(directory.glob("sensitivity_*.png"))] \
+        if directory.is_dir() else []
+    refuse_existing(earlier, option="--output directory", overwrite=overwrite)
     inputs_named = parse_names(input_names, option="--input-names")
     outputs_named = parse_names(output_names, option="--output-names")
     with Files() as files:
