@@ -220,8 +220,11 @@ def test_output_exists_and_other_jobs(folder: Path, tmp_path: Path) -> None:
     m, u, k = folder / "seed.keras", folder / "u.npy", folder / "k.npy"
     out = tmp_path / "jac.npy"
     out.write_text("not ours")
-    assert_error(invoke("compute", m, "-i", u, "-k", k, "-o", out), 6,
-                 "exists and is not a finished batchjac output.*--overwrite")
+    refused = invoke("compute", m, "-i", u, "-k", k, "-o", out)
+    assert_error(refused, 6, "exists and is not a finished batchjac output.*--overwrite")
+    # (the API's "overwrite=True (--overwrite)" reads as the flag once, not "--overwrite (--overwrite)")
+    assert "pass --overwrite to replace it" in refused.stderr
+    assert "(--overwrite)" not in refused.stderr
     assert invoke("compute", m, "-i", u, "-k", k, "-o", out, "-q", "--overwrite").exit_code == 0
     assert_error(invoke("compute", m, "-i", u, "-k", k, "-o", out, "--dtype", "float64"), 6,
                  r"different job \(options\.dtype: the store has 'float32', this call 'float64'\)")

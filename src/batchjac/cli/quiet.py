@@ -170,6 +170,8 @@ _FLAGS = {"mode": "--mode", "dtype": "--dtype", "chunk_size": "--chunk-size",
           "max_memory": "--max-memory", "backend": "--backend", "nan_policy": "--nan-policy",
           "overwrite": "--overwrite"}
 _KWARG = re.compile(r"\b(" + "|".join(_FLAGS) + r")=(?:'([^']*)'|\"([^\"]*)\"|([\w.]+))?")
+#: a flag followed by itself in brackets (the API's keyword and its flag, both made the flag)
+_TWICE = re.compile(r"(--[\w-]+(?: [\w.]+)?) \(\1\)")
 
 
 def in_cli_terms(message: str) -> str:
@@ -179,13 +181,18 @@ def in_cli_terms(message: str) -> str:
     'Pass --mode reverse to skip the attempt, or pass --dtype to compute in another dtype.'
     >>> in_cli_terms("Choose another output path, or pass overwrite=True to replace it.")
     'Choose another output path, or pass --overwrite to replace it.'
+
+    Advice that names both (``overwrite=True (--overwrite)``) names the flag once:
+
+    >>> in_cli_terms("Pass overwrite=True (--overwrite) to discard it and start again.")
+    'Pass --overwrite to discard it and start again.'
     """
     def flag(m: re.Match[str]) -> str:
         value = next((g for g in m.groups()[1:] if g is not None), None)
         # a flag is on by itself (overwrite=True is --overwrite)
         return f"{_FLAGS[m.group(1)]} {value}" if value and value != "True" else _FLAGS[m.group(1)]
 
-    return _KWARG.sub(flag, message)
+    return _TWICE.sub(r"\1", _KWARG.sub(flag, message))
 
 
 def _one_line(message: Warning | str) -> str:
