@@ -59,7 +59,7 @@ import onnx
 import torch
 from onnx import defs, external_data_helper
 
-from .._errors import ModelError, ModelLoadError
+from .._errors import InputError, ModelLoadError
 from . import onnx_compat
 
 #: converted modules by the sha256 of the model's bytes: the same file or ModelProto gives the
@@ -328,7 +328,7 @@ class InputCheck:
     def __call__(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if len(args) + len(kwargs) == len(self.params) and set(kwargs) <= set(self.params[len(args):]):
             return
-        raise ModelError(self.message(len(args), tuple(kwargs)))
+        raise InputError(self.message(len(args), tuple(kwargs)))
 
     def message(self, given: int, keys: tuple[str, ...]) -> str:
         names, params = self.names, self.params

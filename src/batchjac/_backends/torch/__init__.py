@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..._errors import (
+    BatchJacError,
     ForwardModeFallbackWarning as ForwardModeFallbackWarning,
     InputError,
     ModelError,
@@ -416,7 +417,7 @@ class TorchBound(BoundModel):
         with self.calling():
             try:
                 y = self._counted(ut, ct)
-            except (ModelError, Warning):
+            except (BatchJacError, Warning):
                 raise
             except Exception as e:
                 raise _explain_model_failure(e, self.signature) from e
@@ -453,7 +454,7 @@ class TorchBound(BoundModel):
             x = ut.detach().requires_grad_(True)
             try:
                 y = self.apply(x, ct)
-            except (ModelError, Warning):
+            except (BatchJacError, Warning):
                 raise
             except Exception as e:
                 if "numpy()" in str(e):  # x.numpy() on the unknowns: the path is cut there
@@ -479,7 +480,7 @@ class TorchBound(BoundModel):
         with self.calling():
             try:
                 y = self.apply(u, ctx)
-            except (ModelError, Warning):
+            except (BatchJacError, Warning):
                 raise
             except Exception as e:
                 raise _explain_model_failure(e, self.signature) from e

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from ..._errors import ForwardModeFallbackWarning, ModelError
+from ..._errors import BatchJacError, ForwardModeFallbackWarning
 from ..._tune import chooser
 from ..._tune.chooser import Build, timings
 from .._base import (
@@ -305,7 +305,7 @@ class TorchKernel(Kernel):
             return None
         try:
             out = self._run((self.mode, "mixed"), u, ctx)
-        except (ModelError, Warning):
+        except (BatchJacError, Warning):
             raise
         except Exception as e:  # an operation the pieces cannot re-run: no mixed build
             bound.__dict__["_accumulation"] = None
@@ -507,7 +507,7 @@ class TorchKernel(Kernel):
         for path in paths:
             try:
                 out = self._run(path, u, ctx)
-            except (ModelError, Warning):  # Warning: a warnings-as-errors run, not a failure
+            except (BatchJacError, Warning):  # Warning: a warnings-as-errors run, not a failure
                 raise
             except Exception as e:
                 if _out_of_memory(e):
@@ -596,7 +596,7 @@ class TorchKernel(Kernel):
         mode: Mode = "forward" if build == "transposed" else "reverse"
         try:
             out = self._run((mode, engine), u, ctx)
-        except (ModelError, Warning):
+        except (BatchJacError, Warning):
             raise
         except Exception:  # e.g. a model that keeps state across rows: the usual first call
             return None
