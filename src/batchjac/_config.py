@@ -101,13 +101,20 @@ def device_budget(free: int) -> int:
     return max(MIN_DEVICE_BUDGET, 1 << (half.bit_length() - 1))
 
 
+#: the host's memory budget: this share of its physical memory (the rest is the user's, the
+#: framework's and the operating system's), between these bounds
+HOST_SHARE = 4
+HOST_BUDGET_MIN = 512 * 10**6
+HOST_BUDGET_MAX = 8 * 10**9
+
+
 @functools.cache
 def _physical_default() -> int:
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not POSIX
-        physical = 8 * 10**9
-    return int(min(8 * 10**9, max(512 * 10**6, physical // 4)))
+        physical = HOST_BUDGET_MAX
+    return int(min(HOST_BUDGET_MAX, max(HOST_BUDGET_MIN, physical // HOST_SHARE)))
 
 
 def probes_enabled() -> bool:

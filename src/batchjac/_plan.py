@@ -97,12 +97,17 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+#: chunk sizes of one octave of N: calls with ever new N compile at most this many shapes an
+#: octave (see :func:`granule`)
+GRANULES = 1 << 10
+
+
 def granule(n: int) -> int:
     """Round chunk sizes to multiples of this, so that a sequence of calls with different N
-    compiles a bounded number of shapes (at most 1024 per octave), while padding wastes < 0.1%
-    and round batch sizes (1,000, 10,000) need none: padding copies the inputs, which costs
-    more than the 0.1% on large inputs."""
-    return 1 << max(0, int(math.log2(max(n, 1))) - 10)
+    compiles a bounded number of shapes (at most ``GRANULES`` per octave), while padding wastes
+    < 0.1% and round batch sizes (1,000, 10,000) need none: padding copies the inputs, which
+    costs more than the 0.1% on large inputs."""
+    return 1 << max(0, int(math.log2(max(n, 1))) - (GRANULES.bit_length() - 1))
 
 
 def make_plan(

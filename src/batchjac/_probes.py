@@ -17,11 +17,13 @@ from ._keras_compat import flattened, is_keras as _is_keras
 from ._spec import BatchSpec
 
 PROBE_ROWS = 4
+#: the first rows of the user's data read to find PROBE_ROWS finite ones among them
+PROBE_READ_ROWS = 64
 
 
 def _probe_batch(spec: BatchSpec) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """Up to PROBE_ROWS finite rows of the user's data (the known inputs matter), at least 2."""
-    u, ctx = spec.chunk(0, min(spec.n, 64))
+    u, ctx = spec.chunk(0, min(spec.n, PROBE_READ_ROWS))
     if spec.n:
         finite = np.isfinite(u.reshape(len(u), -1)).all(axis=1)
         for c in ctx:
