@@ -7,8 +7,8 @@ Like the rest of batchjac this module sees numpy arrays and the backend interfac
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -84,6 +84,41 @@ def jacobian_chunks(
             yield chunk.lo, chunk.hi, out.get("outputs"), out["jacobians"]
 
     return plan, chunks()
+
+
+R = TypeVar("R")
+
+
+def reduce_jacobians(
+    bound: _backends.BoundModel, spec: BatchSpec, backend: str, *, mode: ModeArg,
+    chunk_size: int | None, max_memory: int | str | None, with_outputs: bool,
+    consume: Callable[[Iterator[tuple[int, int, Any, Any]]], R], extra_bytes_per_row: int = 0,
+) -> R:
+    """``consume`` of the ``(lo, hi, y or None, J)`` of every chunk, in order, computed by the
+    one compute sequence of :func:`batchjac.jacobian` (:func:`batchjac._compute.compute`): the
+    kernel's build remembered or raced on the calls as there, the chunk size raced below the
+    budget's where ``chunk_size`` is free, the decisions kept on disk; for the analyses that
+    reduce each chunk as it comes (``propagate``'s ``J Sigma J^T``, the divergence), which
+    :func:`jacobian_chunks` served with a kernel's untimed first build every call. Arguments as
+    for :func:`jacobian_chunks`; ``backend`` names the decisions on disk."""
+    from ._compute import Derivative, compute
+
+    total = budget(max_memory)
+    if chunk_size is None and extra_bytes_per_row:
+        from ._plan import bytes_per_row
+
+        base = bytes_per_row(spec.k, output_size(bound), in_elems(spec), spec.dtype.itemsize)
+        total = max(1, total * base // (base + extra_bytes_per_row))
+    plan = plan_for(spec, bound, mode=mode, chunk_size=chunk_size, max_memory=total)
+
+    def run(kernel: Any, planned: Plan) -> R:
+        return consume((chunk.lo, chunk.hi, out.get("outputs"), out["jacobians"])
+                       for chunk, out, _ in iter_results(kernel, spec))
+
+    result: R = compute(bound, spec, Derivative("jacobian", with_outputs), plan, backend=backend,
+                        rows_free=chunk_size is None, run=run, explain=False,
+                        mode_asked=mode != "auto")
+    return result
 
 
 def block_rows(spec: BatchSpec, m: int, max_memory: int | str | None) -> int:

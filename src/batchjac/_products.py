@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -36,7 +36,7 @@ from ._estimators import (
     probes_per_row,
     run as run_estimate,
 )
-from ._evaluate import bind, budget, context, in_elems, jacobian_chunks, output_size
+from ._evaluate import bind, budget, context, in_elems, output_size, reduce_jacobians
 from ._loaders import as_model
 from ._runner import results, run_chunks
 from ._sinks import ArraySink
@@ -220,7 +220,7 @@ def _local(kind: str, model: Any, inputs: tuple[Any, ...], vectors: Any, *, wrt:
                                             return_outputs=return_outputs, nan_policy=nan_policy,
                                             options=backend_options or {}, progress=progress,
                                             cluster=_on(cluster, model, name, backend_options))
-            found = _divergence(bound, spec, estimator, chunk_size, max_memory, return_outputs,
+            found = _divergence(bound, spec, name, estimator, chunk_size, max_memory, return_outputs,
                                 first_row)
             y, div = found if return_outputs else (None, found)
             if isinstance(div, TraceEstimate):  # (its arrays in the inputs' kind)
@@ -525,7 +525,7 @@ def _block_rows(spec: BatchSpec, m: int, d: int, chunk_size: int | None,
     return int(min(MAX_BLOCK, max(MIN_BLOCK, min(budget(max_memory) // 2, WORKING_SET) // per_row)))
 
 
-def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, int],
+def _divergence(bound: Any, spec: BatchSpec, backend: str, estimator: tuple[str | None, int, int],
                 chunk_size: int | None, max_memory: int | str | None,
                 with_outputs: bool, first_row: int = 0) -> Any:
     """The trace of each square Jacobian: exact (the Jacobians of a chunk, as
@@ -539,12 +539,15 @@ def _divergence(bound: Any, spec: BatchSpec, estimator: tuple[str | None, int, i
         trace = np.empty(spec.n, spec.dtype)
         # (chunks within the working set: the peak stays far below J's, as fast or faster)
         fits = min(budget(max_memory), WORKING_SET)
-        _, parts = jacobian_chunks(bound, spec, mode="auto", chunk_size=chunk_size,
-                                   max_memory=fits, with_outputs=with_outputs)
-        for lo, hi, yc, jac in parts:
-            trace[lo:hi] = np.einsum("njj->n", np.asarray(jac).reshape(hi - lo, k, k))
-            if y is not None:
-                y[lo:hi] = np.asarray(yc).reshape(hi - lo, *shape)
+
+        def traces(parts: Iterator[tuple[int, int, Any, Any]]) -> None:
+            for lo, hi, yc, jac in parts:
+                trace[lo:hi] = np.einsum("njj->n", np.asarray(jac).reshape(hi - lo, k, k))
+                if y is not None:
+                    y[lo:hi] = np.asarray(yc).reshape(hi - lo, *shape)
+
+        reduce_jacobians(bound, spec, backend, mode="auto", chunk_size=chunk_size,
+                         max_memory=fits, with_outputs=with_outputs, consume=traces)
         return (y, trace) if with_outputs else trace
 
     # the probes as the chunks' last array (as jvp's tangents), drawn chunk by chunk

@@ -31,8 +31,8 @@ from ._evaluate import (
     budget,
     check_out,
     context,
-    jacobian_chunks,
     output_size,
+    reduce_jacobians,
     repeat_rows,
 )
 from ._loaders import as_model
@@ -467,8 +467,8 @@ def propagate(
     clipped = [0]  # unscented: instances whose covariance was projected onto the PSD cone
     try:
         if method == "linear":
-            # (a mode asked for: computed or refused, jacobian_chunks)
-            _linear(bound, spec, unc, sink, m, mode=mode, chunk_size=chunk_size,
+            # (a mode asked for: computed or refused, reduce_jacobians)
+            _linear(bound, spec, name, unc, sink, m, mode=mode, chunk_size=chunk_size,
                     max_memory=max_memory)
         else:
             evaluator = Evaluator(bound, _block(spec, m, method, n_samples, max_memory))
@@ -532,19 +532,23 @@ def _warn_clipped(clipped: int, spec: BatchSpec, *, alpha: float, beta: float,
     )
 
 
-def _linear(bound: Any, spec: BatchSpec, unc: _Uncertainty, sink: ArraySink, m: int, *,
-            mode: ModeArg, chunk_size: int | None, max_memory: int | str | None) -> None:
+def _linear(bound: Any, spec: BatchSpec, backend: str, unc: _Uncertainty, sink: ArraySink,
+            m: int, *, mode: ModeArg, chunk_size: int | None,
+            max_memory: int | str | None) -> None:
     k = spec.k
     # a row keeps its product with Sigma and its covariance, and its own Sigma where each
     # instance has one (a shared one is held once)
     kept = 2 * m * k + 2 * m * m + (k * k if unc.kind == "stack" else 0)
-    _, chunks = jacobian_chunks(bound, spec, mode=mode, chunk_size=chunk_size,
-                                max_memory=min(budget(max_memory), LINEAR_BUDGET),
-                                with_outputs=True, extra_bytes_per_row=8 * kept)
-    for lo, hi, y, jac in chunks:
-        assert y is not None
-        a = np.asarray(jac).reshape(hi - lo, m, k)  # (a float32 J stays so for the products)
-        sink.write(lo, hi, {"cov": unc.sandwich(a, lo, hi), "mean": y})
+
+    def sandwiches(chunks: Iterator[tuple[int, int, Any, Any]]) -> None:
+        for lo, hi, y, jac in chunks:
+            assert y is not None
+            a = np.asarray(jac).reshape(hi - lo, m, k)  # (a float32 J stays so for the products)
+            sink.write(lo, hi, {"cov": unc.sandwich(a, lo, hi), "mean": y})
+
+    reduce_jacobians(bound, spec, backend, mode=mode, chunk_size=chunk_size,
+                     max_memory=min(budget(max_memory), LINEAR_BUDGET), with_outputs=True,
+                     consume=sandwiches, extra_bytes_per_row=8 * kept)
 
 
 def _block(spec: BatchSpec, m: int, method: str, n_samples: int,
