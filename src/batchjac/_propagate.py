@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._arrays import OutputArg, deliver, like, on_host
+from ._backends import LinearHead
 from ._errors import BatchJacError, CovarianceClippedWarning, InputError, add_context
 from ._evaluate import (
     Evaluator,
@@ -31,12 +32,14 @@ from ._evaluate import (
     budget,
     check_out,
     context,
+    in_elems,
     output_size,
     reduce_jacobians,
     repeat_rows,
 )
 from ._loaders import as_model
-from ._plan import ModeArg
+from ._plan import ModeArg, bytes_per_row
+from ._runner import model_call, pad_chunk
 from ._sinks import ArraySink
 from ._spec import BatchSpec
 from ._validate import DTypeLike, normalize, to_numpy
@@ -58,7 +61,9 @@ class Propagation:
     n_samples: int | None = None
     #: how the input uncertainty was taken: "std", "std per instance", "diagonal (taken as
     #: std)", "diagonal per instance (taken as std)", "low rank (r of k)", "dense" or "dense
-    #: per instance" (a structured ``cov`` costs what its structure needs, not ``k^2``)
+    #: per instance" (a structured ``cov`` costs what its structure needs, not ``k^2``); a
+    #: shared one sandwiched through the model's linear head adds ", folded through the
+    #: model's linear head (w of k values)"
     sigma_form: str = ""
     #: unscented only: instances whose covariance had negative eigenvalues (negative centre
     #: weight) and was projected onto the nearest positive semi-definite matrix
@@ -211,6 +216,16 @@ class _Uncertainty:
                 self._shared_factor = _sqrt_psd(_sym(self.data)[None])[0]
             return np.broadcast_to(self._shared_factor, (hi - lo, self.k, self.k))
         return _sqrt_psd(_sym(np.asarray(self.data[lo:hi], np.float64)))
+
+    def folds(self, width: int) -> bool:
+        """Whether a shared ``Sigma`` is cheaper sandwiched through a linear head of ``width``
+        values (:func:`_folded`): ``m w^2 / 2`` a row (its Cholesky factor) against ``m k^2 / 2``
+        (dense) or ``m k r`` (of rank ``r``, through its factor)."""
+        if self.kind != "shared":
+            return False
+        low = getattr(self, "_low", None)
+        work = self.k * self.k / 2 if low is None else self.k * low.shape[1]
+        return width * width / 2 < work
 
     def _cholesky(self, dtype: np.dtype) -> np.ndarray | None:
         """A shared dense ``Sigma``'s Cholesky factor ``L`` (lower, ``L L^T = Sigma``) in
@@ -536,6 +551,10 @@ def _linear(bound: Any, spec: BatchSpec, backend: str, unc: _Uncertainty, sink: 
             m: int, *, mode: ModeArg, chunk_size: int | None,
             max_memory: int | str | None) -> None:
     k = spec.k
+    head = bound.linear_head() if mode == "auto" and unc.kind == "shared" and spec.n else None
+    if head is not None and unc.folds(head.width):
+        _folded(bound, spec, head, unc, sink, m, chunk_size=chunk_size, max_memory=max_memory)
+        return
     # a row keeps its product with Sigma and its covariance, and its own Sigma where each
     # instance has one (a shared one is held once)
     kept = 2 * m * k + 2 * m * m + (k * k if unc.kind == "stack" else 0)
@@ -549,6 +568,30 @@ def _linear(bound: Any, spec: BatchSpec, backend: str, unc: _Uncertainty, sink: 
     reduce_jacobians(bound, spec, backend, mode=mode, chunk_size=chunk_size,
                      max_memory=min(budget(max_memory), LINEAR_BUDGET), with_outputs=True,
                      consume=sandwiches, extra_bytes_per_row=8 * kept)
+
+
+def _folded(bound: Any, spec: BatchSpec, head: LinearHead, unc: _Uncertainty, sink: ArraySink,
+            m: int, *, chunk_size: int | None, max_memory: int | str | None) -> None:
+    """``J Sigma J^T`` through the model's linear head ``z = A x`` (:meth:`~batchjac._backends.
+    BoundModel.linear_head`): ``J = J_z A``, so ``J Sigma J^T = J_z (A Sigma A^T) J_z^T``, with
+    ``A Sigma A^T`` (``w x w``) formed once and ``J_z`` (``m x w``) per instance, in blocks of
+    rows within the linear method's budget (the last block padded: one compiled shape)."""
+    k, w = spec.k, head.width
+    u0, c0 = spec.chunk(0, 1)
+    a = head.matrix(u0, c0)
+    folded = _Uncertainty(_sym(a @ _sym(unc.data) @ a.T), None, spec.n, (w,))
+    per_row = bytes_per_row(w, m, in_elems(spec), spec.dtype.itemsize) + \
+        8 * (2 * m * w + 2 * m * m)
+    rows = chunk_size or max(1, min(budget(max_memory), LINEAR_BUDGET) // per_row)
+    rows = min(rows, spec.n)
+    for lo in range(0, spec.n, rows):
+        hi = min(lo + rows, spec.n)
+        u, ctx = pad_chunk(spec, lo, hi, rows)
+        with model_call(f"rows {lo}:{hi}"):
+            y, jz = head.jacobians(u, ctx)
+        y, jz = np.asarray(y)[:hi - lo], np.asarray(jz)[:hi - lo]
+        sink.write(lo, hi, {"cov": folded.sandwich(jz, lo, hi), "mean": y})
+    unc.form = f"{unc.form}, folded through the model's linear head ({w} of {k} values)"
 
 
 def _block(spec: BatchSpec, m: int, method: str, n_samples: int,

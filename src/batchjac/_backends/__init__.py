@@ -22,15 +22,16 @@ from ._base import (
     BoundModel,
     CallBudget,
     Kernel,
+    LinearHead,
     Mode,
     Signature,
     asking,
     under,
 )
 
-__all__ = ["FIRST_VARIANT", "UNTUNED", "Backend", "BoundModel", "CallBudget", "Kernel", "Mode",
-           "Signature", "array_framework", "array_ops", "asking", "bind", "detect", "get_backend",
-           "under"]
+__all__ = ["FIRST_VARIANT", "UNTUNED", "Backend", "BoundModel", "CallBudget", "Kernel",
+           "LinearHead", "Mode", "Signature", "array_framework", "array_ops", "asking", "bind",
+           "detect", "get_backend", "under"]
 
 # name -> (module implementing it, framework module it needs, install hint)
 REGISTRY: dict[str, tuple[str, str, str]] = {

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import numpy as np
 
@@ -434,6 +434,20 @@ def under(kernel: Any, budget: CallBudget) -> Any:
     return kernel.under(budget) if isinstance(kernel, Kernel) and budget != UNTUNED else kernel
 
 
+class LinearHead(Protocol):
+    """A model's linear head (:meth:`BoundModel.linear_head`): ``width`` the size ``w`` of its
+    result ``z``; numpy in and out."""
+
+    width: int
+
+    def matrix(self, u: Any, ctx: tuple[Any, ...]) -> np.ndarray:
+        """``A = dz/dx``, ``(w, k)`` in float64, from rows of the batch (``A`` is the same for
+        every row)."""
+
+    def jacobians(self, u: Any, ctx: tuple[Any, ...]) -> tuple[Any, np.ndarray]:
+        """``(y, J_z)`` of a block of rows, ``J_z = dy/dz`` as ``(rows, m, w)``."""
+
+
 class BoundModel(ABC):
     """A model tied to one :class:`Signature`; caches its kernels and probe results."""
 
@@ -554,6 +568,14 @@ class BoundModel(ABC):
         """Where the model's Jacobian is offered in mixed mode (:mod:`batchjac._chain`): the
         backend's reading of its chain and the bracketing chosen; None (the default) where the
         backend reads no chain or no bracketing beats the pure modes."""
+        return None
+
+    def linear_head(self) -> LinearHead | None:
+        """The model's first operation on the unknowns where it is a linear map the same for
+        every instance, ``z = A x`` (a dense layer's product), narrower than the unknowns: an
+        analysis of ``J Sigma J^T`` then works with ``J_z`` (``m x w``) and ``A Sigma A^T``
+        instead of ``J`` (``m x k``) and ``Sigma``. None (the default) where the backend reads
+        no head or the model has none."""
         return None
 
     def product(self, kind: str, u: Any, ctx: tuple[Any, ...], t: Any) -> tuple[Any, Any]:

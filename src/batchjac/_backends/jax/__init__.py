@@ -252,6 +252,7 @@ class JaxBound(BoundModel):
             self.products.clear()
             self.__dict__.pop("_second_kernels", None)
             self.__dict__.pop("_accumulation", None)
+            self.__dict__.pop("_linear_head", None)
             self.failed.clear()
             self._forward = None
             self.probed = False
@@ -546,6 +547,28 @@ class JaxBound(BoundModel):
         read = jax_chain.read(closed, len(jax.tree_util.tree_leaves(self.args)))
         accumulation = None if read is None else choose(read.chain, self.forward_bias)
         return None if accumulation is None else (read, accumulation)
+
+    def linear_head(self) -> Any:
+        """The model's linear head (:mod:`batchjac._backends.jax.head`), read once from a jaxpr
+        of one instance (again after a retrace); None where it has none."""
+        if "_linear_head" not in self.__dict__:
+            self._linear_head = self._read_head()
+        return self._linear_head
+
+    def _read_head(self) -> Any:
+        from . import head as jax_head
+
+        sig = self.signature
+        u = jax.ShapeDtypeStruct(tuple(sig.unknown_shape), sig.dtype)
+        ctx = tuple(jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dt))
+                    for shape, dt in sig.ctx)
+        try:
+            closed = jax.make_jaxpr(lambda a, u_i, c_i: self._instance_fn(a)(u_i, c_i))(
+                self.args, u, ctx)
+        except Exception:  # (the probes explain a model that cannot be traced)
+            return None
+        read = jax_head.read(closed, len(jax.tree_util.tree_leaves(self.args)))
+        return None if read is None else jax_head.JaxHead(self, read)
 
     def product(self, kind: str, u: Any, ctx: tuple[Any, ...], t: Any) -> tuple[Any, Any]:
         from . import products

@@ -122,6 +122,15 @@ class TFBound(BoundModel):
             self._accumulation = chain.read(self)
         return self._accumulation
 
+    def linear_head(self) -> Any:
+        """The Keras model's linear head (:mod:`batchjac._backends.tensorflow.head`), else
+        None."""
+        if "_linear_head" not in self.__dict__:
+            from . import head
+
+            self._linear_head = head.read(self, _explain_model_failure)
+        return self._linear_head
+
     def drop_accumulation(self, why: str) -> None:
         """No mixed mode for this model: its pieces failed to build (``why``)."""
         self._accumulation, self.mixed_failure = None, why

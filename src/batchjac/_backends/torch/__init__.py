@@ -354,6 +354,15 @@ class TorchBound(BoundModel):
             self._accumulation = chain.read(self)
         return self._accumulation
 
+    def linear_head(self) -> Any:
+        """The model's linear head (:mod:`batchjac._backends.torch.head`), read once from a
+        recording of one row (made again where the weights change), else None."""
+        if "_linear_head" not in self.__dict__:
+            from . import head
+
+            self._linear_head = head.read(self)
+        return self._linear_head
+
     # -- model call --------------------------------------------------------------------------
     def apply(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The model's output for ``(u, ctx)``. Framework errors propagate unchanged (the

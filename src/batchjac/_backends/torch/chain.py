@@ -203,15 +203,18 @@ def current(tc: TorchChain, bound: TorchBound) -> Tape:
 
 
 def jacobians(tc: TorchChain, plan: Accumulation, tape: Tape, u: torch.Tensor,
-              ctx: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+              ctx: tuple[torch.Tensor, ...], *, raw: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, J)`` of a chunk's rows: each row's Jacobian accumulated along ``plan`` by
-    :func:`_instance`, ``vmap``-ed."""
-    y, jac = torch.func.vmap(lambda u_i, *c_i: _instance(tc, plan, tape, u_i, c_i))(u, *ctx)
+    :func:`_instance`, ``vmap``-ed; ``raw``: as the plan's root piece gives it (its ends'
+    flattened values, not the output's and the unknowns' shapes)."""
+    y, jac = torch.func.vmap(lambda u_i, *c_i: _instance(tc, plan, tape, u_i, c_i, raw))(u, *ctx)
     return y, jac
 
 
 def _instance(tc: TorchChain, plan: Accumulation, tape: Tape, u_i: torch.Tensor,
-              c_i: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+              c_i: tuple[torch.Tensor, ...], raw: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     from .laplacian import _Ref, _tree
 
     pytree = _tree()
@@ -259,4 +262,4 @@ def _instance(tc: TorchChain, plan: Accumulation, tape: Tape, u_i: torch.Tensor,
     out_key = tc.keys[-1][0]
     y = _get(env[out_key[0]], out_key[1])[0]
     jac = piece(plan.root)
-    return y, jac.reshape(*y.shape, *u_i.shape)
+    return y, jac if raw else jac.reshape(*y.shape, *u_i.shape)
