@@ -8,7 +8,7 @@ widened: a check never quietly compares against something weaker than it claims.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,13 +21,13 @@ from ._evaluate import (
     bind,
     block_rows,
     context,
-    jacobian_chunks,
     output_size,
+    reduce_jacobians,
     subset,
     with_dtype,
 )
 from ._loaders import as_model
-from ._plan import ModeArg
+from ._plan import ModeArg, Plan
 from ._spec import BatchSpec
 from ._validate import DTypeLike, normalize
 
@@ -200,7 +200,7 @@ def check(
     name, bound = bind(model, sub, backend, backend_options)
     try:
         # the mode asked for is the one checked: refused if it fails, never swapped
-        # (jacobian_chunks)
+        # (reduce_jacobians)
         return _run(model, sub, instances, name, bound, rtol=rtol, mode=mode,
                     rel_step=rel_step, chunk_size=chunk_size, max_memory=max_memory,
                     options=backend_options or {}, top=top, n_total=spec.n)
@@ -287,31 +287,36 @@ def _run(model: Any, sub: BatchSpec, instances: np.ndarray, name: str, bound: An
     step = float(np.finfo(precision).eps ** (1 / 3)) if rel_step is None else float(rel_step)
 
     scale = _column_scale(sub)
-    plan, chunks = jacobian_chunks(bound, sub, mode=mode, chunk_size=chunk_size,
-                                   max_memory=max_memory, with_outputs=False,
-                                   extra_bytes_per_row=4 * 8 * m * k)
-
     errors = np.zeros(sub.n)
     inconclusive = np.zeros(sub.n, bool)
     entries: list[CheckEntry] = []
     assert bound.output_shape is not None
     out_shape, ushape = bound.output_shape, sub.unknown_shape
-    for lo, hi, _, jac in chunks:
-        jac = np.asarray(jac, np.float64).reshape(hi - lo, m, k)
-        for a in range(lo, hi, fd_rows):
-            b = min(a + fd_rows, hi)
-            u, ctx = ref_spec.chunk(a, b)
-            fd, spread = _central(evaluator, u, ctx, scale, step)
-            err, bad, worst = _compare(jac[a - lo: b - lo], fd, spread, tol, top)
-            errors[a:b] = err
-            inconclusive[a:b] = bad
-            for i, o, j, e, jv, rv in worst:
-                entries.append(CheckEntry(
-                    instance=int(instances[a + i]),
-                    output=tuple(int(t) for t in np.unravel_index(o, out_shape)),
-                    unknown=tuple(int(t) for t in np.unravel_index(j, ushape)),
-                    jacobian=jv, reference=rv, rel_error=e))
-            entries = sorted(entries, key=lambda c: -c.rel_error)[:top]
+
+    def compare(chunks: Iterator[tuple[int, int, Any, Any]], planned: Plan) -> Plan:
+        nonlocal entries
+        for lo, hi, _, jac in chunks:
+            jac = np.asarray(jac, np.float64).reshape(hi - lo, m, k)
+            for a in range(lo, hi, fd_rows):
+                b = min(a + fd_rows, hi)
+                u, ctx = ref_spec.chunk(a, b)
+                fd, spread = _central(evaluator, u, ctx, scale, step)
+                err, bad, worst = _compare(jac[a - lo: b - lo], fd, spread, tol, top)
+                errors[a:b] = err
+                inconclusive[a:b] = bad
+                for i, o, j, e, jv, rv in worst:
+                    entries.append(CheckEntry(
+                        instance=int(instances[a + i]),
+                        output=tuple(int(t) for t in np.unravel_index(o, out_shape)),
+                        unknown=tuple(int(t) for t in np.unravel_index(j, ushape)),
+                        jacobian=jv, reference=rv, rel_error=e))
+                entries = sorted(entries, key=lambda c: -c.rel_error)[:top]
+        return planned
+
+    # (the Jacobians as batchjac.jacobian computes them: its build, remembered or raced)
+    plan = reduce_jacobians(bound, sub, name, mode=mode, chunk_size=chunk_size,
+                            max_memory=max_memory, with_outputs=False, consume=compare,
+                            extra_bytes_per_row=4 * 8 * m * k)
 
     over = errors > tol
     failed = over & ~inconclusive

@@ -19,8 +19,6 @@ from ._errors import BatchJacError, InputError, add_context
 from ._plan import ModeArg, Plan
 from ._runner import chunks, iter_results, model_call, pad_args
 from ._spec import BatchSpec
-from ._tune import policy as tuning
-from ._tune.races import tune
 
 #: most rows one forward call of an analysis gets (fixed per call, so one trace per shape)
 MAX_BLOCK = 16384
@@ -55,52 +53,26 @@ def in_elems(spec: BatchSpec) -> int:
     return sum(int(np.prod(a.shape[1:], dtype=np.int64)) for a in spec.arrays)
 
 
-def jacobian_chunks(
-    bound: _backends.BoundModel, spec: BatchSpec, *, mode: ModeArg, chunk_size: int | None,
-    max_memory: int | str | None, with_outputs: bool, extra_bytes_per_row: int = 0,
-) -> tuple[Plan, Iterator[tuple[int, int, np.ndarray | None, np.ndarray]]]:
-    """The plan and an iterator of ``(lo, hi, y or None, J)`` over the rows, in order.
-
-    ``extra_bytes_per_row`` is what the caller keeps per instance beside the Jacobian (a finite
-    difference reference, a covariance); the memory budget is shrunk to leave room for it.
-    A ``mode`` asked for (not "auto") is computed or refused, never swapped for the other.
-    """
-    total = budget(max_memory)
-    if chunk_size is None and extra_bytes_per_row:
-        from ._plan import bytes_per_row
-
-        base = bytes_per_row(spec.k, output_size(bound), in_elems(spec), spec.dtype.itemsize)
-        total = max(1, total * base // (base + extra_bytes_per_row))
-    plan = plan_for(spec, bound, mode=mode, chunk_size=chunk_size, max_memory=total)
-    if plan.uncertain and spec.n and ((plan.chunk_size, with_outputs) in bound.tuned
-                                      or tuning.worth(bound, spec.n, compilations=1)):
-        plan = tune(bound, spec, plan, with_outputs)
-    asked = _backends.asking(mode)
-    kernel = _backends.under(bound.kernel(plan.mode, plan.chunk_size, with_outputs, budget=asked),
-                             asked)
-
-    def chunks() -> Iterator[tuple[int, int, np.ndarray | None, np.ndarray]]:
-        for chunk, out, _ in iter_results(kernel, spec):
-            yield chunk.lo, chunk.hi, out.get("outputs"), out["jacobians"]
-
-    return plan, chunks()
-
-
 R = TypeVar("R")
 
 
 def reduce_jacobians(
     bound: _backends.BoundModel, spec: BatchSpec, backend: str, *, mode: ModeArg,
     chunk_size: int | None, max_memory: int | str | None, with_outputs: bool,
-    consume: Callable[[Iterator[tuple[int, int, Any, Any]]], R], extra_bytes_per_row: int = 0,
+    consume: Callable[[Iterator[tuple[int, int, Any, Any]], Plan], R],
+    extra_bytes_per_row: int = 0,
 ) -> R:
-    """``consume`` of the ``(lo, hi, y or None, J)`` of every chunk, in order, computed by the
+    """``consume`` of the ``(lo, hi, y or None, J)`` of every chunk, in order, and of the plan
+    they are computed by (its mode, its chunk size), computed by the
     one compute sequence of :func:`batchjac.jacobian` (:func:`batchjac._compute.compute`): the
     kernel's build remembered or raced on the calls as there, the chunk size raced below the
     budget's where ``chunk_size`` is free, the decisions kept on disk; for the analyses that
-    reduce each chunk as it comes (``propagate``'s ``J Sigma J^T``, the divergence), which
-    :func:`jacobian_chunks` served with a kernel's untimed first build every call. Arguments as
-    for :func:`jacobian_chunks`; ``backend`` names the decisions on disk."""
+    reduce each chunk as it comes (``propagate``'s ``J Sigma J^T``, the divergence, ``check``'s
+    comparison with finite differences), which were served with a kernel's untimed first build
+    every call before. ``extra_bytes_per_row`` is what the caller keeps per instance beside the
+    Jacobian (a finite difference reference, a covariance): the memory budget is shrunk to leave
+    room for it. A ``mode`` asked for (not "auto") is computed or refused, never swapped for the
+    other. ``backend`` names the decisions on disk."""
     from ._compute import Derivative, compute
 
     total = budget(max_memory)
@@ -112,8 +84,8 @@ def reduce_jacobians(
     plan = plan_for(spec, bound, mode=mode, chunk_size=chunk_size, max_memory=total)
 
     def run(kernel: Any, planned: Plan) -> R:
-        return consume((chunk.lo, chunk.hi, out.get("outputs"), out["jacobians"])
-                       for chunk, out, _ in iter_results(kernel, spec))
+        return consume(((chunk.lo, chunk.hi, out.get("outputs"), out["jacobians"])
+                        for chunk, out, _ in iter_results(kernel, spec)), planned)
 
     result: R = compute(bound, spec, Derivative("jacobian", with_outputs), plan, backend=backend,
                         rows_free=chunk_size is None, run=run, explain=False,

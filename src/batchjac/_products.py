@@ -540,7 +540,7 @@ def _divergence(bound: Any, spec: BatchSpec, backend: str, estimator: tuple[str 
         # (chunks within the working set: the peak stays far below J's, as fast or faster)
         fits = min(budget(max_memory), WORKING_SET)
 
-        def traces(parts: Iterator[tuple[int, int, Any, Any]]) -> None:
+        def traces(parts: Iterator[tuple[int, int, Any, Any]], _: Any) -> None:
             for lo, hi, yc, jac in parts:
                 trace[lo:hi] = np.einsum("njj->n", np.asarray(jac).reshape(hi - lo, k, k))
                 if y is not None:

@@ -559,7 +559,7 @@ def _linear(bound: Any, spec: BatchSpec, backend: str, unc: _Uncertainty, sink: 
     # instance has one (a shared one is held once)
     kept = 2 * m * k + 2 * m * m + (k * k if unc.kind == "stack" else 0)
 
-    def sandwiches(chunks: Iterator[tuple[int, int, Any, Any]]) -> None:
+    def sandwiches(chunks: Iterator[tuple[int, int, Any, Any]], _: Any) -> None:
         for lo, hi, y, jac in chunks:
             assert y is not None
             a = np.asarray(jac).reshape(hi - lo, m, k)  # (a float32 J stays so for the products)
