@@ -274,3 +274,41 @@ def test_text_with_numbered_header_reads_it_as_names(tmp_path: Path) -> None:
         assert r.shape == (30, 3)
         assert r.columns == ("0", "1", "2")
         np.testing.assert_array_equal(r.read(0, 30), x)
+
+
+@pytest.mark.parametrize("version", [(3, 10, 14), (3, 12, 1)])
+def test_zarr_missing_says_what_to_do_on_each_python(tmp_path: Path, version: tuple[int, ...],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without zarr, reading a Zarr input and writing a Zarr store name the fix: the io extra,
+    or, on Python 3.10 (zarr 3 needs 3.11, and the extra leaves it out there), the formats that
+    work there. pyproject's markers say the same."""
+    import builtins
+    import sys
+    tomllib = pytest.importorskip("tomllib")
+
+    zarr_dir = tmp_path / "in.zarr"
+    zarr_dir.mkdir()
+    (zarr_dir / "zarr.json").write_text("{}")
+    real_import = builtins.__import__
+
+    def no_zarr(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "zarr" or name.startswith("zarr."):
+            raise ImportError("No module named 'zarr'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_zarr)
+    monkeypatch.delitem(sys.modules, "zarr", raising=False)
+    monkeypatch.setattr(sys, "version_info", version)
+    old = version < (3, 11)
+    want = "zarr 3 needs Python 3.11 or later and this is Python 3.10" if old else \
+        r"pip install batchjac\[io\]"
+    with pytest.raises(InputFileError, match=want):
+        open_input(str(zarr_dir))
+    jnp = pytest.importorskip("jax.numpy")
+    with pytest.raises(batchjac.InputError, match=want):
+        batchjac.jacobian(jnp.sin, np.ones((4, 2), np.float32), out=str(tmp_path / "j.zarr"))
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    extras = project["project"]["optional-dependencies"]
+    for extra in ("io", "dask"):
+        zarr_req = [r for r in extras[extra] if r.startswith("zarr")]
+        assert zarr_req == ["zarr>=3; python_version >= '3.11'"], (extra, zarr_req)

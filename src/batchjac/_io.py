@@ -575,7 +575,19 @@ def _module(name: str, what: str) -> Any:
     try:
         return importlib.import_module(name)
     except ImportError:
-        raise InputFileError(f"Reading {what} files needs {name}: pip install batchjac[io].") from None
+        raise InputFileError(f"Reading {what} files needs {name}: {install_hint(name)}.") from None
+
+
+def install_hint(name: str) -> str:
+    """How to get the file-format package ``name``: the ``io`` extra, or, for zarr on Python
+    3.10 (zarr 3 needs 3.11, and the extra leaves it out there), what to do instead."""
+    import sys
+
+    if name == "zarr" and sys.version_info < (3, 11):
+        return (f"zarr 3 needs Python 3.11 or later and this is Python "
+                f"{sys.version_info[0]}.{sys.version_info[1]}; use .h5 or .npy files, or "
+                f"Python 3.11+ with pip install batchjac[io]")
+    return "pip install batchjac[io]"
 
 
 def _pyarrow(sub: str) -> Any:

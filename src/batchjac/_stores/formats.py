@@ -310,7 +310,9 @@ class ZarrFormat(Format):
         try:
             import zarr
         except ImportError:
-            raise InputError("Writing Zarr stores needs zarr: pip install batchjac[io].") from None
+            from .._io import install_hint
+
+            raise InputError(f"Writing Zarr stores needs zarr: {install_hint('zarr')}.") from None
         return zarr
 
     def create(self, data: Path, arrays: list[ArrayInfo]) -> None:
