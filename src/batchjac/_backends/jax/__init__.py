@@ -253,6 +253,7 @@ class JaxBound(BoundModel):
             self.__dict__.pop("_second_kernels", None)
             self.__dict__.pop("_accumulation", None)
             self.__dict__.pop("_linear_head", None)
+            self.__dict__.pop("_one_jaxpr", None)
             self.failed.clear()
             self._forward = None
             self.probed = False
@@ -536,17 +537,30 @@ class JaxBound(BoundModel):
         if self.output_shape is None or \
                 min(math.prod(sig.unknown_shape), math.prod(self.output_shape)) < MIN_BASIS:
             return None
-        u = jax.ShapeDtypeStruct(tuple(sig.unknown_shape), sig.dtype)
-        ctx = tuple(jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dt))
-                    for shape, dt in sig.ctx)
-        try:
-            closed = jax.make_jaxpr(lambda a, u_i, c_i: self._instance_fn(a)(u_i, c_i))(
-                self.args, u, ctx)
-        except Exception:  # (the probes explain a model that cannot be traced)
+        closed = self._instance_jaxpr()
+        if closed is None:
             return None
         read = jax_chain.read(closed, len(jax.tree_util.tree_leaves(self.args)))
         accumulation = None if read is None else choose(read.chain, self.forward_bias)
         return None if accumulation is None else (read, accumulation)
+
+    def _instance_jaxpr(self) -> Any:
+        """The jaxpr of the model's function of one instance (no compilation), which the chain
+        and the linear head are read from: traced once (again after a retrace); None where the
+        model cannot be traced (the probes explain it)."""
+        if "_one_jaxpr" not in self.__dict__:
+            sig = self.signature
+            u = jax.ShapeDtypeStruct(tuple(sig.unknown_shape), sig.dtype)
+            ctx = tuple(jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dt))
+                        for shape, dt in sig.ctx)
+            closed: Any
+            try:
+                closed = jax.make_jaxpr(
+                    lambda a, u_i, c_i: self._instance_fn(a)(u_i, c_i))(self.args, u, ctx)
+            except Exception:
+                closed = None
+            self.__dict__["_one_jaxpr"] = closed
+        return self.__dict__["_one_jaxpr"]
 
     def linear_head(self) -> Any:
         """The model's linear head (:mod:`batchjac._backends.jax.head`), read once from a jaxpr
@@ -558,14 +572,8 @@ class JaxBound(BoundModel):
     def _read_head(self) -> Any:
         from . import head as jax_head
 
-        sig = self.signature
-        u = jax.ShapeDtypeStruct(tuple(sig.unknown_shape), sig.dtype)
-        ctx = tuple(jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dt))
-                    for shape, dt in sig.ctx)
-        try:
-            closed = jax.make_jaxpr(lambda a, u_i, c_i: self._instance_fn(a)(u_i, c_i))(
-                self.args, u, ctx)
-        except Exception:  # (the probes explain a model that cannot be traced)
+        closed = self._instance_jaxpr()
+        if closed is None:
             return None
         read = jax_head.read(closed, len(jax.tree_util.tree_leaves(self.args)))
         return None if read is None else jax_head.JaxHead(self, read)
