@@ -78,23 +78,18 @@ def _get(value: Any, item: int | None) -> Any:
 def read(bound: TorchBound) -> tuple[TorchChain, Accumulation] | None:
     """The model's chain and its bracketing where mixed mode is offered; None where the model
     cannot be recorded, has a narrow basis (:data:`~batchjac._chain.MIN_BASIS`) or no cut pays."""
-    from . import laplacian
 
     sig = bound.signature
     if bound.output_shape is None or \
             min(math.prod(sig.unknown_shape), math.prod(bound.output_shape)) < MIN_BASIS:
         return None
-    u, ctx = _sample(bound)
-
-    def record() -> Tape:
-        with bound.calling(), torch.no_grad():
-            return laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
-
+    made = recording(bound)
+    if made is None:
+        return None
+    tape, inputs, weights, record = made
     try:
-        weights = _weights(bound)
-        tape = record()
-        found = _read(tape, [u, *ctx])
-    except Exception:  # (a model that branches on values, a custom operation: a pure mode)
+        found = _read(tape, inputs)
+    except Exception:  # (an operation this reader cannot run again: a pure mode)
         return None
     if found is None:
         return None
@@ -103,6 +98,29 @@ def read(bound: TorchBound) -> tuple[TorchChain, Accumulation] | None:
     if plan is None:
         return None
     return TorchChain(tape, keys, cuts, dependent, shapes, chain, weights, record), plan
+
+
+def recording(bound: TorchBound) -> tuple[Tape, list[torch.Tensor], tuple[Any, ...],
+                                         Callable[[], Tape]] | None:
+    """The model recorded on one row (:func:`_sample`), made once per bound model for its
+    readers (the chain, the linear head): the tape, the row's inputs, the weights it saw
+    (:func:`_weights`) and how to record it again; None where it cannot be recorded (it
+    branches on values, calls a custom operation)."""
+    if "_recording" not in bound.__dict__:
+        from . import laplacian
+
+        u, ctx = _sample(bound)
+
+        def record() -> Tape:
+            with bound.calling(), torch.no_grad():
+                return laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
+
+        try:
+            weights = _weights(bound)
+            bound.__dict__["_recording"] = (record(), [u, *ctx], weights, record)
+        except Exception:
+            bound.__dict__["_recording"] = None
+    return bound.__dict__["_recording"]  # type: ignore[no-any-return]
 
 
 def _read(tape: Tape, inputs: list[torch.Tensor]) -> Any:

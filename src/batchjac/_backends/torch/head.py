@@ -23,7 +23,7 @@ import torch
 
 from ..._chain import Accumulation, Chain, Piece
 from . import compat
-from .chain import Key, TorchChain, _get, _sample, _weights, _work, current, jacobians
+from .chain import Key, TorchChain, _get, _work, current, jacobians, recording
 
 if TYPE_CHECKING:
     from . import TorchBound
@@ -38,24 +38,18 @@ _MOVES = ("view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "expand", "
 
 def read(bound: TorchBound) -> TorchHead | SequentialHead | None:
     """The model's linear head, or None (see the module's docstring)."""
-    from . import laplacian
-
     if bound.output_shape is None:
         return None
     found = _sequential(bound)
     if found is not None:
         return found
-    u, ctx = _sample(bound)
-
-    def record() -> Tape:
-        with bound.calling(), torch.no_grad():
-            return laplacian.trace(lambda a, *c: bound.apply(a, c), u, *ctx)
-
+    made = recording(bound)
+    if made is None:
+        return None
+    tape, inputs, weights, record = made
     try:
-        weights = _weights(bound)
-        tape = record()
-        found = _read(tape, [u, *ctx])
-    except Exception:  # (a model that branches on values, a custom operation: no head)
+        found = _read(tape, inputs)
+    except Exception:  # (an operation this reader cannot run again: no head)
         return None
     if found is None:
         return None
