@@ -57,6 +57,19 @@ def closed_form(name: str, unknown: np.ndarray, known: np.ndarray | None = None)
     return mlp_forward(layers, x), jac[:, :, : unknown.shape[1]]
 
 
+def _submitted(client: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the functions submitted to ``client`` from now on (the tasks a store's
+    chunk loop hands the workers), in order."""
+    submit, tasks = client.submit, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        tasks.append(args[0].__name__)
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(client, "submit", counted)
+    return tasks
+
+
 def assert_outputs_close(y: Any, ref: Any) -> None:
     np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-4, atol=1e-6 * np.abs(ref).max())
 
@@ -376,13 +389,7 @@ def test_workers_write_second_order_stores(client: Any, tmp_path: Any,
     torch = pytest.importorskip("torch")
     from .helpers import central_differences
 
-    submit, tasks = client.submit, []
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        tasks.append(args[0].__name__)
-        return submit(*args, **kwargs)
-
-    monkeypatch.setattr(client, "submit", counted)
+    tasks = _submitted(client, monkeypatch)
     unknown, known = (a.astype(np.float64) for a in workload_inputs("W1", 600, seed=11))
     path = str(tmp_path / "h.zarr")
     res = batchjac.hessian(seed_model("torch"), unknown, known, out=path, chunk_size=200,
@@ -506,13 +513,7 @@ def test_workers_write_product_stores(client: Any, tmp_path: Any,
     import zarr
 
     torch = pytest.importorskip("torch")
-    submit, tasks = client.submit, []
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        tasks.append(args[0].__name__)
-        return submit(*args, **kwargs)
-
-    monkeypatch.setattr(client, "submit", counted)
+    tasks = _submitted(client, monkeypatch)
     rng = np.random.default_rng(91)
     a = rng.normal(size=(4, 4)) / 2
     lin = torch.nn.Linear(4, 4, bias=False).double()
@@ -563,13 +564,7 @@ def test_workers_write_estimate_stores(client: Any, tmp_path: Any,
     chunk's probes are its instances', so the workers' store equals the one made here, and
     a store begun here is finished there with only its missing chunks computed."""
     torch = pytest.importorskip("torch")
-    submit, tasks = client.submit, []
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        tasks.append(args[0].__name__)
-        return submit(*args, **kwargs)
-
-    monkeypatch.setattr(client, "submit", counted)
+    tasks = _submitted(client, monkeypatch)
 
     def f(x: Any) -> Any:  # Laplacian -sum sin x, Hessian diagonal -sin x
         return torch.sin(x).sum(-1)
