@@ -156,6 +156,75 @@ def test_torch_outputs_and_jacobian_beside_the_hessian_carry_gradients() -> None
         assert g.abs().sum() > 0
 
 
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_torch_forward_laplacians_elementwise_node_against_autograds_checks(k: int) -> None:
+    """The forward Laplacian's elementwise rule in a differentiable call is one autograd node
+    with a hand-written backward and forward derivative: torch's gradcheck and gradgradcheck
+    (float64 finite differences) for both, and torch.func's transforms over it against the
+    same rule written as separate operations."""
+    torch = pytest.importorskip("torch")
+    from batchjac._backends.torch.laplacian import _Elementwise
+
+    def node(d: Any, d1: Any, d2: Any) -> Any:
+        return _Elementwise.apply(d, d1, d2)[0]
+
+    def plain(d: Any, d1: Any, d2: Any) -> Any:
+        out = d * d1
+        return torch.cat([out[:k], (out[k] + d2 * d[:k].square().sum(0))[None]])
+
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+
+    def draw(*shape: int) -> Any:
+        return torch.randn(*shape, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    d, d1, d2 = draw(k + 1, 3, 4), draw(3, 4), draw(3, 4)
+    for args in ((d, d1, d2), (d, draw(1, 4), d2)):  # (g' broadcast over the rows)
+        with warnings.catch_warnings():  # (torch's first dual tensor: torch.jit.script deprecated)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            assert torch.autograd.gradcheck(node, args, check_forward_ad=True)
+        assert torch.autograd.gradgradcheck(node, args)
+    tangents = tuple(torch.randn_like(a) for a in (d, d1, d2))
+    assert torch.allclose(torch.func.jvp(node, (d, d1, d2), tangents)[1],
+                          torch.func.jvp(plain, (d, d1, d2), tangents)[1])
+    batch = torch.randn(5, k + 1, 3, 4, dtype=torch.float64, generator=gen)
+    assert torch.allclose(torch.func.vmap(node, (0, None, None))(batch, d1, d2),
+                          torch.func.vmap(plain, (0, None, None))(batch, d1, d2))
+    for f in (torch.func.grad, torch.func.hessian):
+        assert torch.allclose(f(lambda a: node(d, a, d2).sin().sum())(d1),
+                              f(lambda a: plain(d, a, d2).sin().sum())(d1))
+
+
+@pytest.mark.parametrize("act", ["Tanh", "Sigmoid", "SiLU", "sin"])
+def test_torch_laplacians_gradient_of_a_gradient_matches_nested_autograd(act: str) -> None:
+    """create_graph semantics through the forward Laplacian's rules: a loss on the gradient
+    of a loss on the Laplacian (with respect to the inputs), differentiated again to the
+    parameters, equals the same through nested autograd.grad."""
+    torch = pytest.importorskip("torch")
+
+    class Sin(torch.nn.Module):  # type: ignore[misc]
+        def forward(self, z: Any) -> Any:
+            return torch.sin(z)
+
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    layer = Sin if act == "sin" else getattr(torch.nn, act)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), layer(), torch.nn.Linear(8, 8), layer(),
+                              torch.nn.Linear(8, 1)).double()
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+
+    def nested(x: Any) -> Any:
+        (du,) = torch.autograd.grad(net(x).sum(), x, create_graph=True)
+        return sum(torch.autograd.grad(du[:, i].sum(), x, create_graph=True)[0][:, i:i + 1]
+                   for i in range(x.shape[1]))
+
+    params = list(net.parameters())[:-1]  # (the last bias: no Laplacian depends on it)
+    results = []
+    for lap in (batchjac.laplacian(net, x, differentiable=True), nested(x)):
+        (gx,) = torch.autograd.grad(lap.sin().sum(), x, create_graph=True)
+        results.append([g.numpy() for g in torch.autograd.grad(gx.square().sum(), params)])
+        results[-1].append(lap.detach().numpy())
+    _assert_grads(*results, np.float64)
+
+
 def test_torch_training_step_lowers_the_loss() -> None:
     """A physics-informed step as a user writes it: Laplacian in the loss, optimiser step."""
     torch = pytest.importorskip("torch")

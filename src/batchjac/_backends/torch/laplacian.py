@@ -359,11 +359,15 @@ def _fast_one(name: str, target: Any, primals: list[Any], at: int, c: Carried,
         if derivs is not None:
             d1, d2 = derivs
             if torch.is_grad_enabled() and c.d.requires_grad:
-                # (in autograd's graph, a differentiable call's: out of place, where the
-                # in-place sums below would each copy the whole carried value backwards)
-                d = c.d * d1
+                # (in autograd's graph, a differentiable call's: one node with its own
+                # backward, where the in-place sums below would each copy the whole carried
+                # value backwards and the same rule in separate operations fills and copies
+                # it for each slice)
                 if isinstance(d2, float) and d2 == 0.0:
-                    return Carried(y, d)
+                    return Carried(y, c.d * d1)
+                if isinstance(d1, torch.Tensor) and isinstance(d2, torch.Tensor):
+                    return Carried(y, _Elementwise.apply(c.d, d1, d2)[0])
+                d = c.d * d1
                 lap = d[-1] + d2 * c.d[:-1].square().sum(0)
                 return Carried(y, torch.cat([d[:-1], lap[None]]))
             d = c.d * d1
@@ -376,6 +380,73 @@ def _fast_one(name: str, target: Any, primals: list[Any], at: int, c: Carried,
                                torch.as_tensor(d2, dtype=squares.dtype))
             return Carried(y, d)
     return None
+
+
+class _Elementwise(torch.autograd.Function):
+    """The rule of an elementwise ``g`` in autograd's graph as one node: for the carried
+    ``D`` (``(k + 1, ...)``) and ``g'``, ``g''`` at the value, ``D' = g' D`` and
+    ``D'[k] += g'' sum_{j<k} D[j]^2``. Its backward and forward derivatives are written with
+    differentiable operations (a loss's Hessian, or a transform over the call, goes through
+    them), and torch.func transforms it by its ``vmap`` rule generated from ``forward``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(d: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = d.shape[0] - 1
+        squares = _squares(d, k)
+        out = d * d1
+        out[k] += d2 * squares  # (not addcmul_, which vmap runs row by row)
+        return out, squares
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(*inputs, output[1])
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _: Any) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        d, d1, d2, squares = ctx.saved_tensors
+        k = d.shape[0] - 1
+        if torch.is_grad_enabled():  # (a graph of the backward: the sum from d, not a copy)
+            squares = d[:k].square().sum(0)
+        gk = g[k]
+        gd = g * d1
+        gd[:k] += (2 * gk * d2) * d[:k]
+        g1 = g[0] * d[0]
+        for j in range(1, k + 1):
+            g1 = g1 + g[j] * d[j] if torch.is_grad_enabled() else g1.add_(g[j] * d[j])
+        return gd, _unbroadcast(g1, d1.shape), _unbroadcast(gk * squares, d2.shape)
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        d, d1, d2 = ctx.saved_tensors
+        k = d.shape[0] - 1
+        out = t * d1 + d * t1
+        out[k] += t2 * d[:k].square().sum(0) + 2 * d2 * (d[:k] * t[:k]).sum(0)
+        return out, None  # type: ignore[return-value]
+
+
+def _squares(d: torch.Tensor, k: int) -> torch.Tensor:
+    """``sum_{j<k} d[j]^2``, one tangent at a time (no ``(k, ...)`` temporary)."""
+    if not k:
+        return torch.zeros_like(d[0])
+    squares = d[0] * d[0]
+    for j in range(1, k):
+        squares += d[j] * d[j]
+    return squares
+
+
+def _unbroadcast(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``g`` summed back to the ``shape`` it was broadcast from."""
+    if g.shape == shape:
+        return g
+    lead = g.dim() - len(shape)
+    dims = [*range(lead), *(lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1)]
+    return g.sum(dims, keepdim=True).reshape(shape)
 
 
 def spec_has_kwargs(spec: Any) -> bool:
