@@ -171,8 +171,8 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: str, v: Any, *,
 
     how, size, reason = plan(mode)
     forward = "forward" if kind == "jacobian" else "forward-over-forward"
-    if spec.n > size and how != forward and not bound.rematerializes_reverse:
-        # chunks recomputed for the gradient, where this backend recomputes forward mode only
+    if spec.n > size and how != forward and not bound.rematerializes_reverse(kind):
+        # chunks recomputed for the gradient, where this backend recomputes only forward orders of this kind
         if mode != "auto":
             raise InputError(
                 f"mode={mode!r} cannot be recomputed chunk by chunk for the gradient in this "
@@ -214,9 +214,10 @@ def _compute(bound: _backends.BoundModel, spec: BatchSpec, kind: str, v: Any, *,
 
 def _run(how: str, size: int, reason: str, *, bound: _backends.BoundModel, spec: BatchSpec,
          kind: str, v: Any, wanted: tuple[str, ...], explain: bool, xp: Any) -> Any:
-    fn = bound.differentiable(kind, how, with_outputs="outputs" in wanted,
-                              with_jacobian="jacobians" in wanted or kind == "jacobian")
     chunks = -(-spec.n // size) if spec.n else 0
+    fn = bound.differentiable(kind, how, with_outputs="outputs" in wanted,
+                              with_jacobian="jacobians" in wanted or kind == "jacobian",
+                              recomputed=chunks > 1)
     if chunks > 1:  # each chunk's intermediates recomputed in the backward pass, not kept
         fn = bound.rematerialized(fn)
     if explain:

@@ -615,18 +615,20 @@ class BoundModel(ABC):
             self.__dict__.get("_second_kernels", {})
 
     # -- derivatives that carry gradients (batchjac._differentiable) ---------------------------
-    #: whether :meth:`rematerialized` recomputes reverse-mode builds too (PyTorch's
-    #: torch.func reverse transforms refuse the checkpoint's saved-tensor hooks: forward only)
-    rematerializes_reverse: ClassVar[bool] = True
+    def rematerializes_reverse(self, kind: str) -> bool:
+        """Whether :meth:`rematerialized` recomputes ``kind``'s reverse-mode builds too (not
+        only its forward-mode ones)."""
+        return True
 
-    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool
+    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool,
+                       recomputed: bool = False
                        ) -> Callable[[Any, tuple[Any, ...], Any], dict[str, Any]]:
         """``(u, ctx, v) -> {name: array}``: the result of ``kind`` ("jacobian", or a
         :data:`SecondKind` with ``v`` the tangents of ``hvp``) computed by ``how`` (a mode, or
         an order), as framework operations on the framework's arrays, in its graph: a loss on
         the result has a gradient for the model's parameters and for the inputs. Named as a
-        kernel's results are ("jacobians", the kind's, "outputs"). Backends that can override
-        this."""
+        kernel's results are ("jacobians", the kind's, "outputs"). ``recomputed``: it will run
+        under :meth:`rematerialized`. Backends that can override this."""
         from .._errors import InputError
 
         raise InputError(

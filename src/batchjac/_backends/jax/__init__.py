@@ -584,8 +584,8 @@ class JaxBound(BoundModel):
         return products.product(self, kind, u, ctx, t)
 
     # -- kernels -----------------------------------------------------------------------------
-    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool
-                       ) -> Any:
+    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool,
+                       recomputed: bool = False) -> Any:  # (each of its builds recomputes)
         from .differentiable import derivatives
 
         return derivatives(self, kind, how)

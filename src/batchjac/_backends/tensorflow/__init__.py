@@ -248,8 +248,8 @@ class TFBound(BoundModel):
         return found["connected"]
 
     # -- derivatives that carry gradients ----------------------------------------------------
-    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool
-                       ) -> Any:
+    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool,
+                       recomputed: bool = False) -> Any:  # (each of its builds recomputes)
         from .differentiable import derivatives
 
         key = (kind, how, with_outputs, with_jacobian)

@@ -197,7 +197,6 @@ class TorchBound(BoundModel):
     compiles_kernels = False  # eager: a kernel of another chunk size costs nothing to make
     reductions_over_forward = False  # (see BoundModel; measured: docs/thresholds.md)
     hessian_outputs_at_once = False  # (see BoundModel: plain autograd, an output at a time)
-    rematerializes_reverse = False  # (torch.func's vjp refuses torch.utils.checkpoint's hooks)
 
     def __init__(self, model: Any, signature: Signature, *, train_mode: bool = False,
                  device: Any = None) -> None:
@@ -474,11 +473,17 @@ class TorchBound(BoundModel):
             (grad,) = torch.autograd.grad(y.sum(), x, allow_unused=True)
         return grad is not None
 
-    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool
-                       ) -> Any:
+    def differentiable(self, kind: str, how: str, *, with_outputs: bool, with_jacobian: bool,
+                       recomputed: bool = False) -> Any:
         from .differentiable import derivatives
 
-        return derivatives(self, kind, how, with_outputs, with_jacobian)
+        return derivatives(self, kind, how, with_outputs, with_jacobian, recomputed)
+
+    def rematerializes_reverse(self, kind: str) -> bool:
+        # (torch.func's reverse transforms refuse the checkpoint's saved-tensor hooks: a
+        # recomputed reverse-mode Jacobian is plain autograd's, the second-order reverse
+        # orders are torch.func's)
+        return kind == "jacobian"
 
     def rematerialized(self, fn: Any) -> Any:
         from .differentiable import checkpointed
