@@ -95,6 +95,27 @@ def test_w10_report_states_ratios_and_whether_the_budget_held() -> None:
     assert "(budget 50 MB: **fits**)" in md
 
 
+def test_w10_budget_row_is_not_run_where_no_native_step_memory_was_measured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half of a step memory the host did not show (its allocator kept the memory) is no
+    budget: the row says so instead of running thousands of kB-sized chunks."""
+    from batchjac._bench import w10
+
+    ran: list[Any] = []
+
+    def rounds(backend: str, impls: list[str], max_memory: Any, tmp: str, log: Any) -> Any:
+        ran.append(max_memory)
+        return {i: {"impl": i, "first_s": 0.1, "steady_s": 0.05, "first_mb": 100.0,
+                    "step_mb": 0.5, "rounds": 3} for i in impls}
+
+    monkeypatch.setattr(w10, "_rounds", rounds)
+    monkeypatch.setattr(w10, "_grad_error", lambda a, b: 0.0)
+    row = w10.measure("torch", "/nonexistent")
+    assert ran == [None]  # (the budgeted case never ran)
+    md = "\n".join(w10.markdown([row]))
+    assert "| torch | batchjac, max_memory | not run: a native steady step added 0.50 MB" in md
+
+
 def test_w10_step_runs_and_matches_the_native_gradients(tmp_path: Any,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The bench's own step, small: batchjac's first gradients equal nested autograd's."""
