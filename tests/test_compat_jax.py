@@ -109,6 +109,30 @@ def test_xla_accepts_tells_the_options_this_xla_knows() -> None:
     assert not compat.xla_accepts({compat.OPTIMIZATION_LEVEL: "0", "xla_no_such_option_here": True})
 
 
+def test_steady_builds_take_the_cpu_options_on_the_cpu_only() -> None:
+    cpu, gpu = compat.builds("cpu"), compat.builds("gpu")
+    assert gpu is compat.BUILDS  # (level 1 would lower a GPU's optimisation too)
+    assert cpu["default"] == compat.CPU_STEADY
+    assert cpu["no-ynnpack"] == {**compat.BUILDS["no-ynnpack"], **compat.CPU_STEADY}
+    assert cpu["quick"] == compat.BUILDS["quick"]
+    assert compat.xla_accepts(compat.CPU_STEADY) or not compat.xla_accepts(compat.BUILDS["quick"])
+
+
+@cpu_only
+def test_steady_cpu_options_xla_refuses_compile_its_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release that renamed the steady builds' CPU options: the first build, a fixed
+    "default" and a fixed "no-ynnpack" each compile (XLA's defaults), with the same numbers."""
+    monkeypatch.setattr(compat, "CPU_STEADY", {"xla_renamed_emitters_option": False})
+    x = inputs(40)
+    want = closed_forms(x)["jacobian"]
+    f = model()
+    close(batchjac.jacobian(f, x, mode="forward", chunk_size=40), want)
+    for variant in ("default", "no-ynnpack"):
+        fixed = bound_of(f).kernel("forward", 7, False, variant=variant)
+        _, jac = fixed(x[:7], ())
+        close(jac, want[:7])
+
+
 @cpu_only
 def test_first_order_builds_whose_options_xla_refuses_compile_its_defaults(
         monkeypatch: pytest.MonkeyPatch) -> None:

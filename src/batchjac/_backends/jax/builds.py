@@ -7,7 +7,7 @@ import concurrent.futures
 import os
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -62,10 +62,12 @@ def _idle_core() -> bool:
 class JaxKernel(Kernel):
     """The compiled chunk kernel, in one of several builds of the same computation.
 
-    *Builds*: XLA's defaults ("default"), whose matrix products are YNNPACK library calls on
-    the CPU, or XLA's own dot emitter ("no-ynnpack", the ``xla_cpu_experimental_ynn_fusion_type``
-    option emptied). Neither always wins on the CPU: wide products favour the second, small
-    chunks neither (measured: docs/thresholds.md, "JAX's builds").
+    *Builds*: "default", whose matrix products are YNNPACK library calls on the CPU, or XLA's
+    own dot emitter ("no-ynnpack", the ``xla_cpu_experimental_ynn_fusion_type`` option
+    emptied); on the CPU both at XLA's optimisation level 1 without its fusion emitters
+    (:data:`~batchjac._backends.jax.compat.CPU_STEADY`: half the compilation, the same speed),
+    elsewhere at XLA's defaults. Neither always wins on the CPU: wide products favour the
+    second, small chunks neither (measured: docs/thresholds.md, "JAX's builds").
 
     *Blocks* ("default/125": that build, the chunk computed 125 rows at a time in a
     ``lax.map`` inside the one compiled call). XLA's CPU runtime splits each large operation
@@ -101,8 +103,11 @@ class JaxKernel(Kernel):
     reason: the cost model's choice beats a race the first call cannot repay.
     """
 
-    #: each build's XLA options (:data:`~batchjac._backends.jax.compat.BUILDS`)
-    _OPTIONS: ClassVar[dict[str, Options]] = compat.BUILDS
+    @property
+    def _options(self) -> dict[str, Options]:
+        """Each build's XLA options on this device (:func:`~batchjac._backends.jax.compat.builds`)."""
+        return compat.builds(jax.default_backend())
+
     #: calls whose equations other than matrix products and convolutions write at most
     #: this many elements (in all their chunks) compile "quick" first: below it the quick
     #: build's slower loops cost less than its compilation saves (docs/thresholds.md)
@@ -209,9 +214,9 @@ class JaxKernel(Kernel):
                     lowered = self._lowering(self.chunk_size)
                     self._first = self._first_build(budget)
                     try:
-                        compiled = self._load_or_compile(lowered, self._OPTIONS[self._first])
+                        compiled = self._load_or_compile(lowered, self._options[self._first])
                     except Exception:  # an XLA without that option: its defaults (a model's
-                        if self._first == "default":  # failure fails those too)
+                        if not self._options[self._first]:  # failure fails those too)
                             raise
                         self._first = "default"
                         compiled = self._load_or_compile(lowered, {})
@@ -253,13 +258,13 @@ class JaxKernel(Kernel):
         if recalled is None or budget.variant is not None or not autotune_enabled():
             return None
         build, blocked, rows = recalled.partition("/")
-        if build not in self._OPTIONS or build == "quick" or self._accumulation is not None:
+        if build not in self._options or build == "quick" or self._accumulation is not None:
             return None
         block = int(rows) if rows.isdigit() else 0
         if blocked and not 0 < block < self.chunk_size:
             return None  # (not a variant this chunk has)
         lowered = self._lowering(block if blocked else self.chunk_size)
-        loaded = jax_executables.load(lowered, self._OPTIONS[build],
+        loaded = jax_executables.load(lowered, self._options[build],
                                       starting=self._bound.compiling.set)
         return None if loaded is None else (recalled, loaded)
 
@@ -276,7 +281,7 @@ class JaxKernel(Kernel):
         wanted = budget.variant
         if wanted == FIRST_VARIANT:
             return "default"  # (variants[0])
-        if wanted is not None and wanted.split("/")[0] in self._OPTIONS:
+        if wanted is not None and wanted.split("/")[0] in self._options:
             return wanted.split("/")[0]  # the build the caller fixes (a store's): compiled once
         if jax.default_backend() != "cpu" or not autotune_enabled() or self._jaxpr is None:
             return "default"
@@ -313,7 +318,7 @@ class JaxKernel(Kernel):
         from . import executables as jax_executables
 
         self._pending[variant] = jax_executables.BESIDE.submit(
-            self._load_or_compile, lowered, self._OPTIONS[build], True)
+            self._load_or_compile, lowered, self._options[build], True)
 
     def _first_mixed(self, budget: CallBudget) -> Any:
         """The "mixed" build compiled, where it is the first build: offered for the model
@@ -467,9 +472,9 @@ class JaxKernel(Kernel):
             try:
                 pending = self._pending.pop(variant, None)  # compiling on the tier-up thread
                 compiled = pending.result() if pending is not None else \
-                    self._load_or_compile(lowered, self._OPTIONS[build])
+                    self._load_or_compile(lowered, self._options[build])
             except Exception:
-                if strict or not self._OPTIONS[build]:  # (the defaults: the model's failure)
+                if strict or not self._options[build]:  # (the defaults: the model's failure)
                     raise
                 compiled = self._load_or_compile(lowered, {})
             self._compiled[variant] = compiled
@@ -586,7 +591,7 @@ class JaxKernel(Kernel):
         the calls go on; the race on the calls starts once all are ready. (XLA is asked
         first whether it knows the options: a refusal found beside the calls would leave a
         copy of the default build in the race.)"""
-        if not _idle_core() or not compat.xla_accepts(self._OPTIONS["no-ynnpack"]):
+        if not _idle_core() or not compat.xla_accepts(self._options["no-ynnpack"]):
             return None
         for v in self.variants:
             self._beside(v)

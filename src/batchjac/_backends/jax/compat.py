@@ -6,7 +6,7 @@ these only through this one.
 Each use is guarded so that, where it is missing or changed, batchjac is slower and still
 right, never wrong and never a :class:`~batchjac.ModelError`:
 
-- XLA's option names (:data:`BUILDS`, :data:`SECOND_CPU_OPTIONS`, :data:`LAPLACIAN_YNN`,
+- XLA's option names (:data:`BUILDS`, :data:`CPU_STEADY`, :data:`SECOND_CPU_OPTIONS`, :data:`LAPLACIAN_YNN`,
   census #22-23): a build whose options XLA refuses is compiled with XLA's defaults (the
   first-order race leaves it out; the second-order kernels try the next option set);
   :func:`xla_accepts` tells which this XLA knows (the tests of those builds);
@@ -59,10 +59,25 @@ FUSION_EMITTERS = "xla_cpu_use_fusion_emitters"
 INDIVIDUAL_DOT = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
 
 #: the compiler options of the first-order builds (:class:`~batchjac._backends.jax.builds.
-#: JaxKernel`); an XLA that refuses a build's options compiles that build with its defaults
+#: JaxKernel`, through :func:`builds`); an XLA that refuses a build's options compiles that
+#: build with its defaults
 BUILDS: dict[str, dict[str, str | bool]] = {
     "default": {}, "no-ynnpack": {YNN_FUSION_TYPE: ""},
     "quick": {OPTIMIZATION_LEVEL: "0", FUSION_EMITTERS: False}}
+#: what the steady builds add on the CPU: XLA's optimisation level 1 without its fusion
+#: emitters compiles the benchmark's first-order kernels in about half the time of XLA's
+#: defaults, and they run as fast (docs/thresholds.md, "JAX's CPU builds")
+CPU_STEADY: dict[str, str | bool] = {OPTIMIZATION_LEVEL: "1", FUSION_EMITTERS: False}
+
+
+def builds(platform: str) -> dict[str, dict[str, str | bool]]:
+    """Each first-order build's compiler options on ``platform`` (``jax.default_backend()``):
+    :data:`BUILDS`, with :data:`CPU_STEADY` added to the steady builds on the CPU (elsewhere
+    they are the CPU compiler's options, and level 1 would be a GPU's too)."""
+    if platform != "cpu":
+        return BUILDS
+    return {name: options if name == "quick" else {**options, **CPU_STEADY}
+            for name, options in BUILDS.items()}
 #: the second-order kernels' options on the CPU (:class:`~batchjac._backends.jax.second.
 #: JaxSecondKernel`); refused, the next option set is tried, the last XLA's defaults
 SECOND_CPU_OPTIONS: dict[str, str | bool] = {FUSION_EMITTERS: False}
