@@ -264,8 +264,13 @@ class JaxKernel(Kernel):
         if blocked and not 0 < block < self.chunk_size:
             return None  # (not a variant this chunk has)
         lowered = self._lowering(block if blocked else self.chunk_size)
-        loaded = jax_executables.load(lowered, self._options[build],
-                                      starting=self._bound.compiling.set)
+        loaded = None
+        # (XLA's defaults where the build's own options are not on disk: what an XLA that
+        # refused them compiled instead, or an executable from before they were added)
+        own, defaults = self._options[build], compat.BUILDS[build]
+        for options in (own, defaults) if own != defaults else (own,):
+            if loaded is None:
+                loaded = jax_executables.load(lowered, options, starting=self._bound.compiling.set)
         return None if loaded is None else (recalled, loaded)
 
     def _first_build(self, budget: CallBudget) -> str:
