@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import batchjac
@@ -48,6 +49,24 @@ def test_detect_by_type_and_references() -> None:
 
     assert detect(uses_tf) == "tensorflow"
     assert detect(lambda x: model(x)) == "tensorflow"  # via the closure
+
+
+def test_detect_through_a_global_function_as_at_a_scripts_top_level() -> None:
+    """``batchjac.jacobian(lambda z: model(z), x)`` at a script's or a notebook's top level:
+    ``model`` is a global there (a plain function whose own code uses the framework), not a
+    closure cell, and is read the same way."""
+    pytest.importorskip("jax")
+    from batchjac._examples import jax as jax_examples
+
+    scope = {"model": jax_examples.mlp((3, 4, 2), seed=1), "scale": 2.0}
+    wrapper = eval("lambda z: scale * model(z)", scope)  # (a lambda of that module's globals)
+    assert detect(wrapper) == "jax"
+    x = np.random.default_rng().normal(size=(5, 3)).astype(np.float32)
+    np.testing.assert_allclose(batchjac.jacobian(wrapper, x), 2 * batchjac.jacobian(scope["model"], x),
+                               rtol=1e-5, atol=1e-6)
+    helper = eval("lambda z: abs(z) + len(str(z))", {})  # (builtins only: still undetectable)
+    with pytest.raises(batchjac.InputError, match="refers to no known framework"):
+        detect(helper)
 
 
 def test_undetectable_model_asks_for_backend() -> None:

@@ -166,16 +166,15 @@ def _frameworks_referenced(fn: Any, depth: int = 0) -> set[str]:
     if home:  # a framework's own function (a Haiku apply, a jax.numpy function)
         return found | {home}
     glb = getattr(target, "__globals__", {})
-    for name in code.co_names:
-        if name in glb:
-            found |= _frameworks_of_value(glb[name])
+    referenced = [glb[name] for name in code.co_names if name in glb]
     for cell in getattr(target, "__closure__", None) or ():
         try:
-            value = cell.cell_contents
+            referenced.append(cell.cell_contents)
         except ValueError:
             continue
+    for value in referenced:  # (a global, as in a script's or a notebook's top level, or a cell)
         found |= _frameworks_of_value(value)
-        if callable(value) and depth < 2 and not isinstance(value, type):
+        if callable(value) and depth < 2 and not isinstance(value, (type, types.ModuleType)):
             found |= _frameworks_referenced(value, depth + 1)
     return found
 
