@@ -10,6 +10,8 @@ import pytest
 
 import batchjac
 
+from . import helpers
+
 #: 3 outputs x 4 inputs with a clear ranking per output
 W = np.array([[3.0, 0.1, 1.0, -0.5], [0.2, -2.0, 0.05, 1.2], [0.7, 0.3, 1.5, 0.01]])
 N = 200
@@ -142,3 +144,25 @@ def test_from_batchjac_jacobians() -> None:
     s = batchjac.sensitivity(jac, x, y, output_names=["yield", "cost", "purity"])
     np.testing.assert_allclose(s.mean_abs, np.abs(W), rtol=1e-6)
     assert s.ranking("cost")[0][0] == "x1"
+
+
+@pytest.mark.parametrize("limit", [100_000, 37])
+def test_a_models_summary_in_chunks_equals_the_summary_of_its_jacobians(limit: int) -> None:
+    """The model's form (``batchjac report MODEL``) sums each chunk as it is computed: the same
+    summary as :func:`batchjac.sensitivity` of the whole Jacobian set, over chunks of a small
+    memory budget, with the median elasticity over all instances or a seeded subset."""
+    pytest.importorskip("jax")
+    from batchjac._examples import jax as jax_examples
+    from batchjac._sensitivity import of_model
+
+    x = np.random.default_rng().normal(size=(300, 4))
+    with helpers.jax_x64():
+        model = jax_examples.mlp((4, 8, 3), seed=int(np.random.default_rng().integers(1 << 20)),
+                                 dtype="float64")
+        y, jac = batchjac.jacobian(model, x, return_outputs=True)
+        ours = of_model(model, (x,), max_memory=200_000, max_median_instances=limit)
+    ref = batchjac.sensitivity(jac, x, y, max_median_instances=limit)
+    for field in ("mean_abs", "mean", "elasticity", "elasticity_undefined", "scaled"):
+        np.testing.assert_allclose(getattr(ours, field), getattr(ref, field), rtol=1e-10,
+                                   atol=1e-12, err_msg=field)
+    assert ours.n == ref.n == 300

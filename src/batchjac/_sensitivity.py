@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ._arrays import kind_of, like
+from ._arrays import like
 from ._errors import InputError
 from ._validate import to_numpy
 
@@ -225,37 +225,144 @@ def sensitivity(
         raise InputError("`jac` has no instances (N = 0); there is nothing to summarise.")
     if by != "mean_abs" and (x is None or y is None):
         raise InputError(f"by={by!r} needs the inputs x and outputs y: sensitivity(jac, x, y, ...).")
-    m, k = int(np.prod(out_shape, dtype=np.int64)), int(np.prod(ushape, dtype=np.int64))
-    total_abs, total = np.zeros((m, k)), np.zeros((m, k))
+    both = x is not None and y is not None
+    totals = Totals(n, out_shape, ushape, with_xy=both, max_median_instances=max_median_instances,
+                    seed=seed)
     for lo in range(0, n, _ROWS):
-        a = _host(jac[lo:lo + _ROWS], "jac").reshape(-1, m, k)
+        hi = min(n, lo + _ROWS)
+        totals.add(lo, jac[lo:hi], x[lo:hi] if both else None, y[lo:hi] if both else None)
+    return totals.result(input_names=input_names, output_names=output_names, by=by,
+                         y_floor=y_floor)
+
+
+class Totals:
+    """What :func:`sensitivity` sums over the instances, chunk by chunk in their order (from a
+    Jacobian set, or as a model's Jacobians are computed, :func:`of_model`): the sums of ``J``
+    and ``|J|``, the inputs' and outputs' means and variances (merged per chunk), and for the
+    median elasticity ``J x`` and ``y`` of the instances it is taken over (all of them up to
+    ``max_median_instances``, else a seeded random subset)."""
+
+    def __init__(self, n: int, out_shape: tuple[int, ...], ushape: tuple[int, ...], *,
+                 with_xy: bool, max_median_instances: int, seed: int) -> None:
+        self.n, self.out_shape, self.ushape = n, out_shape, ushape
+        self.m = m = int(np.prod(out_shape, dtype=np.int64))
+        self.k = k = int(np.prod(ushape, dtype=np.int64))
+        self.total_abs, self.total = np.zeros((m, k)), np.zeros((m, k))
+        self.seen = 0
+        self.rows: np.ndarray | None = None
+        if with_xy:
+            self.rows = np.arange(n) if n <= max_median_instances else np.sort(
+                np.random.default_rng(seed).choice(n, max_median_instances, replace=False))
+            self.jx = np.empty((len(self.rows), m, k))
+            self.ys = np.empty((len(self.rows), m))
+            self.moments = {"x": (np.zeros(k), np.zeros(k)), "y": (np.zeros(m), np.zeros(m))}
+
+    def add(self, lo: int, jac: Any, x: Any = None, y: Any = None) -> None:
+        """Instances ``lo, lo + 1, ...`` (the next ones): their Jacobians, unknowns, outputs,
+        in blocks of ``_ROWS`` (float64 copies of a block at a time)."""
+        for start in range(0, len(jac), _ROWS):
+            part = slice(start, start + _ROWS)
+            self._add(lo + start, jac[part], None if x is None else x[part],
+                      None if y is None else y[part])
+
+    def _add(self, lo: int, jac: Any, x: Any, y: Any) -> None:
+        a = _host(jac, "jac").reshape(-1, self.m, self.k)
         if not np.isfinite(a).all():
             bad = lo + int(np.argmin(np.isfinite(a).reshape(len(a), -1).all(axis=1)))
             raise InputError(f"`jac` has a NaN or Inf entry in instance {bad}; drop or "
                              f"recompute those instances before summarising.")
-        total_abs += np.abs(a).sum(axis=0)
-        total += a.sum(axis=0)
-    elasticity = undefined = scaled = None
-    if x is not None and y is not None:
-        xs = _host(x, "x").reshape(n, k)
-        ys = _host(y, "y").reshape(n, m)
-        rows = np.arange(n) if n <= max_median_instances else np.sort(
-            np.random.default_rng(seed).choice(n, max_median_instances, replace=False))
-        some = jac if len(rows) == n else jac[rows] if kind_of(jac) == "numpy" else \
-            to_numpy(jac, "jac")[rows]  # (a framework's array: no fancy indexing in TensorFlow)
-        e = elasticities(_host(some, "jac"), xs[rows].reshape(
-            len(rows), *ushape), ys[rows].reshape(len(rows), *out_shape), y_floor=y_floor)
-        e = e.reshape(len(rows), m, k)
-        undefined = np.isnan(e[:, :, 0]).sum(axis=0) if k else np.zeros(m, int)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # outputs with no defined value
-            elasticity = np.nanmedian(e, axis=0)
-        sx, sy = xs.std(axis=0), ys.std(axis=0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            scaled = np.where(sy[:, None] > 0, (total_abs / n) * sx[None, :] / sy[:, None], np.nan)
-    return Sensitivity(
-        mean_abs=total_abs / n, mean=total / n, elasticity=elasticity,
-        elasticity_undefined=undefined, scaled=scaled,
-        input_names=_names(input_names, ushape, "x", "input_names"),
-        output_names=_names(output_names, out_shape, "y", "output_names"), n=n, by=by,
-    )
+        self.total += a.sum(axis=0)
+        self.total_abs += np.abs(a).sum(axis=0)
+        if self.rows is not None:
+            xs = _host(x, "x").reshape(len(a), self.k)
+            ys = _host(y, "y").reshape(len(a), self.m)
+            for name, values in (("x", xs), ("y", ys)):  # (Chan et al.'s merge of two sets)
+                mean, m2 = self.moments[name]
+                delta = values.mean(axis=0) - mean
+                total = self.seen + len(a)
+                self.moments[name] = (mean + delta * len(a) / total,
+                                      m2 + ((values - values.mean(axis=0)) ** 2).sum(axis=0)
+                                      + delta ** 2 * self.seen * len(a) / total)
+            first, last = np.searchsorted(self.rows, [lo, lo + len(a)])
+            picked = self.rows[first:last] - lo
+            if len(picked) == len(a):  # (every instance: no copy of the block)
+                picked = slice(None)  # type: ignore[assignment]
+            np.multiply(a[picked], xs[picked][:, None, :], out=self.jx[first:last])
+            self.ys[first:last] = ys[picked]
+        self.seen += len(a)
+
+    def result(self, *, input_names: Sequence[str] | None, output_names: Sequence[str] | None,
+               by: Measure, y_floor: float) -> Sensitivity:
+        n, m, k = self.n, self.m, self.k
+        elasticity = undefined = scaled = None
+        if self.rows is not None:
+            floor = y_floor * np.sqrt(np.mean(self.ys ** 2, axis=0)) if len(self.ys) else np.zeros(m)
+            # (in place: J x becomes the elasticities, undefined where |y| is at the floor)
+            ys = np.where(np.abs(self.ys) > floor, self.ys, np.nan)
+            e = np.divide(self.jx, ys[:, :, None], out=self.jx)
+            undefined = np.isnan(ys).sum(axis=0) if k else np.zeros(m, int)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # outputs with no defined value
+                elasticity = np.nanmedian(e, axis=0, overwrite_input=True)
+            sx, sy = (np.sqrt(self.moments[w][1] / n) for w in ("x", "y"))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                scaled = np.where(sy[:, None] > 0, (self.total_abs / n) * sx[None, :] / sy[:, None],
+                                  np.nan)
+        return Sensitivity(
+            mean_abs=self.total_abs / n, mean=self.total / n, elasticity=elasticity,
+            elasticity_undefined=undefined, scaled=scaled,
+            input_names=_names(input_names, self.ushape, "x", "input_names"),
+            output_names=_names(output_names, self.out_shape, "y", "output_names"), n=n, by=by,
+        )
+
+
+def of_model(model: Any, inputs: tuple[Any, ...], *, wrt: Any = None, dtype: Any = None,
+             backend: str | None = None, max_memory: int | str | None = None,
+             input_names: Sequence[str] | None = None,
+             output_names: Sequence[str] | None = None, by: Measure = "mean_abs",
+             y_floor: float = 1e-3, max_median_instances: int = 100_000, seed: int = 0
+             ) -> Sensitivity:
+    """:func:`sensitivity` of ``model``'s Jacobians at ``inputs`` (the call forms of
+    :func:`batchjac.jacobian`), summed chunk by chunk as they are computed: no Jacobian set is
+    held, only the instances the median elasticity is taken over (``J x`` and ``y`` of at most
+    ``max_median_instances``)."""
+    from ._errors import BatchJacError, add_context
+    from ._evaluate import bind, context
+    from ._loaders import as_model
+    from ._validate import normalize
+
+    if by not in _MEASURES:
+        raise InputError(f"`by` must be one of {_MEASURES}; got {by!r}.")
+    model = as_model(model)
+    spec = normalize(inputs, wrt=wrt, dtype=dtype, nan_policy="raise")
+    if spec.n == 0:
+        raise InputError("The inputs have no instances (N = 0); there is nothing to summarise.")
+    name, bound = bind(model, spec, backend, None)
+    try:
+        return _of_bound(bound, spec, name, max_memory=max_memory, input_names=input_names,
+                         output_names=output_names, by=by, y_floor=y_floor,
+                         max_median_instances=max_median_instances, seed=seed)
+    except BatchJacError as e:
+        raise add_context(e, context(spec, name)) from e
+
+
+def _of_bound(bound: Any, spec: Any, name: str, *, max_memory: int | str | None,
+              input_names: Sequence[str] | None, output_names: Sequence[str] | None,
+              by: Measure, y_floor: float, max_median_instances: int, seed: int) -> Sensitivity:
+    from ._evaluate import reduce_jacobians
+
+    def consume(chunks: Any, plan: Any) -> Totals:
+        totals: Totals | None = None
+        for lo, hi, y, jac in chunks:
+            if totals is None:
+                totals = Totals(spec.n, tuple(np.shape(y))[1:], tuple(spec.unknown_shape),
+                                with_xy=True, max_median_instances=max_median_instances,
+                                seed=seed)
+            totals.add(lo, jac, spec.chunk(lo, hi)[0], y)
+        assert totals is not None
+        return totals
+
+    totals = reduce_jacobians(bound, spec, name, mode="auto", chunk_size=None,
+                              max_memory=max_memory, with_outputs=True, consume=consume)
+    return totals.result(input_names=input_names, output_names=output_names, by=by,
+                         y_floor=y_floor)

@@ -69,7 +69,7 @@ def report(model: str | None, inputs: tuple[str, ...], known: str | None, wrt: s
     From MODEL and --inputs (the Jacobians are computed), or from --jacobians FILE.
     """
     from .._report import write_report
-    from .._sensitivity import sensitivity
+    from .._sensitivity import of_model, sensitivity
 
     if (model is None) == (jacobians is None):
         raise click.UsageError("Give either MODEL (the Jacobians are computed) or --jacobians FILE.")
@@ -87,16 +87,19 @@ def report(model: str | None, inputs: tuple[str, ...], known: str | None, wrt: s
                 raise click.UsageError("With --jacobians, --inputs is one file of the unknowns' "
                                        "values (no --known, --wrt or --wrt-input).")
             jac, x, y = _from_files(files, jacobians, inputs, outputs)
+            sens = sensitivity(jac, x, y, by=by, input_names=inputs_named,
+                               output_names=outputs_named)
         else:
             assert model is not None
             if outputs is not None:
                 raise click.UsageError("--outputs goes with --jacobians; with MODEL the outputs are "
                                        "computed.")
             args, columns = gather_inputs(files, inputs, known=known, wrt=wrt, wrt_input=wrt_input)
-            jac, x, y = _from_model(model, args, columns, trust=trust_model, dtype=dtype,
-                                    backend=backend, max_memory=max_memory)
-        sens = sensitivity(jac, x, y, by=by, input_names=inputs_named,
-                           output_names=outputs_named)
+            loaded = load_model(model, trust=trust_model)
+            # (summed chunk by chunk as the Jacobians are computed: no Jacobian set held)
+            sens = of_model(loaded.model, args, wrt=columns, dtype=dtype,
+                            backend=backend_of(backend, loaded), max_memory=max_memory, by=by,
+                            input_names=inputs_named, output_names=outputs_named)
     with writing_output(f"-o {output!r}"):
         path = write_report(sens, directory, top=top)
     click.echo(str(sens))
@@ -113,21 +116,6 @@ def _from_files(files: Files, jacobians: str, inputs: Sequence[str], outputs: st
     x = files.open(inputs[0], "--inputs") if inputs else None
     y = files.open(outputs, "--outputs") if outputs is not None else None
     return jac, x, y
-
-
-def _from_model(model: str, args: tuple[Any, ...], columns: Any, *, trust: bool,
-                dtype: str | None, backend: str | None, max_memory: str | None
-                ) -> tuple[Any, Any, Any]:
-    """(Jacobians, unknowns, outputs) of MODEL on the inputs, computed."""
-    from .._jacobian import jacobian
-    from .._validate import normalize
-
-    loaded = load_model(model, trust=trust)
-    y, jac = jacobian(loaded.model, *args, wrt=columns, dtype=dtype,
-                      backend=backend_of(backend, loaded), max_memory=max_memory,
-                      return_outputs=True)
-    spec = normalize(args, wrt=columns, dtype=dtype, nan_policy="raise")
-    return jac, spec.chunk(0, spec.n)[0], y
 
 
 command = report
