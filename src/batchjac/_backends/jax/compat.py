@@ -6,10 +6,10 @@ these only through this one.
 Each use is guarded so that, where it is missing or changed, batchjac is slower and still
 right, never wrong and never a :class:`~batchjac.ModelError`:
 
-- XLA's option names (:data:`BUILDS`, :data:`CPU_STEADY`, :data:`SECOND_CPU_OPTIONS`, :data:`LAPLACIAN_YNN`,
-  census #22-23): a build whose options XLA refuses is compiled with XLA's defaults (the
-  first-order race leaves it out; the second-order kernels try the next option set);
-  :func:`xla_accepts` tells which this XLA knows (the tests of those builds);
+- XLA's option names (:data:`BUILDS`, :data:`CPU_STEADY`, :data:`SECOND_CPU_OPTIONS`,
+  :data:`LAPLACIAN_YNN`, census #22-23): a build whose options XLA refuses is compiled with
+  XLA's defaults (the first-order race leaves it out; the second-order kernels try the next
+  option set); :func:`xla_accepts` tells which this XLA knows (the tests of those builds);
 - ``Lowered.as_text(debug_info=False)`` (:func:`module_text`, #24): ``as_text()``, JAX
   0.4.30's form; where neither works, no disk cache of executables;
 - ``jax.experimental.serialize_executable`` (:func:`serialize`, :func:`deserialize`) and the
@@ -78,6 +78,8 @@ def builds(platform: str) -> dict[str, dict[str, str | bool]]:
         return BUILDS
     return {name: options if name == "quick" else {**options, **CPU_STEADY}
             for name, options in BUILDS.items()}
+
+
 #: the second-order kernels' options on the CPU (:class:`~batchjac._backends.jax.second.
 #: JaxSecondKernel`); refused, the next option set is tried, the last XLA's defaults
 SECOND_CPU_OPTIONS: dict[str, str | bool] = {FUSION_EMITTERS: False}
