@@ -188,30 +188,46 @@ def _jac_replicated(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor,
     return y[:rows].detach(), jac.reshape(rows, *out_shape, *bound.signature.unknown_shape)
 
 
-def _jac_looped(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _jac_looped(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], *,
+                graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Reverse mode with plain autograd and no vmap: one forward pass of the chunk, then
     one backward pass per output ``o`` of ``sum_rows y[:, o]`` (rows are independent,
     which the probes check, so its gradient at row ``i`` is row ``i``'s Jacobian row).
     It imports nothing (torch.func's vmap imports torch._dynamo on its first pullback),
     holds one copy of the activations (the replicated pass holds ``m``), and can run faster
-    than vmap (measured: docs/thresholds.md, "PyTorch's reverse-mode builds")."""
-    assert bound.output_shape is not None
-    out_shape = bound.output_shape
-    m, rows, ushape = math.prod(out_shape), u.shape[0], tuple(u.shape[1:])
+    than vmap (measured: docs/thresholds.md, "PyTorch's reverse-mode builds").
+
+    ``graph``: in the caller's graph (a differentiable call's chunk, which
+    ``torch.utils.checkpoint`` recomputes, where torch.func's ``vjp`` refuses its hooks): on
+    ``u`` itself where it requires grad, each backward pass with ``create_graph``, and the
+    model's own pass hidden from a checkpoint's hooks, which would otherwise recompute the
+    chunk inside each backward pass and keep every recomputation until the loss's gradient
+    is taken (a pass's activations are small beside the backward passes' graphs)."""
+    rows, ushape = u.shape[0], tuple(u.shape[1:])
+    kept = torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is) if graph else \
+        contextlib.nullcontext()
     with torch.enable_grad(), _unknowns_require_grad():
-        x = u.detach().requires_grad_(True)
-        y = bound.apply(x, ctx)
+        with kept:
+            x = u if graph and u.requires_grad else u.detach().requires_grad_(True)
+            y = bound.apply(x, ctx)
+        out_shape = tuple(y.shape[1:])
+        m = math.prod(out_shape)
         jac = x.new_empty((rows, m, *ushape))
         if not y.requires_grad:  # no path from the unknowns at all (probes off)
             jac.zero_()
         else:
             flat = y.reshape(rows, m)
             for o in range(m):
-                (g,) = torch.autograd.grad(flat[:, o].sum(), x, retain_graph=o < m - 1,
-                                           allow_unused=True, materialize_grads=True)
+                (g,) = torch.autograd.grad(flat[:, o].sum(), x, retain_graph=graph or o < m - 1,
+                                           create_graph=graph, allow_unused=True,
+                                           materialize_grads=True)
                 jac[:, o] = g
-    return y.detach(), jac.reshape(rows, *out_shape, *bound.signature.unknown_shape)
+    return y if graph else y.detach(), jac.reshape(rows, *out_shape,
+                                                   *bound.signature.unknown_shape)
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class TorchKernel(Kernel):

@@ -8,8 +8,8 @@ build) and the forward Laplacian (:mod:`.laplacian`, whose rule set is torch ope
 module's own weight tensors). The kernels' plain-autograd builds differentiate detached copies
 of the unknowns and are never taken here. A chunk of a budgeted call is recomputed in the
 backward pass by ``torch.utils.checkpoint`` (non-reentrant: it takes torch.func's forward
-passes inside, and refuses its reverse ones: a recomputed reverse-mode Jacobian is
-:func:`_reverse_recomputable`'s, plain autograd on the caller's tensors).
+passes inside, and refuses its reverse ones: a recomputed reverse-mode Jacobian is plain
+autograd's, :func:`~.builds._jac_looped` in the caller's graph).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 from ..._errors import BatchJacError, InputError, ModelError
 from .._base import SECOND_RESULT
 from . import compat
-from .builds import jac_forward, jac_reverse
+from .builds import _jac_looped, jac_forward, jac_reverse
 from .errors import _explain_model_failure
 from .state import _FORWARD_AD, _load_forward_ad
-from .tensors import _basis, _unknowns_require_grad
+from .tensors import _basis
 
 if TYPE_CHECKING:
     from . import TorchBound
@@ -107,8 +107,9 @@ def derivatives(bound: TorchBound, kind: str, how: str, with_outputs: bool,
 
 def _jacobian(bound: TorchBound, how: str, u: torch.Tensor, ctx: tuple[torch.Tensor, ...],
               recomputed: bool) -> dict[str, torch.Tensor]:
-    if how == "reverse" and recomputed:
-        return _reverse_recomputable(bound, u, ctx)
+    if how == "reverse" and recomputed:  # (torch.func's vjp refuses the checkpoint's hooks)
+        y, jac = _jac_looped(bound, u, ctx, graph=True)
+        return {"jacobians": jac, "outputs": y}
     if how == "forward":
         _load_forward_ad()  # (torch.func's forward mode only: they load slowly)
         ushape = tuple(u.shape[1:])
@@ -117,36 +118,6 @@ def _jacobian(bound: TorchBound, how: str, u: torch.Tensor, ctx: tuple[torch.Ten
     else:
         y, jac = jac_reverse(bound, u, ctx, None, "func")
     return {"jacobians": jac, "outputs": y}
-
-
-def _reverse_recomputable(bound: TorchBound, u: torch.Tensor, ctx: tuple[torch.Tensor, ...]
-                          ) -> dict[str, torch.Tensor]:
-    """Reverse mode by plain autograd with ``create_graph``, which ``torch.utils.checkpoint``
-    can recompute (torch.func's ``vjp`` refuses its hooks): one forward pass, then one
-    backward pass of ``sum_rows y[:, o]`` per output ``o`` (rows are independent, as for
-    every reverse-mode build), on ``u`` itself where it is in the caller's graph.
-
-    The model's own pass keeps what it saves (a pass's activations, small beside the
-    backward passes' graphs): hidden from the checkpoint, whose hooks would otherwise recompute
-    the chunk inside each of these backward passes and keep every recomputation until the
-    loss's gradient is taken."""
-    with _unknowns_require_grad(), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
-        x = u if u.requires_grad else u.detach().requires_grad_(True)
-        y = bound.apply(x, ctx)
-    flat = y.reshape(y.shape[0], -1)
-    m = flat.shape[1]
-    if not (m and flat.requires_grad):  # (no path from anything that requires grad)
-        jac = x.new_zeros((x.shape[0], m, *x.shape[1:]))
-    else:
-        jac = torch.stack([torch.autograd.grad(flat[:, o].sum(), x, create_graph=True,
-                                               retain_graph=True, allow_unused=True,
-                                               materialize_grads=True)[0]
-                           for o in range(m)], 1)
-    return {"jacobians": jac.reshape(*y.shape, *bound.signature.unknown_shape), "outputs": y}
-
-
-def _kept(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def checkpointed(fn: Compute) -> Compute:
