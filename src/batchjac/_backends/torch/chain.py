@@ -83,21 +83,27 @@ def read(bound: TorchBound) -> tuple[TorchChain, Accumulation] | None:
     if bound.output_shape is None or \
             min(math.prod(sig.unknown_shape), math.prod(bound.output_shape)) < MIN_BASIS:
         return None
+    made = recorded(bound, _read)
+    plan = None if made is None else choose(made.chain, bound.forward_bias)
+    return None if made is None or plan is None else (made, plan)
+
+
+def recorded(bound: TorchBound, reader: Callable[[Tape, Any], Any]) -> TorchChain | None:
+    """The model's recording (:func:`recording`) read by ``reader`` (``(tape, inputs) ->
+    (keys, cuts, dependent, shapes, chain)`` or None) into a chain; None where the model
+    cannot be recorded, or ``reader`` finds no chain or cannot run an operation again."""
     made = recording(bound)
     if made is None:
         return None
     tape, inputs, weights, record = made
     try:
-        found = _read(tape, inputs)
-    except Exception:  # (an operation this reader cannot run again: a pure mode)
+        found = reader(tape, inputs)
+    except Exception:  # (an operation this reader cannot run again: none)
         return None
     if found is None:
         return None
     keys, cuts, dependent, shapes, chain = found
-    plan = choose(chain, bound.forward_bias)
-    if plan is None:
-        return None
-    return TorchChain(tape, keys, cuts, dependent, shapes, chain, weights, record), plan
+    return TorchChain(tape, keys, cuts, dependent, shapes, chain, weights, record)
 
 
 def recording(bound: TorchBound) -> tuple[Tape, list[torch.Tensor], tuple[Any, ...],

@@ -23,7 +23,7 @@ import torch
 
 from ..._chain import Accumulation, Chain, Piece
 from . import compat
-from .chain import Key, TorchChain, _get, _work, current, jacobians, recording
+from .chain import Key, TorchChain, _get, _work, current, jacobians, recorded
 
 if TYPE_CHECKING:
     from . import TorchBound
@@ -43,19 +43,8 @@ def read(bound: TorchBound) -> TorchHead | SequentialHead | None:
     found = _sequential(bound)
     if found is not None:
         return found
-    made = recording(bound)
-    if made is None:
-        return None
-    tape, inputs, weights, record = made
-    try:
-        found = _read(tape, inputs)
-    except Exception:  # (an operation this reader cannot run again: no head)
-        return None
-    if found is None:
-        return None
-    keys, cuts, dependent, shapes, chain = found
-    return TorchHead(bound, TorchChain(tape, keys, cuts, dependent, shapes, chain, weights,
-                                       record))
+    made = recorded(bound, _read)
+    return None if made is None else TorchHead(bound, made)
 
 
 def _read(tape: Tape, inputs: list[torch.Tensor]) -> Any:
