@@ -1330,7 +1330,7 @@ def test_the_steady_build_compiles_beside_the_quick_one_and_takes_over(
     assert kernel.untimed  # the race among the full builds is still to come
     assert not kernel._pending
 
-    monkeypatch.setattr(builds, "_idle_core", lambda: False)
+    monkeypatch.setattr(builds, "idle_core", lambda: False)
     single = make()
     for _ in range(3):
         assert_jac_close(batchjac.jacobian(single, x, mode="reverse"), ref)

@@ -237,6 +237,8 @@ def test_xla_fallback_warns_once_and_is_correct(monkeypatch: pytest.MonkeyPatch)
     """Where XLA is tried (a race, or a store, which fixes XLA) and cannot compile the model,
     the plain graph runs with one warning. (An untimed first call runs the graph anyway; the
     race on the next calls tries XLA.)"""
+    from batchjac._backends._base import made_beside
+
     race_now(monkeypatch)
 
     @tf.function
@@ -248,11 +250,13 @@ def test_xla_fallback_warns_once_and_is_correct(monkeypatch: pytest.MonkeyPatch)
     x = np.random.default_rng(10).normal(size=(12, 3)).astype("float32")
     ref = np.einsum("ni,ij->nij", np.cos(x.astype(np.float64)) * 2, np.eye(3))
     # the race of builds rides on the calls: XLA fails on the call it meets, which the plain
-    # graph answers again; one warning in all, every call's Jacobians right
+    # graph answers again; one warning in all, every call's Jacobians right (XLA is made
+    # beside the calls where a core is free: waited for here, so that the race meets it)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(10):
             assert_jac_close(batchjac.jacobian(f, x), ref)
+            made_beside(60)
     said = [str(w.message) for w in seen if issubclass(w.category, XLAFallbackWarning)]
     assert len(said) == 1, said
     assert "XLA could not compile" in said[0]
@@ -308,6 +312,7 @@ def test_the_later_race_of_builds_runs_on_the_users_calls(monkeypatch: pytest.Mo
     skipped rides on the next calls: XLA answers calls (compiled on its first), no build runs
     to be timed only, every call's Jacobians are right, and the race ends with a choice."""
     from batchjac import _backends
+    from batchjac._backends._base import made_beside
     from batchjac._backends.tensorflow.builds import TFKernel
 
     model = seed_model("tensorflow")
@@ -330,11 +335,55 @@ def test_the_later_race_of_builds_runs_on_the_users_calls(monkeypatch: pytest.Mo
             answered.append(kernel.variant)
             if kernel.raced:
                 break
+            made_beside(60)  # (XLA compiling beside the calls, where a core is free)
     assert kernel.raced
     assert kernel.call_race is None
     assert {"xla", "graph"} <= set(answered)
     assert timed == []
     assert "timed one chunk" in kernel.note
+
+
+@pytest.mark.parametrize("free_core", [True, False])
+def test_the_later_races_xla_compiles_beside_the_calls(monkeypatch: pytest.MonkeyPatch,
+                                                        free_core: bool) -> None:
+    """With a core free, the later race's XLA build is traced and compiled on the thread beside
+    the calls (its first run there, on a copy of a chunk): the race costs the calls no
+    compilation, and starts once XLA is made; without one, XLA compiles on its first call of
+    the race, on the caller's thread. Every call's Jacobians are right either way."""
+    import threading
+
+    from batchjac import _backends
+    from batchjac._backends import _base
+    from batchjac._backends.tensorflow import builds
+
+    monkeypatch.setattr(builds, "idle_core", lambda: free_core)
+    made_on: list[str] = []
+    real = builds.TFKernel._concrete
+    monkeypatch.setattr(builds.TFKernel, "_concrete", lambda self, variant: (
+        made_on.append(f"{variant}@{threading.current_thread().name}"), real(self, variant))[1])
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 64, seed=23)
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
+    assert_jac_close(batchjac.jacobian(model, unknown, known, mode="reverse"), ref)
+    bound = next(iter(_backends._bound[model].values()))
+    (kernel,) = [k for k in bound.kernels() if k.mode == "reverse"]
+    assert kernel.variant == "graph"
+    assert kernel.untimed
+    assert kernel.race_compilations == (0 if free_core else 1)
+    race_now(monkeypatch)
+    answered = []
+    for _ in range(200):
+        assert_jac_close(batchjac.jacobian(model, unknown, known, mode="reverse"), ref)
+        answered.append(kernel.variant)
+        if kernel.raced:
+            break
+        _base.made_beside(60)  # (the calls go on meanwhile; here, so that the race ends soon)
+    assert kernel.raced
+    assert kernel.call_race is None
+    assert "xla" in answered
+    xla = [m for m in made_on if m.startswith("xla@")]
+    assert len(xla) == 1, made_on
+    assert xla[0].endswith("tier-up_0") == free_core, xla
 
 
 @pytest.mark.parametrize("autotune", ["on", "off"])
@@ -499,12 +548,25 @@ def test_xla_fixed_on_a_running_graph_kernel_falls_back() -> None:
     assert_jac_close(jac, np.einsum("ni,ij->nij", np.cos(x.astype(np.float64)) * 2, np.eye(3)))
 
 
-def test_a_remembered_xla_build_waits_until_the_work_repays_it() -> None:
+@pytest.mark.parametrize("free_core", [True, False])
+def test_a_remembered_xla_build_waits_until_the_work_repays_it(monkeypatch: pytest.MonkeyPatch,
+                                                               free_core: bool) -> None:
     """An earlier process's race chose XLA: a first call still builds the plain graph (sooner
     built than XLA compiles, the cheaper first answer), and the remembered XLA replaces it,
-    without a race, once the work seen repays one more build. Right Jacobians throughout."""
+    without a race, once the work seen repays one more build: with a core free, compiled
+    beside the calls, which run the graph until it is made. Right Jacobians throughout."""
+    import threading
+
     from batchjac import _backends
+    from batchjac._backends import _base
+    from batchjac._backends.tensorflow import builds
     from batchjac._tune import policy as _tuning
+
+    monkeypatch.setattr(builds, "idle_core", lambda: free_core)
+    made_on: list[str] = []
+    real = builds.TFKernel._concrete
+    monkeypatch.setattr(builds.TFKernel, "_concrete", lambda self, variant: (
+        made_on.append(f"{variant}@{threading.current_thread().name}"), real(self, variant))[1])
 
     unknown, known = workload_inputs("W1", 200, seed=23)
     ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
@@ -523,11 +585,16 @@ def test_a_remembered_xla_build_waits_until_the_work_repays_it() -> None:
     assert kernel.remembered[0] == "xla"
     book = _tuning.ledger(bound)  # the work of many repeated calls
     book.rows, book.seconds = 10**7, 1e3
-    for _ in range(3):  # (the fast path hands the due decision to the full path)
+    for _ in range(4):  # (the fast path hands the due decision to the full path: a call
+        # makes XLA beside, a later one finds it made)
         assert_jac_close(batchjac.jacobian(model, unknown, known, mode="reverse"), ref)
+        _base.made_beside(60)
     assert kernel.variant == "xla"
     assert kernel.note.startswith("xla (remembered")
     assert not kernel.raced  # taken, not raced again
+    xla = [m for m in made_on if m.startswith("xla@")]
+    assert len(xla) == 1, made_on
+    assert xla[0].endswith("tier-up_0") == free_core, made_on
 
 
 # ---- probes proven from the layers -------------------------------------------------------------

@@ -9,6 +9,7 @@ Nothing outside ``batchjac._backends`` imports a framework.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -31,6 +32,26 @@ from .._tune.state import TuningState
 
 if TYPE_CHECKING:
     from .._chain import Accumulation
+
+#: the thread that makes builds beside the calls (JAX: a kernel's steady build beside its quick
+#: first one; a race's contenders, where a core is free), one at a time: the other cores run the
+#: user's calls. Its work is joined at exit, as the native code's compilation would have been
+#: waited for
+BESIDE = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjac-tier-up")
+
+
+def idle_core() -> bool:
+    """Whether this process may use more than one core (a second one makes builds beside)."""
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except AttributeError:  # (not on Linux)
+        return (os.cpu_count() or 1) > 1
+
+
+def made_beside(timeout: float | None = None) -> None:
+    """Wait until the builds queued on :data:`BESIDE` so far are made (tests, exits)."""
+    BESIDE.submit(lambda: None).result(timeout)
+
 
 Mode = Literal["forward", "reverse"]
 #: what a second-order kernel computes per instance (see :meth:`BoundModel.second_kernel`)
@@ -341,6 +362,12 @@ class Kernel(ABC):
         """Whether a race can still change the untimed build in use."""
         return len(self.variants) > 1
 
+    @property
+    def race_compilations(self) -> int:
+        """The builds the later race makes while the calls wait (its cost, with its timed
+        runs: :func:`batchjac._tune.policy.settle`): each but the one in use."""
+        return max(1, len(self.variants) - 1)
+
     @contextlib.contextmanager
     def timing(self, u: Any, ctx: tuple[Any, ...]) -> Iterator[tuple[Any, tuple[Any, ...]]]:
         """The rows of a later race as the builds take them (PyTorch: tensors, in its mode)."""
@@ -361,6 +388,11 @@ class Kernel(ABC):
         starts once each is :meth:`ready`); None where the kernel makes them now
         (:meth:`contenders`)."""
         return None
+
+    def make(self, name: str, rows: Callable[[], tuple[Any, tuple[Any, ...]]]) -> bool:
+        """Make build ``name`` ahead of its use, on a chunk ``rows()``: beside the calls where
+        the kernel can (False until it is made), else when it is selected (True)."""
+        return True
 
     def ready(self, name: str) -> bool:
         """Whether build ``name`` is made (a kernel that makes its contenders beside the calls

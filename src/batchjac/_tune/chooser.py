@@ -140,11 +140,12 @@ class CallRace:
 
     def next(self, ready: Callable[[str], bool] = lambda name: True) -> str | None:
         """The contender the next call runs, once every contender left is ``ready`` (made: a
-        kernel may make its contenders beside the calls; the incumbent is always ready); None
-        before: a call timed while another build compiles beside it shares the cores with
-        that compilation, and the builds timed first would lose to those timed after."""
+        kernel may make its contenders beside the calls, the incumbent of the race's stages
+        among them); None before: a call timed while another build compiles beside it shares
+        the cores with that compilation, and the builds timed first would lose to those timed
+        after."""
         live = [name for name in self.samples if name not in self.out]
-        if not all(name == self.incumbent or ready(name) for name in live):
+        if not all(ready(name) for name in live):
             return None
         cold = [name for name in live if name not in self.warm]
         if cold:

@@ -242,22 +242,23 @@ def begin(bound: Any) -> None:
     ledger(bound).next_check = math.inf
 
 
-def race_cost(bound: Any, compilations: float) -> float | None:
-    """The estimated seconds of a race that compiles ``compilations`` more kernels; None when
-    nothing has been measured yet."""
+def race_cost(bound: Any, compilations: float, timing: float = TIMING_SECONDS) -> float | None:
+    """The estimated seconds of a race that compiles ``compilations`` more kernels and times
+    them for ``timing`` seconds; None when nothing has been measured yet."""
     book = ledger(bound)
     if not book.compile_seconds:
         return None
-    return compilations * book.compile_seconds + TIMING_SECONDS
+    return compilations * book.compile_seconds + timing
 
 
-def worth(bound: Any, rows: int, compilations: float) -> bool:
-    """Whether a race compiling ``compilations`` kernels pays for itself on ``rows`` rows to
-    come plus the work already seen with this bound model."""
+def worth(bound: Any, rows: int, compilations: float, timing: float = TIMING_SECONDS) -> bool:
+    """Whether a race compiling ``compilations`` kernels (and timing them for ``timing``
+    seconds) pays for itself on ``rows`` rows to come plus the work already seen with this
+    bound model."""
     if not autotune_enabled():
         return False
     book = ledger(bound)
-    cost = race_cost(bound, compilations)
+    cost = race_cost(bound, compilations, timing)
     per_row = book.seconds_per_row
     if cost is None or per_row is None or not book.rows:  # no steady call measured yet:
         book.next_check = 0.0  # the next call (with a measurement) decides
@@ -336,18 +337,35 @@ def settle(bound: Any, kernel: Any, args: Callable[[], tuple[Any, Any]]) -> None
     build)."""
     remembered = getattr(kernel, "remembered", None)
     if remembered is not None:
-        if kernel.untimed and worth(bound, 0, 1):
+        if kernel.untimed and worth(bound, 0, min(1, kernel.race_compilations), 0.0):
             with kernel.building:
+                if not kernel.make(remembered[0], args):  # (made beside the calls: not yet)
+                    ledger(bound).next_check = 0.0  # the next call looks again
+                    return
                 kernel.remembered = None
                 kernel.use(*remembered)
                 kernel.untimed = False
         return
-    if kernel.untimed and worth(bound, 0, max(1, len(kernel.variants) - 1)):
+    if kernel.untimed and worth(bound, 0, kernel.race_compilations, _timing(bound, kernel)):
         with kernel.building:  # (another thread's settle may have raced it meanwhile)
             if kernel.untimed:
                 kernel.retune(*args())
                 # (a race on the next calls decides later: chooser.after_call)
                 kernel.raced = not kernel.untimed and kernel.call_race is None
+
+
+def _timing(bound: Any, kernel: Any) -> float:
+    """What the timed runs of ``kernel``'s later race cost: :data:`TIMING_SECONDS`; for a
+    race riding on the calls (``races_on_calls``) whose contenders are made beside them (no
+    compilation the calls wait for), only what its slower contenders' calls may lose: the
+    calls each answers (``CallRace.SAMPLES`` and a first), each as long again as a chunk in
+    the build in use. (Where the calls wait for compilations, JAX's beside them on cores
+    they share, the fixed figure stands for what those slow down.)"""
+    per_row = ledger(bound).seconds_per_row
+    if not kernel.races_on_calls or kernel.race_compilations or per_row is None:
+        return TIMING_SECONDS
+    calls = (chooser.CallRace.SAMPLES + 1) * max(1, len(kernel.variants) - 1)
+    return calls * kernel.chunk_size * per_row
 
 
 class Stopwatch:

@@ -4,7 +4,6 @@ compiled ahead of time in the builds :class:`JaxKernel` chooses between."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,7 @@ from ..._errors import (
 )
 from ..._tune.chooser import Build, timings
 from .._base import (
+    BESIDE,
     FIRST_VARIANT,
     UNTUNED,
     CallBudget,
@@ -30,6 +30,7 @@ from .._base import (
     asked_mode_failed,
     fallback_message,
     first_line,
+    idle_core,
     other_mode,
     untimed_note,
     user_stacklevel,
@@ -49,14 +50,6 @@ _CAUSES: dict[Mode, str] = {
     "reverse": ("Usual cause: lax.while_loop (or fori_loop with traced bounds), which has no "
                 "reverse-mode rule."),
 }
-
-
-def _idle_core() -> bool:
-    """Whether this process may use more than one core (a second one compiles beside)."""
-    try:
-        return len(os.sched_getaffinity(0)) > 1
-    except AttributeError:  # (not on Linux)
-        return (os.cpu_count() or 1) > 1
 
 
 class JaxKernel(Kernel):
@@ -308,7 +301,7 @@ class JaxKernel(Kernel):
         """For a quick first build, with a core free: compile the steady build beside it."""
         steady = self._steady
         if self._first != "quick" or steady is None or budget.variant is not None or \
-                not _idle_core():
+                not idle_core():
             self._steady = None
             return
         self._beside(steady)
@@ -320,9 +313,7 @@ class JaxKernel(Kernel):
             return
         build, _, rows = variant.partition("/")
         lowered = self._lowering(int(rows) if rows else self.chunk_size)
-        from . import executables as jax_executables
-
-        self._pending[variant] = jax_executables.BESIDE.submit(
+        self._pending[variant] = BESIDE.submit(
             self._load_or_compile, lowered, self._options[build], True)
 
     def _first_mixed(self, budget: CallBudget) -> Any:
@@ -596,7 +587,7 @@ class JaxKernel(Kernel):
         the calls go on; the race on the calls starts once all are ready. (XLA is asked
         first whether it knows the options: a refusal found beside the calls would leave a
         copy of the default build in the race.)"""
-        if not _idle_core() or not compat.xla_accepts(self._options["no-ynnpack"]):
+        if not idle_core() or not compat.xla_accepts(self._options["no-ynnpack"]):
             return None
         for v in self.variants:
             self._beside(v)

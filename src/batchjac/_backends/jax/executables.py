@@ -55,6 +55,7 @@ from typing import Any
 import jax
 
 from ..._tune.cache import TuneKey, default_cache
+from .._base import made_beside
 from . import compat
 
 #: XLA's compiler options: strings, or Python booleans for its boolean flags (it refuses "false")
@@ -89,10 +90,6 @@ def _quiet(queued: float) -> None:
 
 _WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="batchjac-executables")
-#: the thread that compiles builds beside the calls (a kernel's steady build beside its quick
-#: first one, a race's contenders), one at a time: the other cores run the user's calls. Its
-#: work is joined at exit, as the native code's compilation would have been waited for
-BESIDE = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchjac-tier-up")
 #: executables written or loaded by this process, by key digest (written once, not again)
 _SEEN: set[str] = set()
 #: executables compiled by calls that have not returned yet: written by :func:`release`
@@ -276,8 +273,8 @@ def _store(cache: Any, key: TuneKey | None, compiled: Any, lowered: Any,
 
 
 def compiled_beside(timeout: float | None = None) -> None:
-    """Wait until the builds queued on :data:`BESIDE` so far are compiled (tests)."""
-    BESIDE.submit(lambda: None).result(timeout)
+    """Wait until the builds queued beside the calls so far are compiled (tests)."""
+    made_beside(timeout)
 
 
 def flush(timeout: float | None = None) -> None:

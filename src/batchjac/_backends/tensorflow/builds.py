@@ -4,6 +4,8 @@ as a plain graph and keeps the faster."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from ..._errors import (
 )
 from ..._tune.chooser import Build
 from .._base import (
+    BESIDE,
     UNTUNED,
     CallBudget,
     Kernel,
@@ -28,6 +31,7 @@ from .._base import (
     asked_mode_failed,
     fallback_message,
     first_line,
+    idle_core,
     other_mode,
     user_stacklevel,
 )
@@ -169,6 +173,11 @@ class TFKernel(Kernel):
     both and times one chunk in each (interleaved, the minimum of a few), unless a variant
     was fixed with :meth:`use`.
 
+    Where a core is free, the later race's XLA builds (and an XLA build an earlier process
+    chose) are compiled on the thread beside the calls, which go on in the plain graph until
+    they are made (:meth:`contenders_beside`, :meth:`make`): the calls wait for no XLA
+    compilation (measured on W1: BENCHMARKS.md, time to the K-th answer).
+
     A chunk of at least :data:`BLOCKED_CHUNK` rows has a third build, ``"xla/blocks"``: XLA
     over blocks of about :data:`BLOCK_ROWS` rows in a ``tf.map_fn``, whose temporaries stay
     in cache. Raced only, never the untimed first: it wins on large chunks of small rows and
@@ -198,6 +207,8 @@ class TFKernel(Kernel):
         self.note = ""
         #: ``(variant, result)`` of the first call's run, its answer (:meth:`_kept_result`)
         self._kept: tuple[str, Any] | None = None
+        #: XLA builds being made beside the calls (:meth:`contenders_beside`)
+        self._making: dict[str, concurrent.futures.Future[Any]] = {}
 
     def _builds(self) -> tuple[str, ...]:
         """XLA and the graph, and on the CPU XLA in blocks for a chunk of :data:`BLOCKED_CHUNK`
@@ -225,23 +236,48 @@ class TFKernel(Kernel):
 
         self._traced = traced
         self.path = path
-        self._fns = {}
+        self._fns, self._making = {}, {}
         self.variants = self._builds()  # (a path XLA failed for had the graph only)
         self.variant, self.note, self.untimed = None, "", False
 
     def _fn(self, variant: str) -> Any:
         if variant not in self._fns:
-            graph = self._fns.get("graph")
-            if variant == "xla" and graph is not None:
-                # XLA of a call of the plain graph traced already: the model and its Jacobian
-                # are not traced again, XLA compiles the called graph whole (the race's XLA
-                # build costs its compilation only: docs/thresholds.md, "TensorFlow's builds")
-                fn = tf.function(lambda *args: graph(*args), jit_compile=True, autograph=False)
-            else:
-                traced = self._in_blocks() if variant == "xla/blocks" else self._traced
-                fn = tf.function(traced, jit_compile=variant.startswith("xla"), autograph=False)
-            self._fns[variant] = fn.get_concrete_function(*self._specs)
+            making = self._making.pop(variant, None)
+            made = None
+            if making is not None:
+                with contextlib.suppress(Exception):  # (a failure to trace: again, here)
+                    made = making.result()
+            self._fns[variant] = made if made is not None else self._concrete(variant)
         return self._fns[variant]
+
+    def _concrete(self, variant: str) -> Any:
+        """Build ``variant``'s concrete function (traced, not yet compiled by XLA)."""
+        graph = self._fns.get("graph")
+        if variant == "xla" and graph is not None:
+            # XLA of a call of the plain graph traced already: the model and its Jacobian
+            # are not traced again, XLA compiles the called graph whole (the race's XLA
+            # build costs its compilation only: docs/thresholds.md, "TensorFlow's builds")
+            fn = tf.function(lambda *args: graph(*args), jit_compile=True, autograph=False)
+        else:
+            traced = self._in_blocks() if variant == "xla/blocks" else self._traced
+            fn = tf.function(traced, jit_compile=variant.startswith("xla"), autograph=False)
+        return fn.get_concrete_function(*self._specs)
+
+    def _make_beside(self, variant: str, u: Any, ctx: tuple[Any, ...]) -> None:
+        """Trace ``variant`` and compile it by XLA on the thread beside the calls, on a copy
+        of a chunk (XLA compiles on a build's first run; that run's result is dropped): the
+        calls go on in the build in use meanwhile, and :meth:`_fn` takes the result."""
+        if variant in self._fns or variant in self._making:
+            return
+        u, ctx = _copied(u), tuple(_copied(c) for c in ctx)
+
+        def make() -> Any:
+            fn = self._concrete(variant)
+            with contextlib.suppress(Exception):  # (XLA refuses the model: the race's call
+                _wait(fn(u, *ctx), self.with_outputs)  # of it says so, on the user's call)
+            return fn
+
+        self._making[variant] = BESIDE.submit(make)
 
     def _in_blocks(self) -> Callable[..., Any]:
         """The traced Jacobians over blocks of the chunk (:data:`BLOCK_ROWS`, evened), in a
@@ -364,6 +400,7 @@ class TFKernel(Kernel):
     def _reset(self) -> None:
         """Back to the state before the first call (the next call tries again)."""
         self.path, self._fns, self.variant, self.note, self._kept = None, {}, None, "", None
+        self._making = {}
         self.variants = self._builds()
 
     def _why(self, failures: list[tuple[str, str]] | None = None) -> str:
@@ -413,11 +450,7 @@ class TFKernel(Kernel):
         self._kept = None  # (a race's calls keep none: their results would double the peak)
         start = time.perf_counter()
         out = self._fn(variant)(u, *ctx)
-        jac = out[1] if self.with_outputs else out
-        if _is_tensor(u):  # tensors in: wait for one number, not a copy of J to the host
-            tf.reduce_sum(jac[:1]).numpy()
-        else:
-            np.asarray(jac)
+        _wait(out, self.with_outputs, copy=not _is_tensor(u))
         if keep:
             self._kept = (variant, out)
         return time.perf_counter() - start
@@ -497,11 +530,34 @@ class TFKernel(Kernel):
     races_on_calls = True
 
     def contenders_beside(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[str, ...]:
-        """The later race's builds, none run beforehand: XLA compiles on its first call of
-        the race (a user's call, its result kept, its time not counted), and a build that
-        fails there leaves the race, the call answered again by the plain graph in use
-        (``chooser.failed_call``). A first call's race takes :meth:`contenders`."""
-        return tuple(v for v in ("xla", "graph", "xla/blocks") if v in self.variants)
+        """The later race's builds. With a core free, XLA's are compiled on the thread beside
+        the calls (:meth:`_make_beside`), and the race starts once they are :meth:`ready`;
+        without, XLA compiles on its first call of the race (a user's call, its result kept,
+        its time not counted). A build that fails on its call leaves the race, the call
+        answered again by the plain graph in use (``chooser.failed_call``). A first call's
+        race takes :meth:`contenders`."""
+        names = tuple(v for v in ("xla", "graph", "xla/blocks") if v in self.variants)
+        if idle_core():
+            for name in names:
+                if name.startswith("xla"):
+                    self._make_beside(name, u, ctx)
+        return names
+
+    def make(self, name: str, rows: Callable[[], tuple[Any, tuple[Any, ...]]]) -> bool:
+        if not name.startswith("xla") or not idle_core() or name in self._fns:
+            return True
+        if name not in self._making:
+            self._make_beside(name, *rows())
+        return self.ready(name)
+
+    def ready(self, name: str) -> bool:
+        making = self._making.get(name)
+        return making is None or making.done()
+
+    @property
+    def race_compilations(self) -> int:
+        """None that the calls wait for, with a core free: XLA compiles beside them."""
+        return 0 if idle_core() else super().race_compilations
 
     def left_race(self, name: str, error: BaseException) -> None:
         if name.startswith("xla") and isinstance(error, Exception) and not _out_of_memory(error):
@@ -565,6 +621,22 @@ def _map_blocks(fn: Callable[..., Any], arrays: tuple[tf.Tensor, ...], block: in
     outs = tf.map_fn(lambda args: fn(*args), tuple(split(a) for a in arrays),
                      fn_output_signature=signature)
     return tf.nest.map_structure(lambda o: tf.reshape(o, (padded, *o.shape[2:]))[:rows], outs)
+
+
+def _copied(a: Any) -> Any:
+    """A numpy chunk copied (the runner may fill its buffer again while a build made beside
+    the calls runs on it); a tensor as it is."""
+    return np.array(a, copy=True) if isinstance(a, np.ndarray) else a
+
+
+def _wait(out: Any, with_outputs: bool, *, copy: bool = False) -> None:
+    """Return once a build's call ``out`` is computed: its Jacobians copied to the host with
+    ``copy`` (numpy in, as the calls return them), else one number of them."""
+    jac = out[1] if with_outputs else out
+    if copy:
+        np.asarray(jac)
+    else:
+        tf.reduce_sum(jac[:1]).numpy()
 
 
 def _is_tensor(a: Any) -> bool:
