@@ -307,22 +307,45 @@ def test_the_races_xla_build_compiles_the_traced_graph() -> None:
     assert_jac_close(np.asarray(xla_jac), ref[:, :, :5])
 
 
-def test_the_later_race_of_builds_runs_on_the_users_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A first call too small to repay a race runs the plain graph untimed; the race it
-    skipped rides on the next calls: XLA answers calls (compiled on its first), no build runs
-    to be timed only, every call's Jacobians are right, and the race ends with a choice."""
+def _graph_first_w1(seed: int) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, Any]:
+    """The seed model's first reverse-mode call on 64 W1 rows, right and untimed on the plain
+    graph: ``(model, unknown, known, reference Jacobians, its kernel)``."""
     from batchjac import _backends
-    from batchjac._backends._base import made_beside
-    from batchjac._backends.tensorflow.builds import TFKernel
 
     model = seed_model("tensorflow")
-    unknown, known = workload_inputs("W1", 64, seed=19)
+    unknown, known = workload_inputs("W1", 64, seed=seed)
     ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
     assert_jac_close(batchjac.jacobian(model, unknown, known, mode="reverse"), ref)
     bound = next(iter(_backends._bound[model].values()))
     (kernel,) = [k for k in bound.kernels() if k.mode == "reverse"]
     assert kernel.untimed
     assert kernel.variant == "graph"
+    return model, unknown, known, ref, kernel
+
+
+def _threads_making(monkeypatch: pytest.MonkeyPatch, free_core: bool) -> list[str]:
+    """With a core free or not, the builds TensorFlow's kernels make, as they are made:
+    ``"variant@thread name"``."""
+    import threading
+
+    from batchjac._backends.tensorflow import builds
+
+    monkeypatch.setattr(builds, "idle_core", lambda: free_core)
+    made_on: list[str] = []
+    real = builds.TFKernel._concrete
+    monkeypatch.setattr(builds.TFKernel, "_concrete", lambda self, variant: (
+        made_on.append(f"{variant}@{threading.current_thread().name}"), real(self, variant))[1])
+    return made_on
+
+
+def test_the_later_race_of_builds_runs_on_the_users_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first call too small to repay a race runs the plain graph untimed; the race it
+    skipped rides on the next calls: XLA answers calls (compiled on its first), no build runs
+    to be timed only, every call's Jacobians are right, and the race ends with a choice."""
+    from batchjac._backends._base import made_beside
+    from batchjac._backends.tensorflow.builds import TFKernel
+
+    model, unknown, known, ref, kernel = _graph_first_w1(seed=19)
     timed: list[str] = []
     real = TFKernel.run_build
     answered = []
@@ -350,25 +373,10 @@ def test_the_later_races_xla_compiles_beside_the_calls(monkeypatch: pytest.Monke
     the calls (its first run there, on a copy of a chunk): the race costs the calls no
     compilation, and starts once XLA is made; without one, XLA compiles on its first call of
     the race, on the caller's thread. Every call's Jacobians are right either way."""
-    import threading
-
-    from batchjac import _backends
     from batchjac._backends import _base
-    from batchjac._backends.tensorflow import builds
 
-    monkeypatch.setattr(builds, "idle_core", lambda: free_core)
-    made_on: list[str] = []
-    real = builds.TFKernel._concrete
-    monkeypatch.setattr(builds.TFKernel, "_concrete", lambda self, variant: (
-        made_on.append(f"{variant}@{threading.current_thread().name}"), real(self, variant))[1])
-    model = seed_model("tensorflow")
-    unknown, known = workload_inputs("W1", 64, seed=23)
-    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
-    assert_jac_close(batchjac.jacobian(model, unknown, known, mode="reverse"), ref)
-    bound = next(iter(_backends._bound[model].values()))
-    (kernel,) = [k for k in bound.kernels() if k.mode == "reverse"]
-    assert kernel.variant == "graph"
-    assert kernel.untimed
+    made_on = _threads_making(monkeypatch, free_core)
+    model, unknown, known, ref, kernel = _graph_first_w1(seed=23)
     assert kernel.race_compilations == (0 if free_core else 1)
     race_now(monkeypatch)
     answered = []
@@ -555,18 +563,11 @@ def test_a_remembered_xla_build_waits_until_the_work_repays_it(monkeypatch: pyte
     built than XLA compiles, the cheaper first answer), and the remembered XLA replaces it,
     without a race, once the work seen repays one more build: with a core free, compiled
     beside the calls, which run the graph until it is made. Right Jacobians throughout."""
-    import threading
-
     from batchjac import _backends
     from batchjac._backends import _base
-    from batchjac._backends.tensorflow import builds
     from batchjac._tune import policy as _tuning
 
-    monkeypatch.setattr(builds, "idle_core", lambda: free_core)
-    made_on: list[str] = []
-    real = builds.TFKernel._concrete
-    monkeypatch.setattr(builds.TFKernel, "_concrete", lambda self, variant: (
-        made_on.append(f"{variant}@{threading.current_thread().name}"), real(self, variant))[1])
+    made_on = _threads_making(monkeypatch, free_core)
 
     unknown, known = workload_inputs("W1", 200, seed=23)
     ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
