@@ -279,6 +279,25 @@ def test_tensorflow_unvectorisable_model_runs_in_a_loop(mode: str, w: np.ndarray
         assert_jac_close(batchjac.jacobian(model, x, mode=mode, chunk_size=4), ref)
 
 
+def test_tensorflow_products_of_an_unvectorisable_model_loop_over_the_directions(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """jvp and vjp vectorise an instance's directions by pfor; where pfor cannot vectorise the
+    model, they loop over the directions (said in the debug log), with the same products."""
+    model = nested_map_fn(W25)
+    x = data((9, 2), seed=211)
+    jac = np.cos(x.astype(np.float64) @ W25)[:, :, None] * W25.T[None]  # (9, 5, 2)
+    g = np.random.default_rng(212)
+    t = g.normal(size=(9, 3, 2)).astype(np.float32)
+    c = g.normal(size=(9, 3, 5)).astype(np.float32)
+    with caplog.at_level("DEBUG", logger="batchjac"):
+        jv = batchjac.jvp(model, x, tangents=t)
+        cj = batchjac.vjp(model, x, cotangents=c)
+    said = caplog.text
+    assert "jvp products: pfor cannot vectorise" in said and "vjp products" in said, said
+    np.testing.assert_allclose(jv, np.einsum("nja,nda->ndj", jac, t), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cj, np.einsum("nja,ndj->nda", jac, c), rtol=1e-5, atol=1e-6)
+
+
 # ---- JAX: reverse mode through while_loop, forward mode through custom_vjp ----------------------
 
 

@@ -111,17 +111,24 @@ class Probes:
 
 def rademacher(seed: int, lo: int, hi: int, count: int, shape: tuple[int, ...],
                dtype: np.dtype) -> np.ndarray:
-    """``(hi - lo, count, *shape)`` signs, each a function of ``(seed, instance, entry)`` only
-    (SplitMix64 of its index): the same for an instance in any block, drawn at once."""
+    """``(hi - lo, count, *shape)`` signs, each a function of ``(seed, instance, entry)`` only:
+    the same for an instance in any block, drawn at once. Entry ``e`` of an instance is bit
+    ``e % 64`` of the SplitMix64 hash of its word ``(instance, e // 64)``: one hash gives 64
+    signs."""
     per = count * math.prod(shape)
+    words = -(-per // 64)
     with np.errstate(over="ignore"):
-        z = (np.arange(lo, hi, dtype=np.uint64)[:, None] * np.uint64(per)
-             + np.arange(per, dtype=np.uint64)[None, :]) \
-            + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+        # (SplitMix64's state after its (index + 1)-th step from the seed)
+        index = (np.arange(lo, hi, dtype=np.uint64)[:, None] * np.uint64(words)
+                 + np.arange(words, dtype=np.uint64)[None, :])
+        z = np.uint64(seed) + (index + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z ^= z >> np.uint64(31)
-    signs = np.where(z >> np.uint64(63), -1.0, 1.0).astype(dtype)
+    # (the words' bytes in little-endian order, each byte's bits lowest first: bit e % 64)
+    bits = np.unpackbits(z.astype("<u8").view(np.uint8).reshape(hi - lo, words * 8), axis=1,
+                         bitorder="little")[:, :per]
+    signs = np.subtract(1, 2 * bits, dtype=np.int8).astype(dtype)
     return signs.reshape(hi - lo, count, *shape)
 
 

@@ -133,6 +133,20 @@ def jac_forward(bound: TFBound, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], pfor: 
         y = bound.apply(u, ctx)
         return y, tf.zeros(tf.concat([tf.shape(y), list(ushape)], axis=0), bound.tf_dtype)
     basis = tf.reshape(tf.eye(k, dtype=bound.tf_dtype), (k, *ushape))
+    y, jvps = pushed(bound, u, ctx, basis, pfor)  # (k, B, *out)
+    rows = tf.shape(u)[0]
+    out_shape = tf.shape(y)[1:]
+    jac = tf.transpose(tf.reshape(jvps, (k, rows, -1)), (1, 2, 0))
+    jac = tf.reshape(jac, tf.concat([[rows], out_shape, list(ushape)], axis=0))
+    return y, jac
+
+
+def pushed(bound: TFBound, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], tangents: tf.Tensor,
+           pfor: bool = True) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(y, J v)`` for ``d`` directions at once: ``tangents`` ``(d, *unknown)`` (shared by the
+    rows: a basis) or ``(d, rows, *unknown)`` (a direction per row), ``J v`` ``(d, rows, *out)``.
+    One forward-mode pass vectorised over the directions by pfor, or (``pfor=False``) a
+    ``tf.map_fn`` loop over them for models pfor cannot vectorise."""
 
     def one(tangent: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         with tf.autodiff.ForwardAccumulator(u, tf.broadcast_to(tangent, tf.shape(u))) as acc:
@@ -140,15 +154,28 @@ def jac_forward(bound: TFBound, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], pfor: 
         return y, acc.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
     if pfor:
-        ys, jvps = tf.vectorized_map(one, basis)  # (k, B, *out)
+        ys, jvps = tf.vectorized_map(one, tangents)
     else:
-        ys, jvps = tf.map_fn(one, basis, fn_output_signature=(bound.tf_dtype, bound.tf_dtype))
-    y = ys[0]
-    rows = tf.shape(u)[0]
-    out_shape = tf.shape(y)[1:]
-    jac = tf.transpose(tf.reshape(jvps, (k, rows, -1)), (1, 2, 0))
-    jac = tf.reshape(jac, tf.concat([[rows], out_shape, list(ushape)], axis=0))
-    return y, jac
+        ys, jvps = tf.map_fn(one, tangents, fn_output_signature=(bound.tf_dtype, bound.tf_dtype))
+    return ys[0], jvps
+
+
+def pulled(bound: TFBound, u: tf.Tensor, ctx: tuple[tf.Tensor, ...], cotangents: tf.Tensor,
+           pfor: bool = True) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(y, c^T J)`` for ``d`` directions ``cotangents`` ``(d, rows, *out)`` at once, ``c^T J``
+    ``(d, rows, *unknown)``: one forward pass on a persistent tape, its gradients vectorised
+    over the directions by pfor, or (``pfor=False``) one gradient per direction."""
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(u)
+        y = bound.apply(u, ctx)
+
+    def one(c: tf.Tensor) -> tf.Tensor:
+        return tape.gradient(y, u, output_gradients=c,
+                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    if pfor:
+        return y, tf.vectorized_map(one, cotangents)
+    return y, tf.stack([one(cotangents[i]) for i in range(int(cotangents.shape[0]))])
 
 
 def jacobian_fn(bound: TFBound, path: str) -> Callable[[tf.Tensor, tuple[tf.Tensor, ...]],
