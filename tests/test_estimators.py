@@ -167,7 +167,9 @@ def test_the_probes_signs_are_balanced_independent_and_the_same_in_any_block() -
 
     n, shape, f32 = 10_000, (3, 173), np.dtype(np.float32)  # (1,038 entries: 17 words)
     a = rademacher(7, 0, n, 2, shape, f32)
-    assert a.shape == (n, 2, *shape) and a.dtype == f32 and set(np.unique(a)) == {-1.0, 1.0}
+    assert a.shape == (n, 2, *shape)
+    assert a.dtype == f32
+    assert set(np.unique(a)) == {-1.0, 1.0}
     np.testing.assert_array_equal(rademacher(7, 1234, 1301, 2, shape, f32), a[1234:1301])
     flat = a.reshape(n, -1).astype(np.float64)
     bound = 6 / np.sqrt(n)
