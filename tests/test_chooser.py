@@ -270,3 +270,36 @@ def test_a_call_race_keeps_the_incumbent_within_the_margin() -> None:
     k.retune(None, ())
     _calls(k, 40)
     assert (k.variant, k.call_race) == ("a", None)
+
+
+def _raced(times: dict[str, float], **options: object) -> tuple[dict[str, float], list[str]]:
+    """``chooser.race`` over builds that take ``times`` seconds a run, on a clock that the runs
+    advance (no wall-clock time), and the runs in order."""
+    now, runs = [0.0], []
+
+    def run(name: str) -> None:
+        runs.append(name)
+        now[0] += times[name]
+
+    real = chooser.time
+    chooser.time = SimpleNamespace(perf_counter=lambda: now[0])  # type: ignore[assignment]
+    try:
+        return chooser.race(run, list(times), **options), runs  # type: ignore[arg-type]
+    finally:
+        chooser.time = real
+
+
+def test_a_race_of_slow_builds_prunes_on_their_first_run() -> None:
+    """Where a run takes a whole slow chunk, a build ``prune`` times slower than the fastest at
+    its first run is not run again; without ``prune`` every build gets ``SLOW_RUNS`` runs."""
+    times = {"rules": 0.2, "tapes": 0.6, "graph": 1.1, "xla": 0.22}
+    found, runs = _raced(times, prune=1.3)
+    assert runs.count("tapes") == runs.count("graph") == 1
+    assert runs.count("rules") == runs.count("xla") == chooser.SLOW_RUNS
+    assert found == pytest.approx(times)
+    _, runs = _raced(times)
+    assert all(runs.count(name) == chooser.SLOW_RUNS for name in times)
+    # fast builds: the best of three first (a fresh build's first runs are slow), then pruned
+    # (one left: no rounds)
+    _, runs = _raced({"a": 0.001, "b": 0.004}, prune=1.3)
+    assert runs == ["a", "b"] * 3

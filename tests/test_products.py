@@ -165,6 +165,8 @@ def test_directions_of_the_wrong_shape_are_refused_by_name() -> None:
         batchjac.jvp(f, x, tangents=np.ones((10, 3)))
     with pytest.raises(batchjac.InputError, match=r"`cotangents` has shape \(9, 3\)"):
         batchjac.vjp(f, x, cotangents=np.ones((9, 3)))
+    with pytest.raises(batchjac.InputError, match=r"\(10, 0, 4\).*d >= 1 directions"):
+        batchjac.jvp(f, x, tangents=np.ones((10, 0, 4)))
     t = np.ones((10, 4))
     t[2, 1] = np.nan
     with pytest.raises(batchjac.InputError, match=r"`tangents` has a NaN or Inf in row 2"):

@@ -358,3 +358,27 @@ def test_a_device_budget_reaches_second_order_plans(monkeypatch: pytest.MonkeyPa
     np.testing.assert_allclose(batchjac.hessian(model, x, diagonal=True),
                                np.diagonal(ref, axis1=-2, axis2=-1), rtol=1e-10, atol=1e-12)
     assert budgets[-1] == _config.device_budget(256 << 20) == 128 << 20
+
+
+def test_a_race_on_one_chunk_is_priced_by_the_chunks_it_runs() -> None:
+    """The timed runs of a later race off the calls cost ``SLOW_RUNS`` runs of every build,
+    each at least a chunk of the build in use: a fixed ``TIMING_SECONDS`` where chunks are
+    fast, more where they are slow (a whole chunk of W7's Laplacians a run); a race on the
+    calls whose contenders are made beside them costs its slower contenders' calls."""
+    from types import SimpleNamespace
+
+    from batchjac._tune import chooser
+    from batchjac._tune.state import Ledger
+
+    book = Ledger(rows=1000, seconds=0.5)  # 0.5 ms a row
+    off = SimpleNamespace(races_on_calls=False, race_compilations=3, chunk_size=400,
+                          race_rows=None, variants=("rules", "tapes", "graph", "xla"))
+    assert _tuning._timing(book, off) == pytest.approx(chooser.SLOW_RUNS * 4 * 0.2)
+    off.race_rows = 100  # (a kernel that times its builds on fewer rows than a chunk's)
+    assert _tuning._timing(book, off) == pytest.approx(chooser.SLOW_RUNS * 4 * 0.05)
+    off.chunk_size = 2
+    assert _tuning._timing(book, off) == _tuning.TIMING_SECONDS
+    beside = SimpleNamespace(races_on_calls=True, race_compilations=0, chunk_size=400,
+                             variants=("xla", "graph"))
+    assert _tuning._timing(book, beside) == pytest.approx((chooser.CallRace.SAMPLES + 1) * 0.2)
+    assert _tuning._timing(Ledger(), off) == _tuning.TIMING_SECONDS  # nothing measured yet

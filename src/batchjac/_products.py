@@ -471,7 +471,7 @@ def _vectors(vectors: Any, name: str, spec: BatchSpec, shape: tuple[int, ...],
         raise InputError(
             f"`{name}` has shape {got}; it must be ({spec.n}, "
             f"{', '.join(map(str, shape))}) (one direction per instance) or ({spec.n}, d, "
-            f"{', '.join(map(str, shape))}) (d directions per instance), for {spec.n} "
+            f"{', '.join(map(str, shape))}) (d >= 1 directions per instance), for {spec.n} "
             f"instances whose {'unknowns' if name == 'tangents' else 'outputs'} have shape "
             f"{shape}.")
     if np.dtype(v.dtype).kind not in "fiu":

@@ -377,6 +377,11 @@ class Kernel(ABC):
         """The rows a race times the builds on (default: the chunk's)."""
         return u, ctx
 
+    @property
+    def race_rows(self) -> int | None:
+        """The most rows :meth:`race_inputs` keeps (None: the chunk's), for the race's price."""
+        return None
+
     def contenders(self, u: Any, ctx: tuple[Any, ...]) -> tuple[str, ...]:
         """The builds to race, made and warmed up on ``(u, ctx)``, those that fail for the
         model left out; with fewer than two, the kernel selects the one left (or its only

@@ -293,37 +293,50 @@ def timings(times: dict[str, float], names: Iterable[str] | None = None) -> str:
     return ", ".join(f"{name} {times[name] * 1e3:.2f} ms" for name in (names or times))
 
 
+#: the runs :func:`race` gives each contender when a run takes 50 ms or more and none is
+#: pruned: a first, a second (the best of the two), and two rounds
+SLOW_RUNS = 4
+
+
 def race(run: Callable[[str], object], names: Iterable[str], *, prune: float | None = None,
          round_seconds: float = 0.005, timing_seconds: float = 0.25, max_rounds: int = 7
          ) -> dict[str, float]:
     """Seconds per call of each implementation ``run(name)`` (a call that returns when the
-    work is done), for choosing between kernel builds. First the best of a few calls each
-    (three when all take under 50 ms: a fresh build's first calls are slow); with ``prune``,
-    those slower than ``prune`` times the fastest keep that figure and are not raced (a slow
-    chunk makes each round dear). Then interleaved rounds (drifting load hits all alike) of
-    back-to-back calls (several when a call is fast: about ``round_seconds`` a round), at
-    least 2 and at most ``max_rounds`` rounds, about ``timing_seconds`` in all; the median of
-    the rounds' means, which is what a loop of calls gets, thread wake-ups and all."""
-    names = list(names)
+    work is done; the kernel has made and warmed each), for choosing between kernel builds.
+    First the best of a few calls each (three when all take under 50 ms: a fresh build's
+    first calls are slow); with ``prune``, those slower than ``prune`` times the fastest keep
+    that figure and are not raced (a slow chunk makes each round dear: where a run takes 50 ms
+    or more, the first run prunes already). Then interleaved rounds (drifting load hits all
+    alike) of back-to-back calls (several when a call is fast: about ``round_seconds`` a
+    round), at least 2 and at most ``max_rounds`` rounds, about ``timing_seconds`` in all; the
+    median of the rounds' means, which is what a loop of calls gets, thread wake-ups and all."""
+    live = list(names)
 
     def timed(name: str) -> float:
         start = time.perf_counter()
         run(name)
         return time.perf_counter() - start
 
-    times = {name: timed(name) for name in names}
-    for _ in range(2 if max(times.values()) < 0.05 else 1):
-        times = {name: min(t, timed(name)) for name, t in times.items()}
-    if prune is not None:
-        names = [name for name in names if times[name] <= prune * min(times.values())]
-    if len(names) < 2:
+    def pruned() -> list[str]:
+        if prune is None:
+            return live
+        return [name for name in live if times[name] <= prune * min(times.values())]
+
+    times = {name: timed(name) for name in live}
+    slow = max(times.values()) >= 0.05
+    if slow:
+        live = pruned()
+    for _ in range(1 if slow else 2):
+        times.update({name: min(times[name], timed(name)) for name in live})
+    live = pruned()
+    if len(live) < 2:
         return times
-    slowest = max(times[name] for name in names)
+    slowest = max(times[name] for name in live)
     inner = max(1, int(round_seconds / max(slowest, 1e-9)))
-    rounds = int(min(max_rounds, max(2, timing_seconds / (len(names) * inner * slowest))))
-    means: dict[str, list[float]] = {name: [] for name in names}
+    rounds = int(min(max_rounds, max(2, timing_seconds / (len(live) * inner * slowest))))
+    means: dict[str, list[float]] = {name: [] for name in live}
     for _ in range(rounds):
-        for name in names:
+        for name in live:
             start = time.perf_counter()
             for _ in range(inner):
                 run(name)

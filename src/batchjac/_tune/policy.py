@@ -355,17 +355,25 @@ def settle(bound: Any, kernel: Any, args: Callable[[], tuple[Any, Any]]) -> None
 
 
 def _timing(bound: Any, kernel: Any) -> float:
-    """What the timed runs of ``kernel``'s later race cost: :data:`TIMING_SECONDS`; for a
-    race riding on the calls (``races_on_calls``) whose contenders are made beside them (no
-    compilation the calls wait for), only what its slower contenders' calls may lose: the
-    calls each answers (``CallRace.SAMPLES`` and a first), each as long again as a chunk in
-    the build in use. (Where the calls wait for compilations, JAX's beside them on cores
-    they share, the fixed figure stands for what those slow down.)"""
+    """What the timed runs of ``kernel``'s later race cost. A race on one chunk (not riding
+    on the calls): :data:`TIMING_SECONDS`, or, where a chunk is slow, the runs
+    :func:`~batchjac._tune.chooser.race` gives each contender (``SLOW_RUNS``), each at least
+    as long as a chunk in the build in use, the incumbent's included. A race riding on the
+    calls (``races_on_calls``) whose contenders are made beside them (no compilation the calls
+    wait for): only what its slower contenders' calls may lose, the calls each answers
+    (``CallRace.SAMPLES`` and a first), each as long again as a chunk in the build in use.
+    (Where the calls wait for compilations, JAX's beside them on cores they share, the fixed
+    figure stands for what those slow down.)"""
     per_row = ledger(bound).seconds_per_row
-    if not kernel.races_on_calls or kernel.race_compilations or per_row is None:
+    if per_row is None:
         return TIMING_SECONDS
-    calls = (chooser.CallRace.SAMPLES + 1) * max(1, len(kernel.variants) - 1)
-    return calls * kernel.chunk_size * per_row
+    chunk = kernel.chunk_size * per_row
+    if not kernel.races_on_calls:  # (on the race's rows, where it takes fewer: race_rows)
+        rows = min(kernel.chunk_size, getattr(kernel, "race_rows", None) or kernel.chunk_size)
+        return max(TIMING_SECONDS, chooser.SLOW_RUNS * len(kernel.variants) * rows * per_row)
+    if kernel.race_compilations:
+        return TIMING_SECONDS
+    return (chooser.CallRace.SAMPLES + 1) * max(1, len(kernel.variants) - 1) * chunk
 
 
 class Stopwatch:

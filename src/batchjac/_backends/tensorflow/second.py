@@ -310,7 +310,14 @@ class TFSecondKernel(Kernel):
     def retunable(self) -> bool:
         return "xla" in self.variants
 
+    #: builds slower than the fastest by this factor at their first timed run are not raced
+    #: further (each run is a whole chunk: the nested tapes and the tiled builds take several
+    #: times the forward rules' time on a large one)
+    PRUNE = 1.3
+    race_options = {"prune": PRUNE}  # noqa: RUF012 - read only
+
     def contenders(self, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> tuple[str, ...]:
+        # each made and run once before the race times it (the race prunes on one run)
         self._tapes_work(u, ctx)
         self._tapes_work(u, ctx, "forward-laplacian")
         self._tapes_work(u, ctx, "forward-hessian")
@@ -323,6 +330,8 @@ class TFSecondKernel(Kernel):
                 self._fallback(e)
         if len(self.variants) < 2:  # (XLA failed and the tapes too: the graph, said so)
             return ()
+        if "graph" not in self._fns:
+            self._run("graph", u, ctx)
         return tuple(sorted(self.variants, key=("graph", "xla", "tapes", *_FORWARD_RULES).index))
 
     def run_build(self, name: str, u: np.ndarray, ctx: tuple[np.ndarray, ...]) -> None:
