@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -382,3 +383,45 @@ def test_a_race_on_one_chunk_is_priced_by_the_chunks_it_runs() -> None:
                              variants=("xla", "graph"))
     assert _tuning._timing(book, beside) == pytest.approx((chooser.CallRace.SAMPLES + 1) * 0.2)
     assert _tuning._timing(Ledger(), off) == _tuning.TIMING_SECONDS  # nothing measured yet
+
+
+def test_a_race_against_torch_func_is_priced_with_torch_dynamos_import(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later race whose contender is a torch.func build, where the builds in use imported
+    nothing and the process has not loaded torch._dynamo, costs that import beside its
+    compilations: settled only once the work repays both."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from batchjac._backends.torch import compat as torch_compat
+    from batchjac._backends.torch.builds import DYNAMO_IMPORT_SECONDS, TorchKernel
+    from batchjac._backends.torch.second import TorchSecondKernel
+    from batchjac._tune.state import Ledger
+
+    second = object.__new__(TorchSecondKernel)
+    second.variants, second.variant = ("autograd", "plain"), "autograd"
+    first = object.__new__(TorchKernel)
+    first.variants, first.variant = ("vmap", "replicated", "looped"), "looped"
+    monkeypatch.setattr(torch_compat, "dynamo_loaded", lambda: False)
+    assert second.race_setup_seconds == first.race_setup_seconds == DYNAMO_IMPORT_SECONDS
+    second.variant = first.variant = None
+    assert second.race_setup_seconds == DYNAMO_IMPORT_SECONDS
+    second.variant, first.variant = "plain", "vmap"  # (a torch.func build in use: loaded)
+    assert second.race_setup_seconds == first.race_setup_seconds == 0.0
+    second.variant, first.variant = "autograd", "looped"
+    monkeypatch.setattr(torch_compat, "dynamo_loaded", lambda: True)
+    assert second.race_setup_seconds == first.race_setup_seconds == 0.0
+
+    raced = []
+    kernel = SimpleNamespace(remembered=None, untimed=True, race_compilations=1,
+                             races_on_calls=False, chunk_size=1, variants=("autograd", "plain"),
+                             race_setup_seconds=DYNAMO_IMPORT_SECONDS, building=threading.Lock(),
+                             retune=lambda *a: raced.append(a), call_race=None, raced=False)
+    # 0.1 s a compilation, 0.8 s of work seen: a compilation and the timed runs are repaid
+    # (the race would be due without the import), the import is not yet
+    book = Ledger(rows=80, seconds=0.8, compile_seconds=0.1)
+    _tuning.settle(book, kernel, lambda: (None, ()))
+    assert raced == []
+    book.rows, book.seconds = 400, 4.0
+    _tuning.settle(book, kernel, lambda: (None, ()))
+    assert len(raced) == 1

@@ -368,6 +368,12 @@ class Kernel(ABC):
         runs: :func:`batchjac._tune.policy.settle`): each but the one in use."""
         return max(1, len(self.variants) - 1)
 
+    @property
+    def race_setup_seconds(self) -> float:
+        """Seconds the later race's contenders spend once, beyond their compilations, before
+        they can run (an import a build needs that the process has not made), for its price."""
+        return 0.0
+
     @contextlib.contextmanager
     def timing(self, u: Any, ctx: tuple[Any, ...]) -> Iterator[tuple[Any, tuple[Any, ...]]]:
         """The rows of a later race as the builds take them (PyTorch: tensors, in its mode)."""

@@ -346,7 +346,8 @@ def settle(bound: Any, kernel: Any, args: Callable[[], tuple[Any, Any]]) -> None
                 kernel.use(*remembered)
                 kernel.untimed = False
         return
-    if kernel.untimed and worth(bound, 0, kernel.race_compilations, _timing(bound, kernel)):
+    if kernel.untimed and worth(bound, 0, kernel.race_compilations,
+                                _timing(bound, kernel) + getattr(kernel, "race_setup_seconds", 0.0)):
         with kernel.building:  # (another thread's settle may have raced it meanwhile)
             if kernel.untimed:
                 kernel.retune(*args())
