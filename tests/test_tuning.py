@@ -394,7 +394,7 @@ def test_a_race_against_torch_func_is_priced_with_torch_dynamos_import(
     from types import SimpleNamespace
 
     from batchjac._backends.torch import compat as torch_compat
-    from batchjac._backends.torch.builds import DYNAMO_IMPORT_SECONDS, TorchKernel
+    from batchjac._backends.torch.builds import TorchKernel
     from batchjac._backends.torch.second import TorchSecondKernel
     from batchjac._tune.state import Ledger
 
@@ -403,9 +403,9 @@ def test_a_race_against_torch_func_is_priced_with_torch_dynamos_import(
     first = object.__new__(TorchKernel)
     first.variants, first.variant = ("vmap", "replicated", "looped"), "looped"
     monkeypatch.setattr(torch_compat, "dynamo_loaded", lambda: False)
-    assert second.race_setup_seconds == first.race_setup_seconds == DYNAMO_IMPORT_SECONDS
+    assert second.race_setup_seconds == first.race_setup_seconds == torch_compat.DYNAMO_IMPORT_SECONDS
     second.variant = first.variant = None
-    assert second.race_setup_seconds == DYNAMO_IMPORT_SECONDS
+    assert second.race_setup_seconds == torch_compat.DYNAMO_IMPORT_SECONDS
     second.variant, first.variant = "plain", "vmap"  # (a torch.func build in use: loaded)
     assert second.race_setup_seconds == first.race_setup_seconds == 0.0
     second.variant, first.variant = "autograd", "looped"
@@ -415,7 +415,7 @@ def test_a_race_against_torch_func_is_priced_with_torch_dynamos_import(
     raced = []
     kernel = SimpleNamespace(remembered=None, untimed=True, race_compilations=1,
                              races_on_calls=False, chunk_size=1, variants=("autograd", "plain"),
-                             race_setup_seconds=DYNAMO_IMPORT_SECONDS, building=threading.Lock(),
+                             race_setup_seconds=torch_compat.DYNAMO_IMPORT_SECONDS, building=threading.Lock(),
                              retune=lambda *a: raced.append(a), call_race=None, raced=False)
     # 0.1 s a compilation, 0.8 s of work seen: a compilation and the timed runs are repaid
     # (the race would be due without the import), the import is not yet

@@ -385,7 +385,7 @@ class TorchKernel(Kernel):
     def race_setup_seconds(self) -> float:
         """torch._dynamo's import, where a contender is torch.func's and it is not loaded."""
         torch_func = "vmap" in self.variants and self.variant != "vmap"
-        return DYNAMO_IMPORT_SECONDS if torch_func and not compat.dynamo_loaded() else 0.0
+        return compat.DYNAMO_IMPORT_SECONDS if torch_func and not compat.dynamo_loaded() else 0.0
 
     def build(self, name: str) -> Build:
         if MIXED in self.variants:  # the pure build challenges the mixed one
@@ -650,7 +650,3 @@ class TorchKernel(Kernel):
 _VARIANT_ENGINE: dict[str, Engine] = {"vmap": "func", "replicated": "replicated", "looped": "looped",
                                       "transposed": "transposed", MIXED: "mixed"}
 _PLAIN_ENGINES = ("func", "replicated", "looped", "transposed")
-#: what importing torch._dynamo costs, the first use of a torch.func transform in a process
-#: (measured: docs/thresholds.md): a race against a torch.func build pays it where the builds
-#: in use have not
-DYNAMO_IMPORT_SECONDS = 1.0

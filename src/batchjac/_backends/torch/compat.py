@@ -172,6 +172,12 @@ def warning_filters_changed() -> None:
 
 
 # -- #20: TorchDynamo ---------------------------------------------------------------------------
+#: what importing torch._dynamo costs, the first use of a torch.func transform in a process
+#: (measured: docs/thresholds.md): a race against a torch.func build pays it where the builds
+#: in use have not
+DYNAMO_IMPORT_SECONDS = 1.0
+
+
 def dynamo_loaded() -> bool:
     """Whether TorchDynamo is imported already (torch.func's transforms import it on their
     first use; the plain-autograd builds do not)."""

@@ -31,7 +31,6 @@ from ..._errors import BatchJacError, ModelError, OrderFailedError
 from ..._tune.chooser import timings
 from .._base import SECOND_RESULT, UNTUNED, CallBudget, Kernel, Order, SecondKind
 from . import compat
-from .builds import DYNAMO_IMPORT_SECONDS
 from .errors import _explain_model_failure, _first_line, _first_sentence, _quoted
 from .state import _FORWARD_AD, _load_forward_ad
 from .tensors import _basis, _to_numpy, _unknowns_require_grad
@@ -187,7 +186,7 @@ class TorchSecondKernel(Kernel):
         """torch._dynamo's import, where the plain build (torch.func's passes) races a first
         build that needs none and it is not loaded."""
         torch_func = "plain" in self.variants and self.variant != "plain"
-        return DYNAMO_IMPORT_SECONDS if torch_func and not compat.dynamo_loaded() else 0.0
+        return compat.DYNAMO_IMPORT_SECONDS if torch_func and not compat.dynamo_loaded() else 0.0
 
     def untimed_first(self, u: torch.Tensor, ctx: tuple[torch.Tensor, ...], budget: CallBudget
                       ) -> tuple[str, str, bool]:
