@@ -158,7 +158,6 @@ def test_an_estimate_does_not_depend_on_the_chunks() -> None:
     assert np.asarray(est.value).shape == (37, 2)
 
 
-
 def test_the_probes_signs_are_balanced_independent_and_the_same_in_any_block() -> None:
     """64 signs a hash: an instance's signs do not depend on the block that draws them, and
     entries (within a hash word and across words), instances and seeds are uncorrelated
@@ -180,6 +179,7 @@ def test_the_probes_signs_are_balanced_independent_and_the_same_in_any_block() -
     other = rademacher(8, 0, n, 2, shape, f32).reshape(n, -1)
     assert np.abs(np.mean(flat * other, axis=0)).max() < bound
     assert rademacher(0, 5, 9, 1, (), np.dtype(np.float64)).shape == (4, 1)  # scalar unknowns
+
 
 def test_torch_tensors_come_back_as_tensors() -> None:
     torch = pytest.importorskip("torch")
