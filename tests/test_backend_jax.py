@@ -7,6 +7,7 @@ on exit), so the setting never leaks into other test modules.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from typing import Any, ClassVar
 
@@ -18,7 +19,9 @@ jnp = pytest.importorskip("jax.numpy")
 
 import batchjac  # noqa: E402
 from batchjac import _backends  # noqa: E402
+from batchjac._backends._base import made_beside  # noqa: E402
 from batchjac._examples import jax as jax_examples  # noqa: E402
+from batchjac._tune.races import MODE_RUNS  # noqa: E402
 from batchjac.examples import (  # noqa: E402
     mlp_forward,
     mlp_jacobian,
@@ -838,9 +841,14 @@ def test_a_warm_process_loads_the_build_an_earlier_race_chose(
     seed = 9 if blocked else 8
     x = data((600, 6), seed=41 if blocked else 37)
     model = jax_examples.mlp(sizes, seed=seed)
-    got = batchjac.jacobian(model, x)
+    for _ in range(3 + 2 * MODE_RUNS):  # (the modes race on the calls; the last call's is kept)
+        got = batchjac.jacobian(model, x)
+        made_beside(30)
     jax_executables.flush()
-    kernel = list(bound_of(model)._kernels.values())[-1]  # (the race's: the last one used)
+    bound = bound_of(model)
+    assert not bound.tuning.mode_races
+    (mode, _), = bound.tuned.values()
+    (kernel,) = [k for k in bound._kernels.values() if k.mode == mode]  # (the mode kept)
     assert kernel.raced
     assert kernel.variant in kernel.variants
     if blocked:
@@ -1144,8 +1152,9 @@ def test_the_mode_race_times_full_builds_not_the_quick_one(monkeypatch: pytest.M
     assert bound.mode_race_builds(first.mode, 64, False) == 2
     with monkeypatch.context() as patch:
         race_now(patch)  # (the fast path hands the due race to the full path)
-        assert_jac_close(batchjac.jacobian(model, x), ref)
-        assert_jac_close(batchjac.jacobian(model, x), ref)
+        for _ in range(3 + 2 * MODE_RUNS):  # (the modes race on the calls, in turn)
+            assert_jac_close(batchjac.jacobian(model, x), ref)
+            made_beside(30)  # (the other mode's kernel, where it is made beside the calls)
     assert (64, False) in bound.tuned  # the modes were timed
     for mode in ("forward", "reverse"):
         kernel = bound.kernel(mode, 64, False)
@@ -1154,6 +1163,53 @@ def test_the_mode_race_times_full_builds_not_the_quick_one(monkeypatch: pytest.M
     other = bound.kernel("reverse" if first.mode == "forward" else "forward", 64, False)
     assert "quick" not in other._compiled, set(other._compiled)
     assert bound.mode_race_builds(first.mode, 64, False) == 1
+
+
+def test_the_mode_race_makes_the_other_kernel_beside_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a core free, the other mode's kernel is traced and compiled on the thread that
+    makes builds beside the calls; the calls meanwhile compute in the cost model's mode, untimed,
+    and once it is made the modes race on the calls, every result the call's own."""
+    from batchjac._backends import _base
+
+    if not _base.idle_core():
+        pytest.skip("one core: the race's kernel is made by its first call")
+    w = data((4, 6), seed=49)
+    x = data((64, 4), seed=50)
+
+    def model(v: Any) -> Any:
+        return _smooth(v, jnp.asarray(w), jnp)
+
+    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    assert_jac_close(batchjac.jacobian(model, x), ref)
+    bound = bound_of(model)
+    (first,) = bound._kernels.values()
+    made_on, gate = [], threading.Event()
+    original = type(bound).build_kernel
+
+    def held(self: Any, *a: Any, **k: Any) -> Any:
+        made_on.append(threading.current_thread().name)
+        gate.wait(30)  # (the making takes as long as the test's calls below)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(type(bound), "build_kernel", held)
+    race_now(monkeypatch)
+    for _ in range(4):  # the race starts; its other kernel is held: the prior mode answers
+        assert_jac_close(batchjac.jacobian(model, x), ref)
+    assert made_on == ["batchjac-tier-up_0"], made_on
+    assert bound.tuning.mode_races
+    assert not bound.tuned
+    assert list(bound._kernels.values()) == [first]  # (the calls computed in its mode)
+    (race,) = bound.tuning.mode_races.values()
+    assert not race.ready()
+    assert not race.made
+    assert not any(race.samples.values())
+    gate.set()
+    made_beside(30)
+    for _ in range(1 + 2 * MODE_RUNS):
+        assert_jac_close(batchjac.jacobian(model, x), ref)
+    assert (64, False) in bound.tuned
+    assert not bound.tuning.mode_races
+    assert made_on == ["batchjac-tier-up_0"]  # (made once, beside)
 
 
 def test_the_first_build_follows_the_chunks_work_and_autotune_off_compiles_the_default(

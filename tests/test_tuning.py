@@ -21,6 +21,7 @@ import pytest
 import batchjac
 from batchjac import ClosedForm, _backends
 from batchjac._tune import policy as _tuning
+from batchjac._tune.races import MODE_RUNS
 
 D, M = 4, 3  # 4 unknowns, 3 outputs: the cost model cannot tell the modes apart (a race decides)
 _rng = np.random.default_rng(5)
@@ -69,10 +70,13 @@ def test_a_race_waits_for_work_that_repays_it() -> None:
     # the work seen grows (the ledger says 3 s of compute so far): the race now pays
     book.seconds, book.rows = 3.0, 1_500_000
     assert _tuning.worth(bound, 500, compilations=1)
-    for _ in range(2):  # (a repeated call on the fast path hands the race to the next one)
-        got = batchjac.jacobian(model, data(500, 2))
+    # (a repeated call on the fast path hands the race to the next one; the modes then race
+    # on the calls: the other mode's first, then each in turn, every result the call's own)
+    for seed in range(2 + 1 + 2 * MODE_RUNS):
+        got = batchjac.jacobian(model, data(500, seed))
+        np.testing.assert_allclose(got, jac(data(500, seed)), rtol=1e-12)
     assert (500, False) in bound.tuned  # raced, once, and kept
-    np.testing.assert_allclose(got, jac(data(500, 2)), rtol=1e-12)
+    assert not bound.tuning.mode_races
 
 
 def test_a_large_first_job_is_still_not_raced_blind() -> None:
@@ -95,8 +99,11 @@ def test_the_fast_path_hands_a_due_race_to_the_full_path() -> None:
     book.seconds, book.rows = 1.0, 10**6
     book.next_check = 0.0  # what a skipped race sets once it is due
     batchjac.jacobian(model, z)  # counted; the entry is dropped
-    batchjac.jacobian(model, z)  # the full path: the race runs
+    assert (300, False) not in bound.tuned
+    for _ in range(1 + 2 * MODE_RUNS):  # the full path: the modes race on the calls
+        np.testing.assert_allclose(batchjac.jacobian(model, z), jac(z), rtol=1e-12)
     assert (300, False) in bound.tuned
+    assert not bound.tuning.mode_races
 
 
 def test_autotune_off_never_races(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,6 +170,7 @@ CHILD = textwrap.dedent('''
     import batchjac
     from batchjac import ClosedForm, _backends
     from batchjac._tune import policy as _tuning
+    from batchjac._tune.races import MODE_RUNS
     A = np.array(json.loads(sys.argv[1]))
     def f(z): return np.sin(z @ A.T)
     def jac(z): return np.cos(z @ A.T)[:, :, None] * A[None]
@@ -170,7 +178,9 @@ CHILD = textwrap.dedent('''
     if sys.argv[2] == "race":
         _tuning.worth = lambda *a, **k: True  # a job large enough to repay the race
     z = np.random.default_rng(0).normal(size=(64, A.shape[1]))
-    batchjac.jacobian(model, z, explain=True)
+    # (the modes race on the calls: the other mode's first, then each in turn)
+    for _ in range(1 + 2 * MODE_RUNS if sys.argv[2] == "race" else 1):
+        batchjac.jacobian(model, z, explain=True)
     bound = next(iter(_backends._bound[model].values()))
     print(json.dumps({"tuned": {str(k): v for k, v in bound.tuned.items()}}))
 ''')

@@ -29,7 +29,7 @@ from ._plan import Plan, SecondPlan, fit_cache, hessian_passes
 from ._runner import pad_chunk
 from ._spec import BatchSpec
 from ._tune import policy as tuning
-from ._tune.races import ROWS_COMPILATIONS, Report, rows_plan, tune
+from ._tune.races import MODE_RUNS, ROWS_COMPILATIONS, Report, mode_plan, rows_plan
 from ._tune.state import Ledger
 
 log = logging.getLogger("batchjac")
@@ -180,9 +180,12 @@ def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
             plan = cast(P, tuning.reuse(bound, plan, spec.n, wo))
     if isinstance(plan, Plan):
         tuning.recall(bound, backend, plan, wo)
-        if plan.uncertain and ((plan.chunk_size, wo) in bound.tuned or tuning.worth(
-                bound, spec.n, compilations=bound.mode_race_builds(plan.mode, plan.chunk_size, wo))):
-            plan = cast(P, tune(bound, spec, plan, wo, rows=spec.n))
+        moded, report = mode_plan(bound, spec, plan, wo, start=lambda: tuning.worth(
+            bound, spec.n, compilations=bound.mode_race_builds(plan.mode, plan.chunk_size, wo),
+            timing=tuning.calls_timing(bound, spec.n, MODE_RUNS)))
+        plan = cast(P, moded)
+        if report is not None:  # (the modes race first: the ladder of sizes is the mode's)
+            return plan, report, None
     if not rows_free:
         return plan, None, None
     name = what.name(plan)

@@ -176,7 +176,7 @@ def _fast(entry: _fastpath.Entry, inputs: tuple[Any, ...], return_outputs: bool,
     asked for). None when a check fails: the full path then raises the detailed error (or
     retraces for a changed model)."""
     made = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
-    if made.call_race is not None or entry.bound.tuning.rows_races:
+    if made.call_race is not None or tuning.racing_on_calls(entry.bound):
         return None  # a race rides on the calls: the full path times them
     kernel = _backends.under(made, budget)
     n = entry.template.n

@@ -499,6 +499,10 @@ class BoundModel(ABC):
     #: whether a kernel for a new chunk size costs a compilation (XLA, a traced graph); an
     #: eager framework's kernels are free to make, so callers may use any size they like
     compiles_kernels: bool = True
+    #: whether a kernel a race needs is made beside the calls where a core is free
+    #: (:meth:`make_beside`): where its making mostly releases Python's lock (XLA compiling),
+    #: so that the calls go on meanwhile; a framework that traces in Python would only slow them
+    builds_beside: bool = False
     #: what computes in place of the model as given, for ``explain=True`` (the original of a
     #: ``torch.compile``d module, a float32 clone of a half-precision Keras model); "" where
     #: it is the model itself
@@ -733,6 +737,18 @@ class BoundModel(ABC):
     def has_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> bool:
         """Whether that kernel exists already (using it costs no compilation)."""
         return (mode, chunk_size, with_outputs) in self._kernels
+
+    def make_beside(self, mode: Mode, chunk_size: int, with_outputs: bool, budget: CallBudget
+                    ) -> concurrent.futures.Future[Kernel] | None:
+        """Start making the kernel of ``mode`` (as :meth:`kernel` does, with ``budget``) on
+        the thread that makes builds beside the calls (:data:`BESIDE`), where this backend
+        does (:attr:`builds_beside`), a core is free and the kernel does not exist: its future,
+        else None (the call that first needs it makes it). A making that failed leaves no
+        kernel: that call makes it again and reports the failure where it belongs."""
+        if not self.builds_beside or not idle_core() or \
+                self.has_kernel(mode, chunk_size, with_outputs):
+            return None
+        return BESIDE.submit(self.kernel, mode, chunk_size, with_outputs, budget=budget)
 
     def mode_race_builds(self, mode: Mode, chunk_size: int, with_outputs: bool) -> int:
         """The compilations a race of the two modes at this chunk size costs: the other mode's

@@ -220,8 +220,15 @@ def pending(bound: Any) -> bool:
     skipped, in the ledger of its Jacobian calls or of its second-order calls) or rides on its
     calls now: the benchmark's steady state is measured once none is."""
     return any(book.next_check < math.inf for book in (bound.tuning.ledger, bound.tuning.second)) \
-        or bool(bound.tuning.rows_races) \
+        or bool(bound.tuning.rows_races) or bool(bound.tuning.mode_races) \
         or any(getattr(k, "call_race", None) is not None for k in bound.kernels())
+
+
+def racing_on_calls(bound: Any) -> bool:
+    """Whether a race of ``bound``'s chunk sizes or modes runs on its calls now (the full path
+    times them): not while the kernel a race of modes needs is made beside the calls."""
+    state = bound.tuning
+    return bool(state.rows_races) or any(race.ready() for race in state.mode_races.values())
 
 
 def _persisted(bound: Any) -> set[Any]:
@@ -249,6 +256,15 @@ def race_cost(bound: Any, compilations: float, timing: float = TIMING_SECONDS) -
     if not book.compile_seconds:
         return None
     return compilations * book.compile_seconds + timing
+
+
+def calls_timing(bound: Any, rows: int, calls: int) -> float:
+    """What the timed calls of a race on the user's calls cost: at most ``calls`` calls of
+    ``rows`` rows each lost to a slower contender (their results are kept: a contender as
+    slow again loses one call's time), at the ledger's seconds per row; the fixed
+    :data:`TIMING_SECONDS` before any is measured."""
+    per_row = ledger(bound).seconds_per_row
+    return TIMING_SECONDS if per_row is None else calls * rows * per_row
 
 
 def worth(bound: Any, rows: int, compilations: float, timing: float = TIMING_SECONDS) -> bool:

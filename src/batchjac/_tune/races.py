@@ -1,7 +1,11 @@
 """Timing where the cost model cannot decide, once per model, signature and shape.
 
-- **Mode**: when unknowns and outputs are of similar count, time one chunk in each mode and
-  keep the winner (:func:`tune`).
+- **Mode**: when unknowns and outputs are of similar count, the two modes race on the user's
+  calls (:class:`ModeRace`, planned by :func:`mode_plan`): the other mode's kernel is made on
+  one call, then the calls alternate between the modes, each returning its rows, and the
+  medians decide. The race costs the other kernel's build and what its calls lose while
+  slower, never a computation nobody uses. :func:`time_modes` times one chunk in each mode
+  at once instead, for a caller whose calls are not the user's (the solver's iterates).
 - **Chunk size**: the memory budget bounds the chunk, but the fastest chunk is often much
   smaller than what fits, while TensorFlow's graph prefers its largest chunk (measured:
   docs/thresholds.md, "The chunk-size ladder"). Which size wins depends on the framework,
@@ -21,10 +25,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -42,6 +47,9 @@ MODE_SECONDS = 0.1
 #: margin between builds, since a mode switch moves the whole plan (a kernel of the other
 #: mode, its own ladder of chunk sizes), and the timings are minimums of few calls
 MARGIN = 0.1
+#: calls of each mode the race on the calls times (the one that made the other mode's kernel
+#: not counted); a mode this much slower per row at its first timed call loses at once
+MODE_RUNS, MODE_STOP_RATIO = 3, 1.5
 #: a smaller chunk size must be faster per row by the chooser's margin, as a build must
 ROWS_MARGIN = chooser.MARGIN
 #: calls of each chunk size in the ladder's descent (the median counts: an erratic size's
@@ -70,11 +78,14 @@ def tune(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, *, 
     """The plan on the faster mode (:func:`time_modes`); ``rows``: the call's, where known."""
     u, ctx = pad_chunk(spec, 0, min(plan.chunk_size, spec.n), plan.chunk_size)
     mode, measured = time_modes(bound, u, ctx, with_outputs, plan.mode, rows=rows)
+    return _moded(plan, mode, f"timed: {measured}")
+
+
+def _moded(plan: Plan, mode: Mode, why: str) -> Plan:
     return dataclasses.replace(
         plan, mode=mode,
-        reason=f"{mode} mode (unknowns and outputs of similar count; timed one chunk: {measured})"
-               + plan.reason[plan.reason.index(";"):],
-    )
+        reason=f"{mode} mode (unknowns and outputs of similar count; {why})"
+               + plan.reason[plan.reason.index(";"):])
 
 
 def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], with_outputs: bool,
@@ -119,15 +130,124 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
     return ("forward" if mode == "forward" else "reverse"), measured
 
 
-#: compilations a chunk-size ladder costs, for the rule of :mod:`batchjac._tune.policy` (sizes of
-#: 1/4, 1/16, ... of the planned one: three or four are built before the descent stops)
-ROWS_COMPILATIONS = 3
-
-
 P = TypeVar("P", Plan, SecondPlan)
 #: what a call of a race reports when it is done: its seconds, and whether it made the
 #: kernel it ran (a compilation, where the framework compiles: not counted)
 Report = Callable[[float, bool], None]
+
+
+class ModeRace:
+    """The race of the two modes on the user's calls (``prior``: the cost model's choice).
+    The other mode's kernel is made first: beside the calls where the backend does that
+    (``making``, its future: the calls run the prior mode meanwhile, untimed, since they share
+    the cores with the making), else by the race's first call. That kernel's first call is not
+    counted (a new executable's first run pays its page faults). Then the calls alternate,
+    prior first, each computing its rows in the mode of its turn and returning them, until each
+    mode has ``MODE_RUNS`` timed calls (or one mode's first is ``MODE_STOP_RATIO`` times the
+    other's per row). The medians decide by the wider ``MARGIN`` (:func:`chooser.winner`): the
+    other mode must win clearly. A mode whose kernel computes in the other one (it fails for
+    the model) loses at once."""
+
+    def __init__(self, prior: Mode) -> None:
+        self.prior: Mode = prior
+        self.other: Mode = "reverse" if prior == "forward" else "forward"
+        self.samples: dict[Mode, list[float]] = {self.prior: [], self.other: []}
+        self.made = False  # the other mode's kernel made and run once (its first call)
+        #: the other mode's kernel being made beside the calls, where it is
+        self.making: concurrent.futures.Future[Any] | None = None
+        self.decided: Mode | None = None
+        self.why = ""
+
+    def ready(self) -> bool:
+        """Whether the race's calls may go on: the other mode's kernel is not being made."""
+        return self.making is None or self.making.done()
+
+    def next(self) -> Mode:
+        """The mode the next call of the race runs."""
+        if self.decided is not None:
+            return self.decided
+        if not self.made:
+            return self.other
+        prior, other = (len(self.samples[m]) for m in (self.prior, self.other))
+        return self.prior if prior <= other else self.other
+
+    def record(self, mode: Mode, per_row: float, *, failed: bool = False) -> None:
+        """A call of the race in ``mode`` took ``per_row`` seconds a row; ``failed``: its
+        kernel computed in the other mode (the mode fails for the model)."""
+        if self.decided is not None or mode != self.next():
+            return  # (a call another thread planned before)
+        if failed:
+            self.decided = self.prior if mode == self.other else self.other
+            self.why = f"{mode} mode fails for this model"
+            return
+        if mode == self.other and not self.made:
+            self.made = True  # (its first call: not counted)
+            return
+        self.samples[mode].append(per_row)
+        per = self.per_row()
+        if len(per) < 2:
+            return
+        fastest: Mode = self.prior if per[self.prior] <= per[self.other] else self.other
+        if min(len(t) for t in self.samples.values()) == 1 and \
+                max(per.values()) > MODE_STOP_RATIO * min(per.values()):
+            self.decided, self.why = fastest, self.measured()  # (clearly: no more slow calls)
+        elif all(len(t) >= MODE_RUNS for t in self.samples.values()):
+            kept: Mode = chooser.winner(per, self.prior, [self.other], margin=MARGIN)
+            self.decided, self.why = kept, self.measured()
+
+    def per_row(self) -> dict[Mode, float]:
+        """The median seconds per row of each mode timed."""
+        return {m: float(np.median(t)) for m, t in self.samples.items() if t}
+
+    def measured(self) -> str:
+        return ", ".join(f"{m} {t * 1e6:.3g} us a row" for m, t in self.per_row().items())
+
+
+def mode_plan(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, *,
+              start: Callable[[], bool]) -> tuple[Plan, Report | None]:
+    """The plan on the mode chosen for it: decided (raced earlier, or remembered: the plan of
+    :func:`tune`), or the mode the race on the calls runs this call in (:class:`ModeRace`),
+    with the report its time goes to; ``start()`` says whether a race not begun yet is worth
+    beginning now. A plan whose mode is not in doubt is returned as it is."""
+    key = (plan.chunk_size, with_outputs)
+    if not plan.uncertain:
+        return plan, None
+    if key in bound.tuned:
+        mode, measured = bound.tuned[key]
+        return _moded(plan, "forward" if mode == "forward" else "reverse", f"timed: {measured}"), None
+    races = bound.tuning.mode_races
+    found: ModeRace | None = races.get(key)
+    if found is None and not start():
+        return plan, None
+    race: ModeRace = found if found is not None else races.setdefault(key, ModeRace(plan.mode))
+    if found is None:
+        race.making = bound.make_beside(race.other, plan.chunk_size, with_outputs,
+                                        CallBudget(rows=spec.n, plan_race=True))
+    if not race.ready():  # (the prior mode's calls meanwhile: on the fast path)
+        waiting = _moded(plan, plan.mode, f"racing the modes on the calls once the {race.other} "
+                                          f"mode's kernel is made beside them")
+        if bound.has_kernel(plan.mode, plan.chunk_size, with_outputs):
+            return waiting, None
+        # (a race from a kernel's first call: that kernel is a contender too, which a mode
+        # failing for the model makes no news of; its report is the wait's: nothing timed)
+        return waiting, lambda seconds, made: None
+    mode = race.next()
+
+    def report(seconds: float, made: bool) -> None:
+        kernel = bound.kernel(mode, plan.chunk_size, with_outputs)
+        race.record(mode, seconds / max(spec.n, 1),
+                    failed=getattr(kernel, "computes", mode) != mode)
+        if race.decided is not None and races.get(key) is race:
+            del races[key]
+            bound.tuned[key] = (race.decided, race.why)
+
+    return _moded(plan, mode, f"racing the modes on the calls, their results kept: "
+                              f"{race.measured() or 'first'}"), report
+
+
+#: compilations a chunk-size ladder costs, for the rule of :mod:`batchjac._tune.policy` (sizes of
+#: 1/4, 1/16, ... of the planned one: three or four are built before the descent stops)
+ROWS_COMPILATIONS = 3
 
 
 def rows_plan(bound: BoundModel, spec: BatchSpec, plan: P, with_outputs: bool, *, mode: str,

@@ -68,3 +68,6 @@ class TuningState:
     #: the ladders of chunk sizes racing on the calls, by their key in ``bound.tuned_rows``
     #: (:class:`batchjac._tune.races.RowsRace`), until they decide
     rows_races: dict[Any, Any] = field(default_factory=dict)
+    #: the races of the modes on the calls, by their key in ``bound.tuned``
+    #: (:class:`batchjac._tune.races.ModeRace`), until they decide
+    mode_races: dict[Any, Any] = field(default_factory=dict)

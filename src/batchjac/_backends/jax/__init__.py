@@ -153,6 +153,9 @@ class JaxBound(BoundModel):
     #: (ForwardAccumulator) and PyTorch forward mode costs more, and they keep the default
     #: (measured: docs/thresholds.md)
     forward_bias: ClassVar[float] = 1.5
+    #: a race's kernel is traced and compiled beside the calls (XLA's compilation releases
+    #: Python's lock)
+    builds_beside = True
     #: full Hessians pushed forward by :mod:`.laplacian`'s rule set (JaxSecondKernel)
     forward_hessian: ClassVar[bool] = True
 
