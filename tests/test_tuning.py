@@ -106,6 +106,24 @@ def test_the_fast_path_hands_a_due_race_to_the_full_path() -> None:
     assert not bound.tuning.mode_races
 
 
+def test_a_race_of_modes_is_priced_by_making_the_other_modes_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledger measured the first kernel's making; the other mode's is weighed by the
+    backend's forward_build_cost (TensorFlow's forward kernels trace under pfor: about 3x),
+    and a job that repays one making but not three waits."""
+    model = ClosedForm(f, jac)
+    batchjac.jacobian(model, data(500))
+    bound = bound_of(model)
+    ((mode, size, _),) = bound._kernels
+    monkeypatch.setattr(type(bound), "forward_build_cost", 3.0)
+    builds = bound.mode_race_builds(mode, size, False)
+    assert builds == pytest.approx(3.0 if mode == "reverse" else 1 / 3)
+    book = _tuning.ledger(bound)
+    book.compile_seconds, book.rows, book.seconds = 0.1, 500, 0.5  # 0.5 * 0.5 s of work
+    assert _tuning.worth(bound, 0, compilations=1, timing=0.0)
+    assert _tuning.worth(bound, 0, compilations=builds, timing=0.0) == (mode == "forward")
+
+
 def test_autotune_off_never_races(monkeypatch: pytest.MonkeyPatch) -> None:
     model = ClosedForm(f, jac)
     batchjac.jacobian(model, data(300))

@@ -20,7 +20,7 @@ from ._plan import ModeArg, Plan, check_options
 from ._runner import Results, call, run_chunks, run_single
 from ._spec import BatchSpec
 from ._stores import StoreError, as_store, compute_to_store, is_store_target, progress_bar
-from ._tune import fastpath as _fastpath, policy as tuning
+from ._tune import chooser as _chooser, fastpath as _fastpath, policy as tuning
 from ._validate import DTypeLike, NanPolicy, normalize
 
 log = logging.getLogger("batchjac")
@@ -176,7 +176,7 @@ def _fast(entry: _fastpath.Entry, inputs: tuple[Any, ...], return_outputs: bool,
     asked for). None when a check fails: the full path then raises the detailed error (or
     retraces for a changed model)."""
     made = entry.bound.kernel(entry.plan.mode, entry.plan.chunk_size, return_outputs)
-    if made.call_race is not None or tuning.racing_on_calls(entry.bound):
+    if _chooser.calls_race_now(made) or tuning.racing_on_calls(entry.bound):
         return None  # a race rides on the calls: the full path times them
     kernel = _backends.under(made, budget)
     n = entry.template.n

@@ -499,6 +499,10 @@ class BoundModel(ABC):
     #: whether a kernel for a new chunk size costs a compilation (XLA, a traced graph); an
     #: eager framework's kernels are free to make, so callers may use any size they like
     compiles_kernels: bool = True
+    #: what making a kernel in forward mode costs against one in reverse mode (tracing and
+    #: compiling it, and its first run), for the price of a race of the modes; 1 unless
+    #: measured otherwise
+    forward_build_cost: float = 1.0
     #: whether a kernel a race needs is made beside the calls where a core is free
     #: (:meth:`make_beside`): where its making mostly releases Python's lock (XLA compiling),
     #: so that the calls go on meanwhile; a framework that traces in Python would only slow them
@@ -750,13 +754,16 @@ class BoundModel(ABC):
             return None
         return BESIDE.submit(self.kernel, mode, chunk_size, with_outputs, budget=budget)
 
-    def mode_race_builds(self, mode: Mode, chunk_size: int, with_outputs: bool) -> int:
-        """The compilations a race of the two modes at this chunk size costs: the other mode's
-        kernel, and whatever the existing kernel of ``mode`` still has to compile to be timed
-        (JAX: a full build beside its quick first one), or that kernel too if it is new."""
+    def mode_race_builds(self, mode: Mode, chunk_size: int, with_outputs: bool) -> float:
+        """The compilations a race of the two modes at this chunk size costs, in makings of a
+        kernel of ``mode`` (what the ledger's first call measured): the other mode's kernel
+        (weighed by :attr:`forward_build_cost`), and whatever the existing kernel of ``mode``
+        still has to compile to be timed (JAX: a full build beside its quick first one), or
+        that kernel too if it is new."""
         with self._kernels_lock:
             kernel = self._kernels.get((mode, chunk_size, with_outputs))
-        return 1 + (1 if kernel is None else kernel.provisional_builds)
+        other = self.forward_build_cost if mode == "reverse" else 1 / self.forward_build_cost
+        return other + (1 if kernel is None else kernel.provisional_builds)
 
     def refresh(self) -> bool:
         """Called before each use; e.g. re-sync weights of a float64 copy of the model.

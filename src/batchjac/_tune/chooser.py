@@ -206,6 +206,13 @@ def before_call(kernel: Any) -> str | None:
     return name
 
 
+def calls_race_now(kernel: Any) -> bool:
+    """Whether a race rides on ``kernel``'s calls and its next call runs a contender (they
+    are made): the calls before, on the build in use, are untimed."""
+    race_ = getattr(kernel, "call_race", None)
+    return race_ is not None and race_.next(kernel.ready) is not None
+
+
 def failed_call(kernel: Any, name: str | None, error: BaseException) -> bool:
     """A call of contender ``name`` raised ``error``: True where it left the race (the kernel
     told, :meth:`~batchjac._backends.Kernel.left_race`) and the build in use before it is

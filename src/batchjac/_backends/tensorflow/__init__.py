@@ -53,6 +53,9 @@ _float64_copy = float64_copy
 
 class TFBound(BoundModel):
     reductions_over_forward = False  # (see BoundModel; measured: docs/thresholds.md)
+    #: a forward-mode kernel traces the model under ``pfor`` of a ForwardAccumulator, mostly
+    #: in Python: its making takes about three times a reverse one's (docs/thresholds.md)
+    forward_build_cost = 3.0
     def __init__(self, model: Any, signature: Signature) -> None:
         super().__init__(signature)
         self.original = model
