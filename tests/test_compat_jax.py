@@ -512,3 +512,47 @@ def test_trace_values_are_told_without_jax_core_tracer(monkeypatch: pytest.Monke
     jax.jit(f)(jnp.ones(3))
     assert seen["inside"]
     assert not compat.is_tracer(jnp.ones(3))
+
+
+def test_builds_beside_the_calls_are_traced_there_only_as_the_calling_thread_would(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race of modes makes the other kernel, and a race of builds its contenders, on the
+    thread beside the calls; they are traced there only where that thread traces as the
+    calling one would (``compat.trace_settings``). Under the calling thread's own x64 context
+    every trace is the calling thread's, and float64 stays float64; where this JAX cannot
+    say, the same. Without such a context the thread beside traces them."""
+    import threading
+
+    from batchjac._backends._base import idle_core, made_beside
+    from batchjac._backends.jax.builds import JaxKernel
+
+    if not idle_core():
+        pytest.skip("one core: nothing is made beside the calls")
+    race_now(monkeypatch)
+    traced_on: list[str] = []
+    lowering = JaxKernel._lowering
+
+    def recorded(self: Any, *a: Any, **k: Any) -> Any:
+        traced_on.append(threading.current_thread().name)
+        return lowering(self, *a, **k)
+
+    monkeypatch.setattr(JaxKernel, "_lowering", recorded)
+    x = inputs(40, seed=11).astype(np.float64)
+    want = closed_forms(x)["jacobian"]
+    for settings, x64 in ((compat.trace_settings, True), (lambda: None, True),
+                          (compat.trace_settings, False)):
+        monkeypatch.setattr(compat, "trace_settings", settings)
+        f = model()
+        traced_on.clear()
+        with compat.enable_x64(True) if x64 else contextlib.nullcontext():
+            for _ in range(10):
+                got = batchjac.jacobian(f, x if x64 else x.astype(np.float32))
+                made_beside(30)
+                if x64:
+                    assert got.dtype == np.float64
+                    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+                else:
+                    close(got, want)
+        assert bound_of(f).tuned  # (the modes raced)
+        beside = [name for name in traced_on if name.startswith("batchjac-tier-up")]
+        assert bool(beside) == (not x64), traced_on

@@ -743,7 +743,7 @@ class BoundModel(ABC):
         return (mode, chunk_size, with_outputs) in self._kernels
 
     def make_beside(self, mode: Mode, chunk_size: int, with_outputs: bool, budget: CallBudget
-                    ) -> concurrent.futures.Future[Kernel] | None:
+                    ) -> concurrent.futures.Future[Kernel | None] | None:
         """Start making the kernel of ``mode`` (as :meth:`kernel` does, with ``budget``) on
         the thread that makes builds beside the calls (:data:`BESIDE`), where this backend
         does (:attr:`builds_beside`), a core is free and the kernel does not exist: its future,
@@ -752,7 +752,19 @@ class BoundModel(ABC):
         if not self.builds_beside or not idle_core() or \
                 self.has_kernel(mode, chunk_size, with_outputs):
             return None
-        return BESIDE.submit(self.kernel, mode, chunk_size, with_outputs, budget=budget)
+        return BESIDE.submit(self.made_beside, self.beside_settings(), mode, chunk_size,
+                             with_outputs, budget)
+
+    def beside_settings(self) -> Any:
+        """What a build made on another thread must share with the calling thread (read in
+        the calling thread): JAX's trace settings; nothing here."""
+        return None
+
+    def made_beside(self, settings: Any, mode: Mode, chunk_size: int, with_outputs: bool,
+                    budget: CallBudget) -> Kernel | None:
+        """On the thread beside the calls: the kernel made (:meth:`make_beside`), or None where
+        this thread's ``settings`` differ from the calling thread's (the call makes it)."""
+        return self.kernel(mode, chunk_size, with_outputs, budget=budget)
 
     def mode_race_builds(self, mode: Mode, chunk_size: int, with_outputs: bool) -> float:
         """The compilations a race of the two modes at this chunk size costs, in makings of a

@@ -154,8 +154,17 @@ class JaxBound(BoundModel):
     #: (measured: docs/thresholds.md)
     forward_bias: ClassVar[float] = 1.5
     #: a race's kernel is traced and compiled beside the calls (XLA's compilation releases
-    #: Python's lock)
+    #: Python's lock), where that thread traces as the calling one would (its settings)
     builds_beside = True
+
+    def beside_settings(self) -> Any:
+        return compat.trace_settings()
+
+    def made_beside(self, settings: Any, mode: Mode, chunk_size: int, with_outputs: bool,
+                    budget: CallBudget) -> Any:
+        if settings is None or compat.trace_settings() != settings:
+            return None  # (x64, a matmul precision ... of the calling thread: traced there)
+        return super().made_beside(settings, mode, chunk_size, with_outputs, budget)
     #: full Hessians pushed forward by :mod:`.laplacian`'s rule set (JaxSecondKernel)
     forward_hessian: ClassVar[bool] = True
 

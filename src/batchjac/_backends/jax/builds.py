@@ -307,14 +307,25 @@ class JaxKernel(Kernel):
         self._beside(steady)
 
     def _beside(self, variant: str) -> None:
-        """Compile ``variant`` on the tier-up thread (traced here, where not yet), unless it
-        is compiled or compiling: :meth:`_compile` takes the result."""
+        """Compile ``variant`` on the tier-up thread, unless it is compiled or compiling:
+        :meth:`_compile` takes the result. Traced there too, where not yet and where that
+        thread traces as this one would (:func:`.compat.trace_settings`); where it would not,
+        the task leaves it (None) to :meth:`_compile`, in the calling thread."""
         if variant in self._compiled or variant in self._pending:
             return
         build, _, rows = variant.partition("/")
-        lowered = self._lowering(int(rows) if rows else self.chunk_size)
-        self._pending[variant] = BESIDE.submit(
-            self._load_or_compile, lowered, self._options[build], True)
+        size = int(rows) if rows else self.chunk_size
+        settings = compat.trace_settings()
+
+        def make() -> Any:
+            lowered = self._lowered.get((size, False))
+            if lowered is None:
+                if settings is None or compat.trace_settings() != settings:
+                    return None
+                lowered = self._lowering(size)
+            return self._load_or_compile(lowered, self._options[build], True)
+
+        self._pending[variant] = BESIDE.submit(make)
 
     def _first_mixed(self, budget: CallBudget) -> Any:
         """The "mixed" build compiled, where it is the first build: offered for the model
@@ -464,15 +475,16 @@ class JaxKernel(Kernel):
                 self._compiled[variant] = self._load_or_compile(
                     self._lowering(self.chunk_size, True), {})
                 return self._compiled[variant]
-            lowered = self._lowering(int(rows) if rows else self.chunk_size)
+            size = int(rows) if rows else self.chunk_size
+            pending = self._pending.pop(variant, None)  # compiling on the tier-up thread
             try:
-                pending = self._pending.pop(variant, None)  # compiling on the tier-up thread
-                compiled = pending.result() if pending is not None else \
-                    self._load_or_compile(lowered, self._options[build])
+                compiled = pending.result() if pending is not None else None
+                if compiled is None:  # (none there, or not traced there: _beside)
+                    compiled = self._load_or_compile(self._lowering(size), self._options[build])
             except Exception:
                 if strict or not self._options[build]:  # (the defaults: the model's failure)
                     raise
-                compiled = self._load_or_compile(lowered, {})
+                compiled = self._load_or_compile(self._lowering(size), {})
             self._compiled[variant] = compiled
         return self._compiled[variant]
 

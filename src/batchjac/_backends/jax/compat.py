@@ -22,6 +22,9 @@ right, never wrong and never a :class:`~batchjac.ModelError`:
   neither, x64 is one setting for the whole process, which every thread sees already;
 - ``jax.disable_jit`` (:func:`inline_jits`, #31): the forward rules' own jits are traced as
   such (a slower trace of the same program);
+- ``jax._src.config.trace_context`` (:func:`trace_settings`): the settings a trace depends on
+  (x64, matmul precision, a default device, ... in this thread); where it is gone, nothing is
+  traced beside the calls (the call that needs a build traces it, in its own thread);
 - jaxpr equations: primitive names and parameters (:func:`primitive`, :func:`param`,
   :func:`sub_jaxprs`, :data:`CALLS`, :func:`bind`, #28-30): the readers catch what a
   renamed parameter raises: "cannot tell" (:mod:`.rows`: the probes run with values), "no
@@ -241,6 +244,19 @@ def enable_x64(on: bool) -> contextlib.AbstractContextManager[Any]:
         if context is not None:
             return context(on)  # type: ignore[no-any-return]
     return contextlib.nullcontext()
+
+
+def trace_settings() -> Any:
+    """The settings of this thread a trace depends on (JAX's own key for its jit cache:
+    x64, the matmul precision, a default device, ... with this thread's overrides), or None
+    where this JAX does not say. A build traced on another thread is the calling thread's
+    only where the two are equal."""
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.trace_context()
+    except Exception:  # (a JAX that moved or renamed it: nothing is traced beside the calls)
+        return None
 
 
 #: JAX's context in which ``jax.jit`` traces inline
