@@ -303,3 +303,23 @@ def test_a_race_of_slow_builds_prunes_on_their_first_run() -> None:
     # (one left: no rounds)
     _, runs = _raced({"a": 0.001, "b": 0.004}, prune=1.3)
     assert runs == ["a", "b"] * 3
+
+
+def test_a_call_race_of_fast_calls_prunes_on_the_best_of_two() -> None:
+    """Calls under SLOW_CALL: a contender whose first counted call is slow (a fresh
+    executable's second run) stays while its best of two is within ``prune``; one slow twice
+    leaves. A slow call (0.05 s or more) prunes at its first counted call."""
+    builds = [chooser.Build(n) for n in ("a", "b", "c")]
+    race_ = chooser.CallRace(builds, "a", prune=1.3)
+    for name in ("a", "b", "c"):
+        race_.record(name, 1.0)  # (the first calls: not counted)
+    for name, seconds in (("a", 0.010), ("b", 0.016), ("c", 0.016)):
+        race_.record(name, seconds)
+    assert not race_.out  # (one sample each: not yet)
+    for name, seconds in (("a", 0.010), ("b", 0.009), ("c", 0.015)):
+        race_.record(name, seconds)
+    assert race_.out == {"c"}
+    slow = chooser.CallRace(builds, "a", prune=1.3)
+    for name, seconds in (("a", 1.0), ("b", 1.0), ("c", 1.0), ("a", 0.1), ("b", 0.16), ("c", 0.12)):
+        slow.record(name, seconds)
+    assert slow.out == {"b"}

@@ -119,8 +119,9 @@ class CallRace:
     call is not counted (a new executable's first run pays for its page faults); then each is
     timed at least :attr:`SAMPLES` times, and the calls go on, in turn, until they add up to
     :attr:`SECONDS` or :attr:`MAX_SAMPLES` a contender. The medians decide, by the stages of
-    :func:`pick`. With ``prune``, a contender slower than ``prune`` times the fastest at its
-    first counted call leaves the race. A contender that fails on a call leaves the race, and
+    :func:`pick`. With ``prune``, a contender slower than ``prune`` times the fastest leaves
+    the race: at its first counted call where calls take :data:`SLOW_CALL` or more, else by
+    the best of its first two (a fresh executable's second run can still be slow). A contender that fails on a call leaves the race, and
     that call is answered again by the build in use ``before`` the race (which has answered
     calls already): no contender is run beforehand to see whether it works."""
 
@@ -158,11 +159,14 @@ class CallRace:
             self.warm.add(name)
             return
         self.samples[name].append(seconds)
-        if self.prune is not None and all(self.samples[n] for n in self.samples
-                                          if n not in self.out):
-            first = {n: t[0] for n, t in self.samples.items() if n not in self.out}
-            best = min(first.values())
-            self.out |= {n for n, t in first.items() if t > self.prune * best and n != self.incumbent}
+        live = [n for n in self.samples if n not in self.out]
+        if self.prune is None or not all(self.samples[n] for n in live):
+            return
+        fastest = {n: min(self.samples[n]) for n in live}
+        floor = min(fastest.values())
+        if floor < SLOW_CALL and any(len(self.samples[n]) < 2 for n in live):
+            return  # (fast calls: the best of two each, as race's best of three)
+        self.out |= {n for n in live if fastest[n] > self.prune * floor and n != self.incumbent}
 
     def drop(self, name: str) -> bool:
         """Contender ``name`` failed on a call: it leaves the race (the incumbent's place goes
@@ -300,6 +304,9 @@ def timings(times: dict[str, float], names: Iterable[str] | None = None) -> str:
     return ", ".join(f"{name} {times[name] * 1e3:.2f} ms" for name in (names or times))
 
 
+#: a call or run this long is slow: a race prunes on its first timing (shorter ones: the best
+#: of a few first)
+SLOW_CALL = 0.05
 #: the runs :func:`race` gives each contender when a run takes 50 ms or more and none is
 #: pruned: a first, a second (the best of the two), and two rounds
 SLOW_RUNS = 4
@@ -330,7 +337,7 @@ def race(run: Callable[[str], object], names: Iterable[str], *, prune: float | N
         return [name for name in live if times[name] <= prune * min(times.values())]
 
     times = {name: timed(name) for name in live}
-    slow = max(times.values()) >= 0.05
+    slow = max(times.values()) >= SLOW_CALL
     if slow:
         live = pruned()
     for _ in range(1 if slow else 2):
