@@ -121,9 +121,10 @@ class CallRace:
     :attr:`SECONDS` or :attr:`MAX_SAMPLES` a contender. The medians decide, by the stages of
     :func:`pick`. With ``prune``, a contender slower than ``prune`` times the fastest leaves
     the race: at its first counted call where calls take :data:`SLOW_CALL` or more, else by
-    the best of its first two (a fresh executable's second run can still be slow). A contender that fails on a call leaves the race, and
-    that call is answered again by the build in use ``before`` the race (which has answered
-    calls already): no contender is run beforehand to see whether it works."""
+    the best of its first two (a fresh executable's second run can still be slow). A
+    contender that fails on a call leaves the race, and that call is answered again by the
+    build in use ``before`` the race (which has answered calls already): no contender is run
+    beforehand to see whether it works."""
 
     builds: list[Build]
     incumbent: str

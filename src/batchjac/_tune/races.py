@@ -47,8 +47,8 @@ MODE_SECONDS = 0.1
 #: margin between builds, since a mode switch moves the whole plan (a kernel of the other
 #: mode, its own ladder of chunk sizes), and the timings are minimums of few calls
 MARGIN = 0.1
-#: calls of each mode the race on the calls times (the one that made the other mode's kernel
-#: not counted); a mode this much slower per row at its first timed call loses at once
+#: calls of each mode the race on the calls times (the other mode's first call not counted);
+#: a mode this much slower per row at its first timed call loses at once
 MODE_RUNS, MODE_STOP_RATIO = 3, 1.5
 #: a smaller chunk size must be faster per row by the chooser's margin, as a build must
 ROWS_MARGIN = chooser.MARGIN
@@ -205,8 +205,8 @@ class ModeRace:
 
 def mode_plan(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, *,
               start: Callable[[], bool]) -> tuple[Plan, Report | None]:
-    """The plan on the mode chosen for it: decided (raced earlier, or remembered: the plan of
-    :func:`tune`), or the mode the race on the calls runs this call in (:class:`ModeRace`),
+    """The plan on the mode chosen for it: decided (raced earlier, or remembered from disk),
+    or the mode the race on the calls runs this call in (:class:`ModeRace`),
     with the report its time goes to; ``start()`` says whether a race not begun yet is worth
     beginning now. A plan whose mode is not in doubt is returned as it is."""
     key = (plan.chunk_size, with_outputs)
@@ -223,7 +223,7 @@ def mode_plan(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool
     if found is None:
         race.making = bound.make_beside(race.other, plan.chunk_size, with_outputs,
                                         CallBudget(rows=spec.n, plan_race=True))
-    if not race.ready():  # (the prior mode's calls meanwhile: on the fast path)
+    if not race.ready():  # (the prior mode's calls meanwhile, untimed: on the fast path)
         waiting = _moded(plan, plan.mode, f"racing the modes on the calls once the {race.other} "
                                           f"mode's kernel is made beside them")
         if bound.has_kernel(plan.mode, plan.chunk_size, with_outputs):

@@ -153,6 +153,8 @@ class JaxBound(BoundModel):
     #: (ForwardAccumulator) and PyTorch forward mode costs more, and they keep the default
     #: (measured: docs/thresholds.md)
     forward_bias: ClassVar[float] = 1.5
+    #: full Hessians pushed forward by :mod:`.laplacian`'s rule set (JaxSecondKernel)
+    forward_hessian: ClassVar[bool] = True
     #: a race's kernel is traced and compiled beside the calls (XLA's compilation releases
     #: Python's lock), where that thread traces as the calling one would (its settings)
     builds_beside = True
@@ -163,10 +165,8 @@ class JaxBound(BoundModel):
     def made_beside(self, settings: Any, mode: Mode, chunk_size: int, with_outputs: bool,
                     budget: CallBudget) -> Any:
         if settings is None or compat.trace_settings() != settings:
-            return None  # (x64, a matmul precision ... of the calling thread: traced there)
+            return None  # (the calling thread's own x64, matmul precision, ...: made there)
         return super().made_beside(settings, mode, chunk_size, with_outputs, budget)
-    #: full Hessians pushed forward by :mod:`.laplacian`'s rule set (JaxSecondKernel)
-    forward_hessian: ClassVar[bool] = True
 
     def __init__(self, model: Any, signature: Signature, *, params: Any = _NO_PARAMS,
                  per_instance: bool = False, device: Any = None) -> None:
