@@ -289,8 +289,7 @@ def winner(times: dict[K, float], incumbent: K, challengers: Iterable[K] | None 
     ``incumbent`` by ``margin``; else ``incumbent``. The incumbent is what runs without the
     race: a kernel's default build or the one a previous stage of the race kept, the cost
     model's mode, the planned chunk size. ``margin`` other than :data:`MARGIN` (the default)
-    only where a switch costs more than the timing sees (the mode race, the copies of a
-    chunked result)."""
+    only where a switch costs more than the timing sees (the copies of a chunked result)."""
     margin = MARGIN if margin is None else margin
     rivals = [name for name in (times if challengers is None else challengers)
               if name != incumbent and name in times]

@@ -43,10 +43,6 @@ REPEATS = 5
 #: fast kernels: more repeats of the mode timing, up to this many or this long in all
 MAX_MODE_REPEATS = 25
 MODE_SECONDS = 0.1
-#: the other mode must be this much faster than the cost model's: more than the chooser's
-#: margin between builds, since a mode switch moves the whole plan (a kernel of the other
-#: mode, its own ladder of chunk sizes), and the timings are minimums of few calls
-MARGIN = 0.1
 #: calls of each mode the race on the calls times (the other mode's first call not counted);
 #: a mode this much slower per row at its first timed call loses at once
 MODE_RUNS, MODE_STOP_RATIO = 3, 1.5
@@ -92,7 +88,8 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
                prior: Mode, *, rows: int = 0) -> tuple[Mode, str]:
     """The faster mode for chunks of ``len(u)`` rows, timed on ``(u, ctx)`` once per bound
     model and chunk size (cached in ``bound.tuned``), and the timings. ``prior`` (the cost
-    model's choice) stays unless the other mode is faster by more than ``MARGIN``. Fast
+    model's choice) stays unless the other mode is faster by more than the chooser's margin
+    (:func:`chooser.winner`, as every race decides). Fast
     kernels are timed more often (up to ``MODE_SECONDS`` in all): a single millisecond call
     jitters by tens of percent on a shared machine."""
     key = (u.shape[0], with_outputs)
@@ -124,7 +121,7 @@ def time_modes(bound: BoundModel, u: np.ndarray, ctx: tuple[np.ndarray, ...], wi
                 kernel.provisional(u, ctx)
                 timings[mode] = min(timings[mode], clock() - start)
         other = "reverse" if prior == "forward" else "forward"
-        bound.tuned[key] = (chooser.winner(timings, prior, [other], margin=MARGIN),
+        bound.tuned[key] = (chooser.winner(timings, prior, [other]),
                             chooser.timings(timings))
     mode, measured = bound.tuned[key]
     return ("forward" if mode == "forward" else "reverse"), measured
@@ -144,9 +141,9 @@ class ModeRace:
     counted (a new executable's first run pays its page faults). Then the calls alternate,
     prior first, each computing its rows in the mode of its turn and returning them, until each
     mode has ``MODE_RUNS`` timed calls (or one mode's first is ``MODE_STOP_RATIO`` times the
-    other's per row). The medians decide by the wider ``MARGIN`` (:func:`chooser.winner`): the
-    other mode must win clearly. A mode whose kernel computes in the other one (it fails for
-    the model) loses at once."""
+    other's per row). The medians decide by the one margin (:func:`chooser.winner`): both
+    kernels are made by then, so a switch costs no more than the timing sees. A mode whose
+    kernel computes in the other one (it fails for the model) loses at once."""
 
     def __init__(self, prior: Mode) -> None:
         self.prior: Mode = prior
@@ -192,7 +189,7 @@ class ModeRace:
                 max(per.values()) > MODE_STOP_RATIO * min(per.values()):
             self.decided, self.why = fastest, self.measured()  # (clearly: no more slow calls)
         elif all(len(t) >= MODE_RUNS for t in self.samples.values()):
-            kept: Mode = chooser.winner(per, self.prior, [self.other], margin=MARGIN)
+            kept: Mode = chooser.winner(per, self.prior, [self.other])
             self.decided, self.why = kept, self.measured()
 
     def per_row(self) -> dict[Mode, float]:
