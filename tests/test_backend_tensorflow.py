@@ -649,3 +649,52 @@ def test_keras_models_that_might_mix_rows_are_probed_with_values() -> None:
         with pytest.raises(batchjac.RowInteractionError):
             batchjac.jacobian(model, x)
     assert keras_rows.output_shape(functional(keras.layers.Softmax(axis=-1))) == (3,)
+
+
+def test_the_mode_race_makes_the_other_kernel_beside_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a core free, the race of modes makes the other mode's kernel on the thread beside
+    the calls and traces it there by a first run (TensorFlow traces a kernel on its first
+    run); the calls meanwhile compute in the cost model's mode. A thread placing ops on
+    another device, or a first run that fails, leaves the kernel to the call that needs it."""
+    import threading
+
+    from batchjac import _backends
+    from batchjac._backends import _base
+    from batchjac._tune.races import MODE_RUNS
+
+    if not _base.idle_core():
+        pytest.skip("one core: the race's kernel is made by its first call")
+    model = seed_model("tensorflow")
+    unknown, known = workload_inputs("W1", 64, seed=21)
+    ref = mlp_jacobian(mlp_weights(SEED_SIZES), np.concatenate([unknown, known], 1))[:, :, :5]
+    assert_jac_close(batchjac.jacobian(model, unknown, known), ref)
+    (bound,) = _backends._bound[model].values()
+    ((prior, size, _),) = bound._kernels
+    other = "reverse" if prior == "forward" else "forward"
+    made_on: list[str] = []
+    build = type(bound).build_kernel
+
+    def recorded(self: Any, *a: Any, **k: Any) -> Any:
+        made_on.append(threading.current_thread().name)
+        return build(self, *a, **k)
+
+    monkeypatch.setattr(type(bound), "build_kernel", recorded)
+    race_now(monkeypatch)
+    for _ in range(3 + 2 * MODE_RUNS):
+        assert_jac_close(batchjac.jacobian(model, unknown, known), ref)
+        _base.made_beside(60)
+    assert (size, False) in bound.tuned
+    assert made_on == ["batchjac-tier-up_0"], made_on
+    assert bound.has_kernel(other, size, False)
+    # another device in the calling thread: not made beside; a failing first run: forgotten
+    assert bound.made_beside("/device:elsewhere", other, 32, False, _base.CallBudget(rows=32)) is None
+    assert not bound.has_kernel(other, 32, False)
+
+    def failing(self: Any, *a: Any, **k: Any) -> Any:
+        raise RuntimeError("a first run that fails")
+
+    kernel_type = type(bound.kernel(prior, size, False))
+    monkeypatch.setattr(kernel_type, "call", failing)
+    settings = bound.beside_settings()
+    assert bound.made_beside(settings, other, 32, False, _base.CallBudget(rows=32)) is None
+    assert not bound.has_kernel(other, 32, False)

@@ -504,8 +504,9 @@ class BoundModel(ABC):
     #: measured otherwise
     forward_build_cost: float = 1.0
     #: whether a kernel a race needs is made beside the calls where a core is free
-    #: (:meth:`make_beside`): where its making mostly releases Python's lock (XLA compiling),
-    #: so that the calls go on meanwhile; a framework that traces in Python would only slow them
+    #: (:meth:`make_beside`): where the calls go on meanwhile (XLA's compilation releases
+    #: Python's lock; TensorFlow's graphs run outside it while the making traces); PyTorch's
+    #: kernels cost nothing to make
     builds_beside: bool = False
     #: what computes in place of the model as given, for ``explain=True`` (the original of a
     #: ``torch.compile``d module, a float32 clone of a half-precision Keras model); "" where
@@ -741,6 +742,12 @@ class BoundModel(ABC):
     def has_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> bool:
         """Whether that kernel exists already (using it costs no compilation)."""
         return (mode, chunk_size, with_outputs) in self._kernels
+
+    def forget_kernel(self, mode: Mode, chunk_size: int, with_outputs: bool) -> None:
+        """Drop that kernel (one made beside the calls whose first run failed there: the call
+        that needs it makes it again)."""
+        with self._kernels_lock:
+            self._kernels.pop((mode, chunk_size, with_outputs), None)
 
     def make_beside(self, mode: Mode, chunk_size: int, with_outputs: bool, budget: CallBudget
                     ) -> concurrent.futures.Future[Kernel | None] | None:

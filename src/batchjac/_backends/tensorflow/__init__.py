@@ -56,6 +56,33 @@ class TFBound(BoundModel):
     #: a forward-mode kernel traces the model under ``pfor`` of a ForwardAccumulator, mostly
     #: in Python: its making takes about three times a reverse one's (docs/thresholds.md)
     forward_build_cost = 3.0
+    #: a race's kernel is made beside the calls, traced there by a first run on rows of its
+    #: chunk's shape: the tracing holds Python's lock, yet the calls go on meanwhile (their
+    #: graphs run outside it), where a race's first call waited the whole making
+    #: (docs/thresholds.md)
+    builds_beside = True
+
+    def beside_settings(self) -> Any:
+        """The device the calling thread's ops are placed on (``tf.device`` scopes are the
+        thread's own): a kernel made on another thread is this thread's only where equal."""
+        return tf.constant(0.0).device
+
+    def made_beside(self, settings: Any, mode: Mode, chunk_size: int, with_outputs: bool,
+                    budget: CallBudget) -> Any:
+        if tf.constant(0.0).device != settings:
+            return None  # (a tf.device scope of the calling thread: made there)
+        kernel = super().made_beside(settings, mode, chunk_size, with_outputs, budget)
+        if kernel is None:
+            return None
+        sig = self.signature  # (TensorFlow traces a kernel on its first run: here, on rows of
+        u = np.full((chunk_size, *sig.unknown_shape), 0.5, sig.dtype)  # halves and ones)
+        ctx = tuple(np.ones((chunk_size, *shape), dt) for shape, dt in sig.ctx)
+        try:
+            kernel.call(u, ctx, budget)
+        except Exception:  # the call that needs it makes it again and reports the failure
+            self.forget_kernel(mode, chunk_size, with_outputs)
+            return None
+        return kernel
     def __init__(self, model: Any, signature: Signature) -> None:
         super().__init__(signature)
         self.original = model
