@@ -686,6 +686,11 @@ def test_the_mode_race_makes_the_other_kernel_beside_the_calls(monkeypatch: pyte
     assert (size, False) in bound.tuned
     assert made_on == ["batchjac-tier-up_0"], made_on
     assert bound.has_kernel(other, size, False)
+    # made in the build of the kernel in use (the race compares the modes alike, not XLA
+    # against a plain graph), and with no race of builds of its own left pending
+    made = bound.kernel(other, size, False)
+    assert made.fixed in made.variants
+    assert made.call_race is None
     # another device in the calling thread: not made beside; a failing first run: forgotten
     assert bound.made_beside("/device:elsewhere", other, 32, False, _base.CallBudget(rows=32)) is None
     assert not bound.has_kernel(other, 32, False)

@@ -139,7 +139,8 @@ def compute(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
                              recalled=found["variant"] if isinstance(found, dict) else None)
     if new and planned is not None and planned_build in kernel.variants:
         # (the race that chose it, for the note and the disk: the size kept keeps it)
-        kernel.use(planned_build, why=f"as for chunks of {planned.chunk_size} rows: {planned.note}")
+        kernel.use(planned_build, why=f"as for the {planned.mode} mode's chunks of "
+                                      f"{planned.chunk_size} rows: {planned.note}")
         kernel.raced = planned.raced
     tuning.recall_variant(bound, backend, kernel, found)
     if on_kernel is not None and racing is None:  # (a race's plans are not the next call's)
@@ -183,9 +184,13 @@ def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
         moded, report = mode_plan(bound, spec, plan, wo, start=lambda: tuning.worth(
             bound, spec.n, compilations=bound.mode_race_builds(plan.mode, plan.chunk_size, wo),
             timing=tuning.calls_timing(bound, spec.n, MODE_RUNS)))
-        plan = cast(P, moded)
         if report is not None:  # (the modes race first: the ladder of sizes is the mode's)
-            return plan, report, None
+            # the other mode's kernel takes the build of the one in use: the race compares the
+            # modes alike (TensorFlow's XLA against XLA, not its plain graph)
+            prior = bound.kernel(plan.mode, plan.chunk_size, wo) \
+                if bound.has_kernel(plan.mode, plan.chunk_size, wo) else None
+            return cast(P, moded), report, prior
+        plan = cast(P, moded)
     if not rows_free:
         return plan, None, None
     name = what.name(plan)

@@ -749,9 +749,10 @@ class BoundModel(ABC):
         with self._kernels_lock:
             self._kernels.pop((mode, chunk_size, with_outputs), None)
 
-    def make_beside(self, mode: Mode, chunk_size: int, with_outputs: bool, budget: CallBudget
-                    ) -> concurrent.futures.Future[Kernel | None] | None:
-        """Start making the kernel of ``mode`` (as :meth:`kernel` does, with ``budget``) on
+    def make_beside(self, mode: Mode, chunk_size: int, with_outputs: bool, budget: CallBudget,
+                    variant: str | None = None) -> concurrent.futures.Future[Kernel | None] | None:
+        """Start making the kernel of ``mode`` (as :meth:`kernel` does, with ``budget`` and
+        ``variant``) on
         the thread that makes builds beside the calls (:data:`BESIDE`), where this backend
         does (:attr:`builds_beside`), a core is free and the kernel does not exist: its future,
         else None (the call that first needs it makes it). A making that failed leaves no
@@ -760,7 +761,7 @@ class BoundModel(ABC):
                 self.has_kernel(mode, chunk_size, with_outputs):
             return None
         return BESIDE.submit(self.made_beside, self.beside_settings(), mode, chunk_size,
-                             with_outputs, budget)
+                             with_outputs, budget, variant)
 
     def beside_settings(self) -> Any:
         """What a build made on another thread must share with the calling thread (read in
@@ -768,10 +769,13 @@ class BoundModel(ABC):
         return None
 
     def made_beside(self, settings: Any, mode: Mode, chunk_size: int, with_outputs: bool,
-                    budget: CallBudget) -> Kernel | None:
+                    budget: CallBudget, variant: str | None = None) -> Kernel | None:
         """On the thread beside the calls: the kernel made (:meth:`make_beside`), or None where
         this thread's ``settings`` differ from the calling thread's (the call makes it)."""
-        return self.kernel(mode, chunk_size, with_outputs, budget=budget)
+        kernel = self.kernel(mode, chunk_size, with_outputs, budget=budget)
+        if variant is not None and variant in kernel.variants and kernel.variant is None:
+            kernel.use(variant, why="as for the other mode's kernel, for the race of modes")
+        return kernel
 
     def mode_race_builds(self, mode: Mode, chunk_size: int, with_outputs: bool) -> float:
         """The compilations a race of the two modes at this chunk size costs, in makings of a

@@ -217,9 +217,12 @@ def mode_plan(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool
     if found is None and not start():
         return plan, None
     race: ModeRace = found if found is not None else races.setdefault(key, ModeRace(plan.mode))
-    if found is None:
+    if found is None:  # (in the build of the kernel in use, as the race's calls make it)
+        prior = bound.kernel(plan.mode, plan.chunk_size, with_outputs) \
+            if bound.has_kernel(plan.mode, plan.chunk_size, with_outputs) else None
         race.making = bound.make_beside(race.other, plan.chunk_size, with_outputs,
-                                        CallBudget(rows=spec.n, plan_race=True))
+                                        CallBudget(rows=spec.n, plan_race=True),
+                                        variant=prior.variant if prior is not None else None)
     if not race.ready():  # (the prior mode's calls meanwhile, untimed: on the fast path)
         waiting = _moded(plan, plan.mode, f"racing the modes on the calls once the {race.other} "
                                           f"mode's kernel is made beside them")

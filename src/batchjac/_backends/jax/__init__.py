@@ -163,10 +163,10 @@ class JaxBound(BoundModel):
         return compat.trace_settings()
 
     def made_beside(self, settings: Any, mode: Mode, chunk_size: int, with_outputs: bool,
-                    budget: CallBudget) -> Any:
+                    budget: CallBudget, variant: str | None = None) -> Any:
         if settings is None or compat.trace_settings() != settings:
             return None  # (the calling thread's own x64, matmul precision, ...: made there)
-        return super().made_beside(settings, mode, chunk_size, with_outputs, budget)
+        return super().made_beside(settings, mode, chunk_size, with_outputs, budget, variant)
 
     def __init__(self, model: Any, signature: Signature, *, params: Any = _NO_PARAMS,
                  per_instance: bool = False, device: Any = None) -> None:

@@ -68,10 +68,10 @@ class TFBound(BoundModel):
         return tf.constant(0.0).device
 
     def made_beside(self, settings: Any, mode: Mode, chunk_size: int, with_outputs: bool,
-                    budget: CallBudget) -> Any:
+                    budget: CallBudget, variant: str | None = None) -> Any:
         if tf.constant(0.0).device != settings:
             return None  # (a tf.device scope of the calling thread: made there)
-        kernel = super().made_beside(settings, mode, chunk_size, with_outputs, budget)
+        kernel = super().made_beside(settings, mode, chunk_size, with_outputs, budget, variant)
         if kernel is None:
             return None
         sig = self.signature  # (TensorFlow traces a kernel on its first run: here, on rows of
