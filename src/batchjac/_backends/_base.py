@@ -751,12 +751,12 @@ class BoundModel(ABC):
 
     def make_beside(self, mode: Mode, chunk_size: int, with_outputs: bool, budget: CallBudget,
                     variant: str | None = None) -> concurrent.futures.Future[Kernel | None] | None:
-        """Start making the kernel of ``mode`` (as :meth:`kernel` does, with ``budget`` and
-        ``variant``) on
-        the thread that makes builds beside the calls (:data:`BESIDE`), where this backend
-        does (:attr:`builds_beside`), a core is free and the kernel does not exist: its future,
-        else None (the call that first needs it makes it). A making that failed leaves no
-        kernel: that call makes it again and reports the failure where it belongs."""
+        """Start making the kernel of ``mode`` (as :meth:`kernel` does, with ``budget``; fixed
+        to build ``variant`` where given) on the thread that makes builds beside the calls
+        (:data:`BESIDE`), where this backend does (:attr:`builds_beside`), a core is free and
+        the kernel does not exist: its future, else None (the call that first needs it makes
+        it). A making that failed leaves no kernel: that call makes it again and reports the
+        failure where it belongs."""
         if not self.builds_beside or not idle_core() or \
                 self.has_kernel(mode, chunk_size, with_outputs):
             return None

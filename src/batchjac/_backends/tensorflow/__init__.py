@@ -74,8 +74,9 @@ class TFBound(BoundModel):
         kernel = super().made_beside(settings, mode, chunk_size, with_outputs, budget, variant)
         if kernel is None:
             return None
-        sig = self.signature  # (TensorFlow traces a kernel on its first run: here, on rows of
-        u = np.full((chunk_size, *sig.unknown_shape), 0.5, sig.dtype)  # halves and ones)
+        # TensorFlow traces a kernel on its first run: here, on rows of halves and ones
+        sig = self.signature
+        u = np.full((chunk_size, *sig.unknown_shape), 0.5, sig.dtype)
         ctx = tuple(np.ones((chunk_size, *shape), dt) for shape, dt in sig.ctx)
         try:
             kernel.call(u, ctx, budget)
@@ -83,6 +84,7 @@ class TFBound(BoundModel):
             self.forget_kernel(mode, chunk_size, with_outputs)
             return None
         return kernel
+
     def __init__(self, model: Any, signature: Signature) -> None:
         super().__init__(signature)
         self.original = model
