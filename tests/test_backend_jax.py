@@ -111,6 +111,18 @@ def _smooth(x: Any, w: Any, xp: Any) -> Any:
     return z.reshape(x.shape[0], 2, 3)
 
 
+def _smooth_case(seed: int, rows: int) -> tuple[Any, np.ndarray, np.ndarray]:
+    """A new JAX model of :func:`_smooth` (4 inputs, its weights drawn with ``seed``), ``rows``
+    inputs (drawn with ``seed + 1``) and its float64 central differences there."""
+    w = data((4, 6), seed=seed)
+    x = data((rows, 4), seed=seed + 1)
+
+    def model(v: Any) -> Any:
+        return _smooth(v, jnp.asarray(w), jnp)
+
+    return model, x, central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+
+
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
 @pytest.mark.parametrize("chunk_size", [None, 7])
 def test_float64_against_finite_differences(mode: str, chunk_size: int | None) -> None:
@@ -132,13 +144,7 @@ def test_both_kernel_builds_agree_with_finite_differences(mode: str,
     """The kernel's two CPU builds (YNNPACK dots or XLA's own) compute the same Jacobians from
     one trace; the first call times them unless BATCHJAC_AUTOTUNE=off (then "default")."""
     needs_build("no-ynnpack")
-    w = data((4, 6), seed=5)
-    x = data((40, 4), seed=6)
-
-    def model(v: Any) -> Any:
-        return _smooth(v, jnp.asarray(w), jnp)
-
-    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    model, x, ref = _smooth_case(5, 40)
     with monkeypatch.context() as patch:
         race_now(patch)  # a job large enough to repay the race
         batchjac.jacobian(model, x, mode=mode)
@@ -697,13 +703,7 @@ def test_100k_rows_compile_once_per_mode(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_kernel_in_blocks_agrees_with_finite_differences(mode: str, rows: int) -> None:
     """A chunk computed in blocks (a lax.map inside the kernel; 290 rows: 3 blocks of 97, the
     last padded) gives the same Jacobians and outputs as the whole chunk, in either build."""
-    w = data((4, 6), seed=31)
-    x = data((rows, 4), seed=32)
-
-    def model(v: Any) -> Any:
-        return _smooth(v, jnp.asarray(w), jnp)
-
-    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    model, x, ref = _smooth_case(31, rows)
     batchjac.jacobian(model, x[:5], mode=mode)  # bind
     kernel = bound_of(model).kernel(mode, rows, True)
     block = -(-rows // -(-rows // 128))  # 128 evened over the chunk: 128, or 97 (3 blocks)
@@ -1092,13 +1092,7 @@ def test_a_small_first_chunk_compiles_the_quick_build_and_a_due_race_replaces_it
     runs it untimed; once the work repays a race, the race times the full builds and keeps one
     of them, never "quick"; every build gives the Jacobians finite differences give."""
     needs_build("quick")
-    w = data((4, 6), seed=41)
-    x = data((64, 4), seed=42)
-
-    def model(v: Any) -> Any:
-        return _smooth(v, jnp.asarray(w), jnp)
-
-    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    model, x, ref = _smooth_case(41, 64)
     jac = batchjac.jacobian(model, x, mode="reverse")
     assert_jac_close(jac, ref)
     bound = bound_of(model)
@@ -1136,13 +1130,7 @@ def test_the_mode_race_times_full_builds_not_the_quick_one(monkeypatch: pytest.M
     build; the mode race, once due, times each mode's full build (the quick one's slow loops
     would favour the mode with fewer), and the Jacobians stay finite differences'."""
     needs_build("quick")
-    w = data((4, 6), seed=47)
-    x = data((64, 4), seed=48)
-
-    def model(v: Any) -> Any:
-        return _smooth(v, jnp.asarray(w), jnp)
-
-    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    model, x, ref = _smooth_case(47, 64)
     assert_jac_close(batchjac.jacobian(model, x), ref)
     bound = bound_of(model)
     assert not bound.tuned  # no race yet: the first call's work does not repay one
@@ -1173,13 +1161,7 @@ def test_the_mode_race_makes_the_other_kernel_beside_the_calls(monkeypatch: pyte
 
     if not _base.idle_core():
         pytest.skip("one core: the race's kernel is made by its first call")
-    w = data((4, 6), seed=49)
-    x = data((64, 4), seed=50)
-
-    def model(v: Any) -> Any:
-        return _smooth(v, jnp.asarray(w), jnp)
-
-    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    model, x, ref = _smooth_case(49, 64)
     assert_jac_close(batchjac.jacobian(model, x), ref)
     bound = bound_of(model)
     (first,) = bound._kernels.values()
@@ -1214,13 +1196,7 @@ def test_the_mode_race_makes_the_other_kernel_beside_the_calls(monkeypatch: pyte
 
 def test_the_first_build_follows_the_chunks_work_and_autotune_off_compiles_the_default(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    w = data((4, 6), seed=43)
-    x = data((50, 4), seed=44)
-
-    def model(v: Any) -> Any:
-        return _smooth(v, jnp.asarray(w), jnp)
-
-    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    model, x, ref = _smooth_case(43, 50)
     from batchjac._backends.jax import JaxKernel
 
     with monkeypatch.context() as patch:
@@ -1239,13 +1215,7 @@ def test_wide_matrix_products_compile_xlas_own_dot_emitter_first(
     """A chunk too large for the quick build whose matrix products are wide compiles
     "no-ynnpack" first (XLA's own dot emitter), and only that build."""
     needs_build("no-ynnpack")
-    w = data((4, 6), seed=43)
-    x = data((50, 4), seed=44)
-
-    def other(v: Any) -> Any:
-        return _smooth(v, jnp.asarray(w), jnp)
-
-    ref = central_differences(lambda v: _smooth(v, w.astype(np.float64), np), x)
+    other, x, ref = _smooth_case(43, 50)
     from batchjac._backends.jax import JaxKernel
 
     with monkeypatch.context() as patch:

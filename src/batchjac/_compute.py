@@ -181,14 +181,15 @@ def _choose(bound: _backends.BoundModel, spec: BatchSpec, what: Derivative, plan
             plan = cast(P, tuning.reuse(bound, plan, spec.n, wo))
     if isinstance(plan, Plan):
         tuning.recall(bound, backend, plan, wo)
+        # the other mode's kernel takes the build of the one in use: the race of modes
+        # compares them alike (TensorFlow's XLA against XLA, not its plain graph)
+        prior = bound.kernel(plan.mode, plan.chunk_size, wo) \
+            if plan.uncertain and bound.has_kernel(plan.mode, plan.chunk_size, wo) else None
         moded, report = mode_plan(bound, spec, plan, wo, start=lambda: tuning.worth(
             bound, spec.n, compilations=bound.mode_race_builds(plan.mode, plan.chunk_size, wo),
-            timing=tuning.calls_timing(bound, spec.n, MODE_RUNS)))
+            timing=tuning.calls_timing(bound, spec.n, MODE_RUNS)),
+            build=prior.variant if prior is not None else None)
         if report is not None:  # (the modes race first: the ladder of sizes is the mode's)
-            # the other mode's kernel takes the build of the one in use: the race compares the
-            # modes alike (TensorFlow's XLA against XLA, not its plain graph)
-            prior = bound.kernel(plan.mode, plan.chunk_size, wo) \
-                if bound.has_kernel(plan.mode, plan.chunk_size, wo) else None
             return cast(P, moded), report, prior
         plan = cast(P, moded)
     if not rows_free:

@@ -772,10 +772,7 @@ class BoundModel(ABC):
                     budget: CallBudget, variant: str | None = None) -> Kernel | None:
         """On the thread beside the calls: the kernel made (:meth:`make_beside`), or None where
         this thread's ``settings`` differ from the calling thread's (the call makes it)."""
-        kernel = self.kernel(mode, chunk_size, with_outputs, budget=budget)
-        if variant is not None and variant in kernel.variants and kernel.variant is None:
-            kernel.use(variant, why="as for the other mode's kernel, for the race of modes")
-        return kernel
+        return self.kernel(mode, chunk_size, with_outputs, variant=variant, budget=budget)
 
     def mode_race_builds(self, mode: Mode, chunk_size: int, with_outputs: bool) -> float:
         """The compilations a race of the two modes at this chunk size costs, in makings of a

@@ -384,13 +384,13 @@ def _timing(bound: Any, kernel: Any) -> float:
     per_row = ledger(bound).seconds_per_row
     if per_row is None:
         return TIMING_SECONDS
-    chunk = kernel.chunk_size * per_row
     if not kernel.races_on_calls:  # (on the race's rows, where it takes fewer: race_rows)
         rows = min(kernel.chunk_size, getattr(kernel, "race_rows", None) or kernel.chunk_size)
         return max(TIMING_SECONDS, chooser.SLOW_RUNS * len(kernel.variants) * rows * per_row)
     if kernel.race_compilations:
         return TIMING_SECONDS
-    return (chooser.CallRace.SAMPLES + 1) * max(1, len(kernel.variants) - 1) * chunk
+    return calls_timing(bound, kernel.chunk_size,
+                        (chooser.CallRace.SAMPLES + 1) * max(1, len(kernel.variants) - 1))
 
 
 class Stopwatch:

@@ -201,9 +201,11 @@ class ModeRace:
 
 
 def mode_plan(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool, *,
-              start: Callable[[], bool]) -> tuple[Plan, Report | None]:
+              start: Callable[[], bool], build: str | None = None
+              ) -> tuple[Plan, Report | None]:
     """The plan on the mode chosen for it: decided (raced earlier, or remembered from disk),
-    or the mode the race on the calls runs this call in (:class:`ModeRace`),
+    or the mode the race on the calls runs this call in (:class:`ModeRace`; ``build``: that
+    of the kernel in use, which the other mode's kernel takes where it is made beside the calls),
     with the report its time goes to; ``start()`` says whether a race not begun yet is worth
     beginning now. A plan whose mode is not in doubt is returned as it is."""
     key = (plan.chunk_size, with_outputs)
@@ -217,12 +219,9 @@ def mode_plan(bound: BoundModel, spec: BatchSpec, plan: Plan, with_outputs: bool
     if found is None and not start():
         return plan, None
     race: ModeRace = found if found is not None else races.setdefault(key, ModeRace(plan.mode))
-    if found is None:  # (in the build of the kernel in use, as the race's calls make it)
-        prior = bound.kernel(plan.mode, plan.chunk_size, with_outputs) \
-            if bound.has_kernel(plan.mode, plan.chunk_size, with_outputs) else None
+    if found is None:
         race.making = bound.make_beside(race.other, plan.chunk_size, with_outputs,
-                                        CallBudget(rows=spec.n, plan_race=True),
-                                        variant=prior.variant if prior is not None else None)
+                                        CallBudget(rows=spec.n, plan_race=True), variant=build)
     if not race.ready():  # (the prior mode's calls meanwhile, untimed: on the fast path)
         waiting = _moded(plan, plan.mode, f"racing the modes on the calls once the {race.other} "
                                           f"mode's kernel is made beside them")
